@@ -1,0 +1,160 @@
+"""Model architecture configs for the supported families (Qwen2/Qwen2.5, Qwen3, Llama).
+
+:class:`ModelConfig` is the one description of an architecture that the builder, the weight
+resharding code and the HF conversion share. It maps 1:1 onto Hugging Face ``config.json`` fields
+(:meth:`ModelConfig.from_hf_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+class ModelConfigError(ValueError):
+    """A model config field has an invalid value."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape. Field names follow Hugging Face where one exists."""
+
+    family: str = "qwen2"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool | None = None  # None: family default (qwen2: True, others: False)
+    qk_norm: bool | None = None  # None: family default (qwen3: True, others: False)
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        validate_model_config(self)
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head dimension."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v projections carry a bias (Qwen2 family)."""
+        return self.family == "qwen2" if self.attention_bias is None else self.attention_bias
+
+    @property
+    def qk_layernorm(self) -> bool:
+        """Whether q and k are RMS-normalised per head (Qwen3 family)."""
+        return self.family == "qwen3" if self.qk_norm is None else self.qk_norm
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict (Qwen2ForCausalLM, Qwen3ForCausalLM,
+        LlamaForCausalLM)."""
+        model_type = hf.get("model_type")
+        family = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}.get(model_type)
+        if family is None:
+            raise ModelConfigError(
+                f"model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        heads = hf["num_attention_heads"]
+        return cls(
+            family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim"),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=hf.get("attention_bias", family == "qwen2"),
+            qk_norm=family == "qwen3")
+
+
+def validate_model_config(cfg: ModelConfig) -> None:
+    """Raise :class:`ModelConfigError` naming the field and the allowed values."""
+    if cfg.family not in FAMILIES:
+        raise ModelConfigError(f"model.family={cfg.family!r} is not one of {FAMILIES}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        val = getattr(cfg, name)
+        if not isinstance(val, int) or val < 1:
+            raise ModelConfigError(f"model.{name} must be a positive integer, got {val!r}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ModelConfigError(
+            f"model.num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+            f"model.num_key_value_heads ({cfg.num_key_value_heads})")
+    if cfg.head_dim is None and cfg.hidden_size % cfg.num_attention_heads:
+        raise ModelConfigError(
+            f"model.hidden_size ({cfg.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({cfg.num_attention_heads}) when head_dim is unset")
+    if cfg.rope_theta <= 0 or cfg.rms_norm_eps <= 0:
+        raise ModelConfigError("model.rope_theta and model.rms_norm_eps must be > 0")
+
+
+def validate_for_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Check that the model can be split ``tp`` ways in tensors and ``pp`` ways in layers."""
+    checks = (("vocab_size", cfg.vocab_size, tp), ("num_attention_heads", cfg.num_attention_heads,
+              tp), ("num_key_value_heads", cfg.num_key_value_heads, tp),
+              ("intermediate_size", cfg.intermediate_size, tp))
+    for name, val, div in checks:
+        if val % div:
+            raise ModelConfigError(
+                f"model.{name}={val} is not divisible by tensor_parallel_size={tp}; choose a "
+                f"tensor_parallel_size that divides it")
+    if cfg.num_hidden_layers % pp:
+        raise ModelConfigError(
+            f"model.num_hidden_layers={cfg.num_hidden_layers} is not divisible by "
+            f"pipeline_parallel_size={pp}")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tests and CPU demos: 4 layers so that PP=2 and PP=4 both split it.
+    "tiny": ModelConfig(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512),
+    "tiny-qwen3": ModelConfig(family="qwen3", vocab_size=256, hidden_size=64,
+                              intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, max_position_embeddings=512),
+    "tiny-llama": ModelConfig(family="llama", vocab_size=256, hidden_size=64,
+                              intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=512,
+                              rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # Real shapes (weights come from a converted checkpoint).
+    "qwen2.5-0.5b": ModelConfig(family="qwen2", vocab_size=151936, hidden_size=896,
+                                intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2,
+                                max_position_embeddings=32768, rope_theta=1000000.0,
+                                tie_word_embeddings=True),
+    "qwen2.5-7b": ModelConfig(family="qwen2", vocab_size=152064, hidden_size=3584,
+                              intermediate_size=18944, num_hidden_layers=28,
+                              num_attention_heads=28, num_key_value_heads=4,
+                              max_position_embeddings=32768, rope_theta=1000000.0),
+    "qwen2.5-32b": ModelConfig(family="qwen2", vocab_size=152064, hidden_size=5120,
+                               intermediate_size=27648, num_hidden_layers=64,
+                               num_attention_heads=40, num_key_value_heads=8,
+                               max_position_embeddings=32768, rope_theta=1000000.0,
+                               rms_norm_eps=1e-5),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """Return a named preset; the error lists the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ModelConfigError(
+            f"model preset {name!r} is unknown (known: {', '.join(sorted(PRESETS))})") from None

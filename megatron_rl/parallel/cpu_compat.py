@@ -1,0 +1,170 @@
+"""megatron-core on a CPU-only machine: the smallest set of patches that lets the real code run.
+
+megatron-core assumes CUDA on a few paths we need (model construction, the pipeline schedules,
+attention). Each :class:`Patch` below answers one such call, names the megatron-core file it
+answers, and can be switched off; ``tests/test_cpu_compat.py`` switches each one off in turn and
+shows the path it covers then fails, so no dead patch survives a megatron-core upgrade unnoticed.
+
+The layer is enabled by :func:`megatron_rl.parallel.runtime.init_parallel` only when the backend is
+gloo and CUDA is absent; :func:`enable` refuses to run when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_UNDO: dict[str, Callable[[], None]] = {}
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One compatibility patch: what it answers and how to apply it (returns an undo)."""
+
+    name: str
+    answers: str
+    apply: Callable[[], Callable[[], None]]
+
+
+def _set_attr(obj: object, attr: str, value: object) -> Callable[[], None]:
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    return lambda: setattr(obj, attr, old)
+
+
+def _chain(*undos: Callable[[], None]) -> Callable[[], None]:
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+    return undo
+
+
+# --- patch 1: RNG tracker on the CPU generator -------------------------------------------------
+def _patch_rng_tracker() -> Callable[[], None]:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(*_args, **_kwargs) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, *_args, **_kwargs) -> None:
+        torch.set_rng_state(new_state)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    return _chain(_set_attr(mrandom, "_get_cuda_rng_state", get_state),
+                  _set_attr(mrandom, "_set_cuda_rng_state", set_state),
+                  _set_attr(mrandom.CudaRNGStatesTracker, "add", add))
+
+
+# --- patch 2: torch.cuda.current_device() -> CPU device ------------------------------------------
+def _patch_current_device() -> Callable[[], None]:
+    # Callers pass the result as ``device=``; "cpu" keeps those tensors on the host.
+    return _set_attr(torch.cuda, "current_device", lambda: "cpu")
+
+
+# --- patch 3: device="cuda" tensor factories -> CPU ---------------------------------------------
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like",
+              "zeros_like", "ones_like")
+
+
+def _is_cuda_device(device: object) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, int):
+        return True  # an integer device index means a CUDA ordinal
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _cpu_factory(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+    wrapper.__megatron_rl_cpu__ = True
+    return wrapper
+
+
+def _patch_cuda_factories() -> Callable[[], None]:
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.transformer.utils as tutils
+
+    proxy = _TorchProxy()
+    return _chain(_set_attr(tutils, "torch", proxy), _set_attr(schedules, "torch", proxy))
+
+
+class _TorchProxy:
+    """``torch`` as seen by one megatron module, with CUDA factory devices sent to the CPU."""
+
+    def __getattr__(self, name: str):
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+            return _cpu_factory(attr)
+        return attr
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("rng_tracker", "tensor_parallel/random.py: CudaRNGStatesTracker.add/fork and "
+          "model_parallel_cuda_manual_seed read and set torch.cuda RNG states", _patch_rng_tracker),
+    Patch("current_device", "models/common/embeddings/rotary_pos_embedding.py and "
+          "pipeline_parallel/p2p_communication.py build tensors on torch.cuda.current_device()",
+          _patch_current_device),
+    Patch("cuda_factories", "transformer/utils.py (default causal attention mask) and "
+          "pipeline_parallel/schedules.py create tensors with device='cuda'",
+          _patch_cuda_factories),
+)
+PATCH_NAMES = tuple(p.name for p in PATCHES)
+
+
+def enable(exclude: tuple[str, ...] = ()) -> None:
+    """Apply every patch except those named in ``exclude`` (idempotent). CPU only."""
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_rl.parallel.cpu_compat must never be enabled when CUDA is "
+                           "available")
+    unknown = set(exclude) - set(PATCH_NAMES)
+    if unknown:
+        raise ValueError(f"unknown cpu_compat patch(es) {sorted(unknown)}; known: {PATCH_NAMES}")
+    for patch in PATCHES:
+        if patch.name not in exclude and patch.name not in _UNDO:
+            _UNDO[patch.name] = patch.apply()
+
+
+def disable(names: tuple[str, ...] | None = None) -> None:
+    """Undo the named patches (all when ``names`` is None)."""
+    for name in list(names if names is not None else _UNDO):
+        undo = _UNDO.pop(name, None)
+        if undo is not None:
+            undo()
+
+
+def active() -> tuple[str, ...]:
+    """Names of the patches applied right now."""
+    return tuple(n for n in PATCH_NAMES if n in _UNDO)
+
+
+@contextlib.contextmanager
+def without(name: str):
+    """Temporarily undo one patch (used by the tests that prove each patch is needed)."""
+    was_active = name in _UNDO
+    disable((name,))
+    try:
+        yield
+    finally:
+        if was_active:
+            enable(exclude=tuple(n for n in PATCH_NAMES if n != name))

@@ -1,0 +1,191 @@
+"""Process-group setup: torchrun or SLURM environment -> torch.distributed -> megatron parallel_state.
+
+One entry point, :func:`init_parallel`, does all of it:
+
+1. read the launcher's environment (:func:`read_dist_env`: torchrun variables first, then SLURM's
+   ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` / first host of ``SLURM_JOB_NODELIST``);
+2. pick the backend (NCCL when CUDA is usable, gloo otherwise) and initialise torch.distributed with
+   a finite timeout, so a collective that can never complete raises instead of hanging forever;
+3. on CPU, enable the megatron-core CPU compatibility layer (:mod:`megatron_rl.parallel.cpu_compat`);
+4. validate ``world = TP x PP x DP`` and call ``parallel_state.initialize_model_parallel``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """The requested parallel layout cannot run on this world."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, as read from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The layout this rank runs in."""
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    backend: str
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Return the first host name of a SLURM node list.
+
+    Examples: ``"gpu[003-005,9]"`` -> ``"gpu003"``; ``"a1,b2"`` -> ``"a1"``; ``"n[1-2]-ib"`` ->
+    ``"n1-ib"``.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise ParallelConfigError("SLURM_JOB_NODELIST is empty")
+    depth, first = 0, nodelist
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            first = nodelist[:i]
+            break
+    m = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", first)
+    if not m:
+        return first
+    prefix, ranges, suffix = m.groups()
+    start = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{start}{suffix}"
+
+
+def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank/world/master from torchrun variables, else SLURM variables, else single process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")), source="torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]), world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR") or first_slurm_host(
+                env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))),
+            master_port=int(env.get("MASTER_PORT", str(10000 + job_id % 20000))),
+            source="slurm")
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=int(env.get("MASTER_PORT", "29500")), source="single")
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is usable, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
+    """Check the sizes and return DP. Errors name every size involved."""
+    for name, val in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(val, int) or val < 1:
+            raise ParallelConfigError(f"{name} must be a positive integer, got {val!r}")
+    if cp != 1:
+        raise ParallelConfigError(
+            f"context_parallel_size={cp} is not supported yet (allowed: 1); split long sequences "
+            "with tensor/pipeline parallelism instead")
+    if world_size % (tp * pp) != 0:
+        raise ParallelConfigError(
+            f"world size {world_size} is not divisible by tensor_parallel_size ({tp}) x "
+            f"pipeline_parallel_size ({pp}) = {tp * pp}")
+    implied = world_size // (tp * pp)
+    if dp is not None and dp != implied:
+        raise ParallelConfigError(
+            f"world size {world_size} != tensor_parallel_size ({tp}) x pipeline_parallel_size "
+            f"({pp}) x data_parallel_size ({dp}) = {tp * pp * dp}")
+    return implied
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
+    """Initialise torch.distributed from the environment (idempotent)."""
+    denv = read_dist_env()
+    if dist.is_initialized():
+        return denv
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(denv.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://{denv.master_addr}:{denv.master_port}",
+        rank=denv.rank, world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s))
+    return denv
+
+
+def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
+                  seed: int = 1234, backend: str | None = None,
+                  timeout_s: float = 600.0) -> ParallelLayout:
+    """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout.
+
+    Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world.
+    """
+    denv = read_dist_env()
+    dp = validate_layout(denv.world_size, tp, pp, dp, cp)
+    backend = backend or default_backend()
+    if backend == "gloo" and not torch.cuda.is_available():
+        from megatron_rl.parallel import cpu_compat
+        cpu_compat.enable()
+    init_distributed(backend, timeout_s)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_s / 60.0)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_layout(backend)
+
+
+def current_layout(backend: str | None = None) -> ParallelLayout:
+    """The layout of this rank, read from megatron ``parallel_state``."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        backend=backend or dist.get_backend())
+
+
+def shutdown() -> None:
+    """Tear down megatron parallel_state and torch.distributed (safe to call twice)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

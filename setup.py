@@ -1,0 +1,29 @@
+"""Install megatron_rl.
+
+CPU machines: ``pip install torch==2.13.0 -e .[test]`` (pinning torch first keeps pip on the CPU
+wheel; a loose torch requirement can pull a multi-GB CUDA build).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="RL post-training on megatron-core with exact, layout-invariant entropy control",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "kernels", "kernels.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16",
+        "pyyaml",
+        "numpy",
+        "nvidia-ml-py",
+        "psutil",  # megatron-core dist_checkpointing needs it but does not declare it
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout", "ruff"],
+        # NVIDIA apex is optional and never installed from PyPI (PyPI's "apex" is unrelated).
+        "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
+        "sglang": ["sglang", "sglang-router"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
