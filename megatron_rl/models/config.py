@@ -125,14 +125,15 @@ PRESETS: dict[str, ModelConfig] = {
     # Tests and CPU demos: 4 layers so that PP=2 and PP=4 both split it.
     "tiny": ModelConfig(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=512),
+                        max_position_embeddings=512, init_method_std=0.1),
     "tiny-qwen3": ModelConfig(family="qwen3", vocab_size=256, hidden_size=64,
                               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=32, max_position_embeddings=512),
+                              num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                              init_method_std=0.1),
     "tiny-llama": ModelConfig(family="llama", vocab_size=256, hidden_size=64,
                               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=512,
-                              rms_norm_eps=1e-5, tie_word_embeddings=True),
+                              rms_norm_eps=1e-5, tie_word_embeddings=True, init_method_std=0.1),
     # Real shapes (weights come from a converted checkpoint).
     "qwen2.5-0.5b": ModelConfig(family="qwen2", vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_hidden_layers=24,

@@ -17,6 +17,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,6 +43,8 @@ def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
     torch.set_num_threads(max(1, int(env.get("MRL_THREADS_PER_RANK", "1"))))
+    # megatron-core warns on import that apex/Transformer Engine are absent: expected on CPU.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         result = fn(*args)
         buf = io.BytesIO()

@@ -1,0 +1,77 @@
+"""Forward-only passes through megatron's pipeline schedule: per-token log-prob and entropy of
+response tokens (the old-policy and reference passes of the RL step use this).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_rl.models.heads import response_logprob_entropy
+
+
+def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+def validate_micro_batches(micro_batches: Sequence[dict]) -> tuple[int, int]:
+    """All micro-batches must share one ``[B, S]`` shape (the pipeline's P2P buffers are fixed).
+
+    Returns ``(B, S)``.
+    """
+    if not micro_batches:
+        raise ValueError("no micro-batches given")
+    shapes = {tuple(mb["tokens"].shape) for mb in micro_batches}
+    if len(shapes) != 1:
+        raise ValueError(f"micro-batches must share one [B, S] shape, got {sorted(shapes)}; pad "
+                         "them to a common length")
+    for i, mb in enumerate(micro_batches):
+        if mb["mask"].shape != mb["tokens"].shape:
+            raise ValueError(f"micro-batch {i}: mask shape {tuple(mb['mask'].shape)} != tokens "
+                             f"shape {tuple(mb['tokens'].shape)}")
+        if mb["mask"][:, 0].any():
+            raise ValueError(f"micro-batch {i}: position 0 is marked as a response token; it "
+                             "has no preceding position to be scored from")
+    (shape,) = shapes
+    return shape[0], shape[1]
+
+
+@torch.no_grad()
+def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict], *,
+                            temperature: float = 1.0, compute_entropy: bool = True,
+                            chunk_size: int | None = None) -> list[dict]:
+    """Run ``micro_batches`` (dicts with ``tokens`` and ``mask``, ``[B, S]``) through the pipeline.
+
+    Returns, on the last pipeline stage, one dict per micro-batch with ``logp`` and ``entropy``
+    (``[B, S]`` fp32, zero outside the mask); an empty list on the other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    bsz, seq = validate_micro_batches(micro_batches)
+    device = next(model.parameters()).device
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        tokens = mb["tokens"].to(device)
+        mask = mb["mask"].to(device)
+        hidden = model_chunk(tokens, _position_ids(tokens), None)
+
+        def collect(hidden_states, non_loss_data=True):
+            logp, ent = response_logprob_entropy(
+                model_chunk, hidden_states, tokens, mask, temperature=temperature,
+                compute_entropy=compute_entropy, entropy_grad=False, chunk_size=chunk_size)
+            return {"logp": logp, "entropy": ent}
+
+        return hidden, collect
+
+    was_training = model.training
+    model.eval()
+    try:
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(list(micro_batches)),
+            model=[model], num_microbatches=len(micro_batches), seq_length=seq,
+            micro_batch_size=bsz, forward_only=True, collect_non_loss_data=True)
+    finally:
+        model.train(was_training)
+    return list(out)

@@ -1,0 +1,54 @@
+"""Response-token head: select response positions, apply the vocab-parallel output layer to those
+rows only, and compute per-token log-prob and full-vocabulary entropy.
+
+Position convention: for a sequence ``tokens[b, 0:S]`` and a response mask ``mask[b, t]`` that is
+true where ``tokens[b, t]`` is a response token, the log-prob of ``tokens[b, t]`` comes from the
+hidden state at ``t - 1``. Prompt positions never reach the output layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy
+
+
+def response_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b, t)`` index tensors ``[N]`` of response tokens in ``mask [B, S]`` (row-major order).
+
+    Position 0 cannot be scored (nothing precedes it), so it must not be marked.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"response mask must be [B, S], got shape {tuple(mask.shape)}")
+    b, t = mask.bool().nonzero(as_tuple=True)
+    return b, t
+
+
+def response_logits(model: torch.nn.Module, hidden: torch.Tensor, b: torch.Tensor,
+                    t: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits ``[N, V/TP]`` for the response tokens at ``(b, t)``.
+
+    ``hidden`` is the last stage's final-norm output ``[S, B, H]``; row ``t - 1`` predicts token t.
+    """
+    h = hidden[t - 1, b]  # [N, H]
+    weight = None
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        weight = model.shared_embedding_or_output_weight()
+    logits, _ = model.output_layer(h.unsqueeze(1), weight=weight)  # [N, 1, V/TP]
+    return logits.squeeze(1)
+
+
+def response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
+                             mask: torch.Tensor, *, temperature: float = 1.0,
+                             compute_entropy: bool = True, entropy_grad: bool = True,
+                             chunk_size: int | None = None) -> tuple[torch.Tensor,
+                                                                     torch.Tensor | None]:
+    """Per-token log-prob and entropy as ``[B, S]`` fp32 tensors (zero outside ``mask``)."""
+    b, t = response_index(mask)
+    logits = response_logits(model, hidden, b, t)
+    logp, ent = vocab_parallel_logprob_entropy(
+        logits, tokens[b, t], temperature=temperature, compute_entropy=compute_entropy,
+        entropy_grad=entropy_grad, chunk_size=chunk_size)
+    logp_full = logp.new_zeros(tokens.shape).index_put((b, t), logp)
+    ent_full = None if ent is None else ent.new_zeros(tokens.shape).index_put((b, t), ent)
+    return logp_full, ent_full

@@ -1,0 +1,191 @@
+"""Canonical full weights <-> this rank's tensor/pipeline shard of a megatron ``GPTModel``.
+
+The canonical state dict is layout-free:
+
+- names are the local-spec parameter names with **global** layer indices
+  (``decoder.layers.7.mlp.linear_fc1.weight``), Transformer Engine names are mapped onto them;
+- tensors are whole (never split by tensor parallelism);
+- ``linear_fc1.weight`` is ``[gate; up]`` (``[2*ffn, H]``). megatron's tensor-parallel shard of the
+  fused SwiGLU weight is ``[gate_r; up_r]``, so a plain slice of the local layout would mix gate and
+  up rows across TP sizes; :func:`shard_for_rank` and :func:`gather_full_state_dict` re-layout it.
+- ``linear_qkv`` keeps megatron's per-query-group interleave ``[q_g, k_g, v_g]`` for each group g;
+  a contiguous slice of whole groups is the TP shard, so it needs no re-layout here.
+- With tied embeddings only ``embedding.word_embeddings.weight`` is stored; the last stage's
+  ``output_layer.weight`` (PP > 1) is loaded from it.
+
+This is what lets the same weights run at TP1xPP1, TP2xPP2 or TP4 without re-initialising.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+
+
+class WeightsError(ValueError):
+    """A state dict does not fit the model (missing/extra tensor, wrong shape)."""
+
+
+def _layer_offsets(model: torch.nn.Module) -> dict[int, int]:
+    """Local layer index -> global (0-based) layer index of this pipeline stage."""
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+
+
+def canonical_name(local_name: str, offsets: Mapping[int, int]) -> str | None:
+    """Canonical name of a local parameter name; None for parameters that are not stored
+    (``_extra_state`` entries)."""
+    if local_name.endswith("_extra_state"):
+        return None
+    m = _LAYER_RE.match(local_name)
+    if not m:
+        return local_name
+    idx, rest = int(m.group(1)), m.group(2)
+    rest = _TE_TO_LOCAL.get(rest, rest)
+    return f"decoder.layers.{offsets[idx]}.{rest}"
+
+
+def _is_fc1_weight(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight")
+
+
+def _tp_info(param: torch.Tensor) -> tuple[bool, int]:
+    return bool(getattr(param, "tensor_model_parallel", False)), int(
+        getattr(param, "partition_dim", 0))
+
+
+def shard_for_rank(name: str, full: torch.Tensor, partitioned: bool, dim: int, tp: int,
+                   rank: int) -> torch.Tensor:
+    """This TP rank's slice of a canonical full tensor (fc1 re-laid out as ``[gate_r; up_r]``)."""
+    if not partitioned or tp == 1:
+        return full
+    if _is_fc1_weight(name):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]], dim=0)
+    if full.shape[dim] % tp:
+        raise WeightsError(f"{name}: dimension {dim} of shape {tuple(full.shape)} is not "
+                           f"divisible by tensor_parallel_size={tp}")
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def _unshard(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    if _is_fc1_weight(name):
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "share_embeddings_and_output_weights", False))
+
+
+def iter_local_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """Yield ``(local_name, canonical_name, param)`` for every stored parameter of this stage."""
+    offsets = _layer_offsets(model)
+    for local, param in model.named_parameters():
+        name = canonical_name(local, offsets)
+        if name is None:
+            continue
+        if name == OUTPUT and _tied(model):
+            continue  # a copy of the embedding on the last stage; stored once as EMBEDDING
+        yield local, name, param
+
+
+def gather_stage_state_dict(model: torch.nn.Module, tp_group=None) -> dict[str, torch.Tensor]:
+    """Canonical full tensors of this pipeline stage (all-gathered over TP). Collective over TP."""
+    from megatron.core import parallel_state as ps
+
+    tp_group = tp_group or ps.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
+    out: dict[str, torch.Tensor] = {}
+    for _, name, param in iter_local_params(model):
+        partitioned, dim = _tp_info(param)
+        data = param.detach()
+        if partitioned and tp > 1:
+            parts = [torch.empty_like(data) for _ in range(tp)]
+            dist.all_gather(parts, data.contiguous(), group=tp_group)
+            out[name] = _unshard(name, parts, dim).cpu()
+        else:
+            out[name] = data.clone().cpu()
+    return out
+
+
+def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's canonical state dict, on every rank of the model-parallel group.
+
+    Small-model helper (tests, the ``check`` command): stages exchange their tensors with
+    ``all_gather_object``. Large models use the streaming iterator of the conversion tools.
+    """
+    from megatron.core import parallel_state as ps
+
+    stage = gather_stage_state_dict(model)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return stage
+    stages: list = [None] * pp
+    dist.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
+    full: dict[str, torch.Tensor] = {}
+    for s in stages:
+        full.update(s)
+    return full
+
+
+def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor],
+                         strict: bool = True) -> None:
+    """Copy this rank's shard of canonical ``full`` weights into ``model`` (no collective).
+
+    Raises :class:`WeightsError` naming the tensor for a missing tensor, a shape mismatch, or (with
+    ``strict``) tensors of this stage's layers that the model does not have.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank()
+    seen: set[str] = set()
+    with torch.no_grad():
+        for local, name, param in iter_local_params(model):
+            seen.add(name)
+            if name not in full:
+                raise WeightsError(f"missing tensor {name!r} (model parameter {local!r})")
+            partitioned, dim = _tp_info(param)
+            shard = shard_for_rank(name, full[name], partitioned, dim, tp, rank)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise WeightsError(
+                    f"shape mismatch for {name!r}: checkpoint shard {tuple(shard.shape)} (full "
+                    f"{tuple(full[name].shape)}) vs model {tuple(param.shape)} at "
+                    f"tensor_parallel_size={tp}")
+            param.copy_(shard.to(param.dtype))
+        if _tied(model) and getattr(model, "post_process", False) and not getattr(
+                model, "pre_process", True):
+            # PP > 1 with tied embeddings: the last stage holds its own copy of the embedding.
+            out = model.output_layer.weight
+            if EMBEDDING not in full:
+                raise WeightsError(f"missing tensor {EMBEDDING!r} (tied output layer)")
+            out.copy_(shard_for_rank(OUTPUT, full[EMBEDDING], True, 0, tp, rank).to(out.dtype))
+    if strict:
+        offsets = set(_layer_offsets(model).values())
+        mine = {n for n in full if _belongs_to_stage(n, model, offsets)}
+        extra = sorted(mine - seen)
+        if extra:
+            raise WeightsError(f"unexpected tensors for this model: {extra[:5]}"
+                               f"{' ...' if len(extra) > 5 else ''}")
+
+
+def _belongs_to_stage(name: str, model: torch.nn.Module, layer_ids: set[int]) -> bool:
+    m = _LAYER_RE.match(name)
+    if m:
+        return int(m.group(1)) in layer_ids
+    if name.startswith("embedding."):
+        return bool(getattr(model, "pre_process", False))
+    return bool(getattr(model, "post_process", False))
