@@ -20,6 +20,11 @@ def _scenario(name: str, model, batch) -> None:
 
     if name == "rng_tracker":
         tensor_parallel.model_parallel_cuda_manual_seed(7)
+    elif name == "tensor_cuda":  # tied embeddings across pipeline stages
+        from megatron_rl.models.builder import build_gpt_model
+        from megatron_rl.models.config import get_preset
+
+        build_gpt_model(get_preset("tiny-llama"), seed=0)
     else:  # current_device (rotary, P2P shapes), cuda_factories (schedule counters, causal mask)
         forward_logprob_entropy(model, batch)
 

@@ -122,9 +122,9 @@ def validate_for_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # Tests and CPU demos: 4 layers so that PP=2 and PP=4 both split it.
-    "tiny": ModelConfig(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    # 4 KV groups so that TP=4 splits attention; 4 layers so that PP=2 and PP=4 split the stack.
+    "tiny": ModelConfig(family="qwen2", vocab_size=256, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                         max_position_embeddings=512, init_method_std=0.1),
     "tiny-qwen3": ModelConfig(family="qwen3", vocab_size=256, hidden_size=64,
                               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -119,6 +119,13 @@ class _TorchProxy:
         return attr
 
 
+# --- patch 4: Tensor.cuda() is the identity ---------------------------------------------------
+def _patch_tensor_cuda() -> Callable[[], None]:
+    # Without CUDA every ``.cuda()`` call fails, so mapping it to the identity can only turn a
+    # certain failure into the CPU behaviour; it never changes a working path.
+    return _set_attr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("rng_tracker", "tensor_parallel/random.py: CudaRNGStatesTracker.add/fork and "
           "model_parallel_cuda_manual_seed read and set torch.cuda RNG states", _patch_rng_tracker),
@@ -128,6 +135,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cuda_factories", "transformer/utils.py (default causal attention mask) and "
           "pipeline_parallel/schedules.py create tensors with device='cuda'",
           _patch_cuda_factories),
+    Patch("tensor_cuda", "models/common/language_module/language_module.py: "
+          "setup_embeddings_and_output_layer moves the tied embedding copy with .cuda() before "
+          "all-reducing it (tied embeddings, PP > 1)", _patch_tensor_cuda),
 )
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 
