@@ -86,8 +86,10 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
                     **config_overrides: Any) -> torch.nn.Module:
     """Build this rank's pipeline stage of a ``GPTModel`` for ``cfg``.
 
-    Must be called after :func:`megatron_rl.parallel.runtime.init_parallel`. ``seed`` (when given)
-    seeds the CPU generator first, so every layout builds the same full weights before slicing.
+    Must be called after :func:`megatron_rl.parallel.runtime.init_parallel`. With ``seed`` the
+    weights are initialised layout-invariantly (:func:`megatron_rl.models.weights.
+    init_layout_invariant`): the same seed gives the same model at every TP/PP layout. Without it,
+    megatron's own initialisation is kept (weights are then expected from a checkpoint).
     The module is on the current CUDA device when CUDA is present, on CPU otherwise.
     """
     from megatron.core import parallel_state as ps
@@ -111,6 +113,10 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta))
     model.model_config = cfg
+    if seed is not None:
+        from megatron_rl.models.weights import init_layout_invariant
+
+        init_layout_invariant(model, cfg.init_method_std, seed)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

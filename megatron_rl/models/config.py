@@ -56,12 +56,12 @@ class ModelConfig:
         """Whether q and k are RMS-normalised per head (Qwen3 family)."""
         return self.family == "qwen3" if self.qk_norm is None else self.qk_norm
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (Qwen2ForCausalLM, Qwen3ForCausalLM,
         LlamaForCausalLM)."""
         model_type = hf.get("model_type")

@@ -19,6 +19,7 @@ This is what lets the same weights run at TP1xPP1, TP2xPP2 or TP4 without re-ini
 from __future__ import annotations
 
 import re
+import zlib
 from typing import Iterator, Mapping
 
 import torch
@@ -189,3 +190,55 @@ def _belongs_to_stage(name: str, model: torch.nn.Module, layer_ids: set[int]) ->
     if name.startswith("embedding."):
         return bool(getattr(model, "pre_process", False))
     return bool(getattr(model, "post_process", False))
+
+
+def full_shape(name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """Canonical (unsharded) shape of a local parameter."""
+    partitioned, dim = _tp_info(param)
+    shape = list(param.shape)
+    if partitioned:
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+def canonical_init(name: str, shape: tuple[int, ...], std: float, num_layers: int,
+                   seed: int) -> torch.Tensor:
+    """Deterministic initial value of one canonical tensor, independent of the layout.
+
+    Norm weights are 1, biases 0; output projections (``linear_proj``, ``linear_fc2``) use
+    megatron's scaled init ``std / sqrt(2 * num_layers)``; every other weight is ``N(0, std)``. The
+    generator is seeded from ``(seed, name)`` so each tensor is the same whatever stage or TP rank
+    builds it.
+    """
+    if "norm" in name:
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    scale = std / (2.0 * num_layers) ** 0.5 if (
+        "linear_proj" in name or "linear_fc2" in name) else std
+    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) + 1000003 * seed) % 2**63)
+    return torch.randn(shape, generator=g) * scale
+
+
+def init_layout_invariant(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Re-initialise ``model`` so that its weights are the same canonical weights at every layout.
+
+    megatron's own init consumes one RNG stream in construction order, so a pipeline stage that
+    skips earlier layers draws different numbers; this makes a seeded tiny model reproducible
+    across TP/PP/DP (no collective; each rank makes only the tensors it holds).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    rank = ps.get_tensor_model_parallel_rank()
+    num_layers = model.config.num_layers
+    with torch.no_grad():
+        for _, name, param in iter_local_params(model):
+            full = canonical_init(name, full_shape(name, param, tp), std, num_layers, seed)
+            partitioned, dim = _tp_info(param)
+            param.copy_(shard_for_rank(name, full, partitioned, dim, tp, rank))
+        if _tied(model) and getattr(model, "post_process", False) and not getattr(
+                model, "pre_process", True):
+            out = model.output_layer.weight
+            full = canonical_init(EMBEDDING, full_shape(EMBEDDING, out, tp), std, num_layers, seed)
+            out.copy_(shard_for_rank(OUTPUT, full, True, 0, tp, rank))

@@ -5,8 +5,8 @@ or fp16); the full vocabulary is never gathered. Per token, with ``z = logits.fl
 
     m    = max_v z                    local max       -> all-reduce MAX   ([N])
     S    = sum_v exp(z - m)           local sums      -> all-reduce SUM   ([N, 3], one call
-    A    = sum_v exp(z - m) (z - m)                                        for all three)
-    zlab = z[label] if label is in this shard else 0
+    A    = sum_v exp(z - m) (z - m)                                        for all three;
+    zlab = z[label] if label is in this shard else 0                       [N, 2] without A)
     lse  = m + log S;   logp = zlab - lse;   H = lse - mu = log S - A / S,   mu = sum_v p z
 
 Two collectives per call, whatever the chunking. The backward needs none:
@@ -27,14 +27,17 @@ entropy here exactly as it does in ``-(softmax * log_softmax).sum()``.
 
 Shape agreement across TP ranks is the caller's contract. :func:`check_tp_consistency` checks it
 once per step (host sync); inside the op a mismatch fails in the first collective (gloo aborts
-with a size-mismatch error; NCCL errors when the process group's timeout expires) -- it never
-hangs forever, because every process group here is created with a finite timeout.
+with a size-mismatch error; under NCCL the watchdog aborts once the process group's timeout
+expires) -- it never hangs forever, because every process group here has a finite timeout.
+
+This op starts from logits that the caller already has; the fused hidden-states x output-weight
+kernel (``kernels/``) computes the same statistics without materialising the logits at all.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,13 +61,20 @@ class VocabParallelSteps:
     """Small static steps of the forward and backward; all math in fp32."""
 
     @staticmethod
-    def scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        """``[n, V_local]`` any float -> a *fresh* fp32 ``[n, V_local]`` buffer ``logits / T``.
+    def workspace(n_rows: int, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Two fp32 ``[n_rows, V_local]`` work buffers, made once per call and reused by chunks."""
+        shape = (n_rows, logits.size(-1))
+        return (torch.empty(shape, dtype=_FP32, device=logits.device),
+                torch.empty(shape, dtype=_FP32, device=logits.device))
 
-        Always a new buffer (also for fp32 input), so the callers may work in place on it
-        without touching the saved input.
+    @staticmethod
+    def scaled_fp32(logits: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
+        """``[n, V_local]`` any float -> ``out`` (fp32 ``[n, V_local]``) ``= logits / T``.
+
+        Always written into the work buffer (also for fp32 input), so the callers may work in
+        place on it without touching the saved input.
         """
-        z = logits.to(_FP32, copy=True)
+        z = out.copy_(logits)
         if temperature != 1.0:
             z.div_(temperature)
         return z
@@ -97,15 +107,17 @@ class VocabParallelSteps:
 
     @staticmethod
     def local_sums(logits: torch.Tensor, global_max: torch.Tensor, temperature: float,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, work: Tuple[torch.Tensor, torch.Tensor]) -> None:
         """Write the local ``S = sum exp(z - m)`` (and ``A = sum exp(z - m)(z - m)``) of a chunk.
 
         ``logits`` ``[n, V_local]``, ``global_max`` ``[n]`` fp32, ``out`` ``[n, 1 or 2]`` fp32 view;
-        column 1 (``A``) is filled only when ``out`` has two columns. Peak: two fp32 chunk buffers.
+        column 1 (``A``) is filled only when ``out`` has two columns. ``work``: two fp32 buffers
+        of at least ``n`` rows (the only ``[n, V_local]`` memory used).
         """
-        shifted = VocabParallelSteps.scaled_fp32(logits, temperature)
+        n = logits.size(0)
+        shifted = VocabParallelSteps.scaled_fp32(logits, temperature, work[0][:n])
         shifted.sub_(global_max.unsqueeze(-1))
-        exp_shifted = torch.exp(shifted)
+        exp_shifted = torch.exp(shifted, out=work[1][:n])
         torch.sum(exp_shifted, dim=-1, out=out[:, 0])
         if out.size(1) > 1:
             torch.sum(shifted.mul_(exp_shifted), dim=-1, out=out[:, 1])
@@ -127,25 +139,25 @@ class VocabParallelSteps:
 
     @staticmethod
     def grad_chunk(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                   mu: Optional[torch.Tensor], grad_logp: Optional[torch.Tensor],
-                   grad_entropy: Optional[torch.Tensor], vocab_start: int,
-                   temperature: float) -> torch.Tensor:
+                   mu: torch.Tensor | None, grad_logp: torch.Tensor | None,
+                   grad_entropy: torch.Tensor | None, vocab_start: int, temperature: float,
+                   work: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """fp32 ``[n, V_local]`` gradient w.r.t. the logits of one chunk of rows.
 
         ``grad = (g_lp (onehot - p) - g_H p (z - mu)) / T`` with ``p = exp(z - lse)`` recomputed;
-        a ``None`` upstream gradient skips its term. Peak: two fp32 chunk buffers.
+        a ``None`` upstream gradient skips its term. Computed in (and returned as a view of) one
+        of the two ``work`` buffers.
         """
-        z = VocabParallelSteps.scaled_fp32(logits, temperature)
-        p = torch.exp(z - lse.unsqueeze(-1))
+        n = logits.size(0)
+        z = VocabParallelSteps.scaled_fp32(logits, temperature, work[0][:n])
+        p = torch.sub(z, lse.unsqueeze(-1), out=work[1][:n]).exp_()
         if grad_entropy is not None:
             # coef = g_lp + g_H (z - mu);  grad = -p * coef  (+ g_lp at the label, below)
             coef = z.sub_(mu.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
             if grad_logp is not None:
                 coef.add_(grad_logp.unsqueeze(-1))
             grad = coef.mul_(p).neg_()
-            del p
         else:
-            del z
             grad = p.mul_(grad_logp.neg().unsqueeze(-1))
         if grad_logp is not None:
             local = labels - vocab_start
@@ -158,7 +170,7 @@ class VocabParallelSteps:
         return grad
 
 
-def _row_chunks(n: int, chunk_size: Optional[int]):
+def _row_chunks(n: int, chunk_size: int | None):
     """Yield ``(start, stop)`` row ranges of at most ``chunk_size`` rows (one range if None)."""
     step = n if not chunk_size else chunk_size
     for start in range(0, n, max(step, 1)):
@@ -174,7 +186,7 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, tp_size: int,
                 vocab_start: int, temperature: float, compute_entropy: bool,
-                entropy_grad: bool, chunk_size: Optional[int]):
+                entropy_grad: bool, chunk_size: int | None):
         steps = VocabParallelSteps
         n = logits.size(0)
         chunks = list(_row_chunks(n, chunk_size))
@@ -189,8 +201,11 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
         # Pass 2: local [S, A] with the global max, plus the label logit; one SUM for all three.
         n_stats = 2 if compute_entropy else 1
         stats = torch.empty(n, n_stats + 1, dtype=_FP32, device=logits.device)
+        work = steps.workspace(chunks[0][1] if chunks else 0, logits)
         for s, e in chunks:
-            steps.local_sums(logits[s:e], global_max[s:e], temperature, stats[s:e, :n_stats])
+            steps.local_sums(logits[s:e], global_max[s:e], temperature, stats[s:e, :n_stats],
+                             work)
+        del work
         stats[:, n_stats] = steps.predicted_logits(logits, labels, vocab_start, temperature)
         if tp_size > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
@@ -221,20 +236,24 @@ class VocabParallelLogProbEntropy(torch.autograd.Function):
         if grad_logp is None and grad_entropy is None:
             return (None,) * 9
         chunks = list(_row_chunks(logits.size(0), ctx.chunk_size))
-        args = (ctx.vocab_start, ctx.temperature)
+        work = VocabParallelSteps.workspace(chunks[0][1] if chunks else 0, logits)
+        args = (ctx.vocab_start, ctx.temperature, work)
 
-        def rows(t: Optional[torch.Tensor], s: int, e: int) -> Optional[torch.Tensor]:
+        def rows(t: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
             return None if t is None else t[s:e].to(_FP32)
 
-        if len(chunks) == 1 and logits.dtype == _FP32:
+        if len(chunks) == 1:   # one work buffer becomes the gradient; free the other first
             grad = VocabParallelSteps.grad_chunk(logits, labels, lse, mu, rows(grad_logp, 0, None),
                                                  rows(grad_entropy, 0, None), *args)
+            del work, args
+            grad = grad.to(logits.dtype)
         else:
             grad = torch.empty_like(logits)
             for s, e in chunks:
                 grad[s:e] = VocabParallelSteps.grad_chunk(
                     logits[s:e], labels[s:e], lse[s:e], rows(mu, s, e), rows(grad_logp, s, e),
                     rows(grad_entropy, s, e), *args)
+            del work, args
         return (grad,) + (None,) * 8
 
 
@@ -256,7 +275,7 @@ def _group_size_rank(group) -> Tuple[int, int]:
 
 
 def _validate(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-              vocab_global: int, chunk_size: Optional[int]) -> None:
+              vocab_global: int, chunk_size: int | None) -> None:
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor, got "
                         f"{getattr(logits, 'dtype', type(logits))}")
@@ -295,9 +314,9 @@ def vocab_parallel_logprob_entropy(
     temperature: float = 1.0,
     compute_entropy: bool = True,
     entropy_grad: bool = True,
-    chunk_size: Optional[int] = None,
-    vocab_start: Optional[int] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    chunk_size: int | None = None,
+    vocab_start: int | None = None,
+) -> Tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(logits / T)`` over the full vocab.
 
     Args:
@@ -349,7 +368,7 @@ def check_tp_consistency(n_tokens: int, v_local: int, group=None) -> None:
     if len(set(shapes)) > 1:
         ranks = dist.get_process_group_ranks(group)
         detail = ", ".join(f"tp_rank {r} (global rank {g}): [N={n}, V_local={v}]"
-                           for r, (g, (n, v)) in enumerate(zip(ranks, shapes)))
+                           for r, (g, (n, v)) in enumerate(zip(ranks, shapes, strict=True)))
         raise ValueError(f"tensor-parallel ranks disagree on the logits shard shape "
                          f"(this is tp_rank {tp_rank}): {detail}")
 

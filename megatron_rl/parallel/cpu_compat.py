@@ -102,11 +102,16 @@ def _cpu_factory(fn: Callable) -> Callable:
 
 
 def _patch_cuda_factories() -> Callable[[], None]:
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.transformer.utils as tutils
+    import importlib
 
     proxy = _TorchProxy()
-    return _chain(_set_attr(tutils, "torch", proxy), _set_attr(schedules, "torch", proxy))
+    return _chain(*(_set_attr(importlib.import_module(f"megatron.core.{m}"), "torch", proxy)
+                    for m in _FACTORY_MODULES))
+
+
+# megatron-core modules whose ``torch.<factory>(..., device="cuda")`` calls we redirect.
+_FACTORY_MODULES = ("transformer.utils", "pipeline_parallel.schedules", "optimizer.optimizer",
+                    "optimizer.clip_grads", "utils")
 
 
 class _TorchProxy:
@@ -126,18 +131,62 @@ def _patch_tensor_cuda() -> Callable[[], None]:
     return _set_attr(torch.Tensor, "cuda", lambda self, *a, **k: self)
 
 
+# --- patch 5: the fp32 grad-clipping type check -----------------------------------------------
+@contextlib.contextmanager
+def _cuda_float_type_names():
+    """While active, ``t.type()`` of a float32 CPU tensor reads ``torch.cuda.FloatTensor``."""
+    orig = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and self.dtype == torch.float32 and not self.is_cuda:
+            return "torch.cuda.FloatTensor"
+        return orig(self, *args, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = orig
+
+
+def _patch_clip_type_check() -> Callable[[], None]:
+    import megatron.core.optimizer.optimizer as mopt
+
+    orig = mopt.clip_grad_by_total_norm_fp32
+
+    @functools.wraps(orig)
+    def clip(*args, **kwargs):
+        with _cuda_float_type_names():  # scoped to this call only
+            return orig(*args, **kwargs)
+
+    return _set_attr(mopt, "clip_grad_by_total_norm_fp32", clip)
+
+
+# --- patch 6: torch.cuda.synchronize() is a no-op ----------------------------------------------
+def _patch_synchronize() -> Callable[[], None]:
+    # There is no device queue to wait for on a CPU-only machine.
+    return _set_attr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("rng_tracker", "tensor_parallel/random.py: CudaRNGStatesTracker.add/fork and "
           "model_parallel_cuda_manual_seed read and set torch.cuda RNG states", _patch_rng_tracker),
     Patch("current_device", "models/common/embeddings/rotary_pos_embedding.py and "
           "pipeline_parallel/p2p_communication.py build tensors on torch.cuda.current_device()",
           _patch_current_device),
-    Patch("cuda_factories", "transformer/utils.py (default causal attention mask) and "
-          "pipeline_parallel/schedules.py create tensors with device='cuda'",
+    Patch("cuda_factories", "transformer/utils.py (default causal attention mask), "
+          "pipeline_parallel/schedules.py (token counters) and optimizer/optimizer.py "
+          "(FP32Optimizer loss scale), optimizer/clip_grads.py and utils.py (grad-norm buffers "
+          "of the local multi-tensor fallbacks) create tensors with device='cuda'",
           _patch_cuda_factories),
     Patch("tensor_cuda", "models/common/language_module/language_module.py: "
           "setup_embeddings_and_output_layer moves the tied embedding copy with .cuda() before "
           "all-reducing it (tied embeddings, PP > 1)", _patch_tensor_cuda),
+    Patch("clip_type_check", "optimizer/clip_grads.py: clip_grad_by_total_norm_fp32 asserts "
+          "grad.type() == 'torch.cuda.FloatTensor' (gradient clipping, clip_grad > 0)",
+          _patch_clip_type_check),
+    Patch("synchronize", "dist_checkpointing/strategies/filesystem_async.py: preload_tensors "
+          "calls torch.cuda.synchronize() before writing a checkpoint", _patch_synchronize),
 )
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -37,6 +38,9 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple,
             out: Any) -> None:
+    # Own process group, so the parent can kill anything this rank starts (e.g. the
+    # multiprocessing manager of dist_checkpointing) when the group fails or hangs.
+    os.setpgid(0, 0)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -99,7 +103,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
                     time.sleep(0.5)
                     if out.empty():
                         raise WorkerError(f"rank(s) {dead} died with exit codes "
-                                          f"{[procs[r].exitcode for r in dead]} and no report")
+                                          f"{[procs[r].exitcode for r in dead]} and no "
+                                          "report") from None
                 continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -127,3 +132,15 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for p in procs:
+            _kill_group(p.pid)
+
+
+def _kill_group(pgid: int | None) -> None:
+    """Kill what is left of a worker's process group (its orphaned children)."""
+    if pgid is None:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,4 +1,4 @@
-"""Process-group setup: torchrun or SLURM environment -> torch.distributed -> megatron parallel_state.
+"""Process-group setup: torchrun/SLURM environment -> torch.distributed -> megatron parallel_state.
 
 One entry point, :func:`init_parallel`, does all of it:
 
@@ -6,7 +6,8 @@ One entry point, :func:`init_parallel`, does all of it:
    ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` / first host of ``SLURM_JOB_NODELIST``);
 2. pick the backend (NCCL when CUDA is usable, gloo otherwise) and initialise torch.distributed with
    a finite timeout, so a collective that can never complete raises instead of hanging forever;
-3. on CPU, enable the megatron-core CPU compatibility layer (:mod:`megatron_rl.parallel.cpu_compat`);
+3. on CPU, enable the megatron-core CPU compatibility layer
+   (:mod:`megatron_rl.parallel.cpu_compat`);
 4. validate ``world = TP x PP x DP`` and call ``parallel_state.initialize_model_parallel``.
 """
 

@@ -1,0 +1,154 @@
+"""Atomic, reshardable checkpoints with megatron ``dist_checkpointing``.
+
+Layout of a checkpoint root::
+
+    ROOT/latest                  text file naming the newest complete checkpoint ("step_0000012")
+    ROOT/step_0000012/           dist_checkpointing dir: model + optimizer (sharded, reshardable)
+    ROOT/step_0000012/trainer.pt common state: step, scheduler, trainer/controller state, data pos
+    ROOT/step_0000012/rng/rank_00003.pt   per-rank RNG states (restored when the layout is equal)
+
+A save writes ``step_N.tmp`` first; only after every rank finished does rank 0 rename it and then
+replace ``latest`` (write a temp file, ``os.replace``). A crash at any point leaves the previous
+checkpoint and ``latest`` intact; stale ``*.tmp`` dirs are ignored and cleaned up on the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read or does not fit this run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """Path of the newest complete checkpoint under ``root``, or None."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    full = os.path.join(root, name)
+    if not os.path.isdir(full):
+        raise CheckpointError(f"{path} names {name!r} but {full} does not exist")
+    return full
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": {k: v.clone() for k, v in tracker.get_states().items()}}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout_key() -> tuple[int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_data_parallel_world_size())
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+    module = getattr(model, "module", model)
+    model_sd = module.sharded_state_dict(prefix="model.")
+    sd = {"model": model_sd}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return sd
+
+
+def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
+                    trainer_state: dict[str, Any] | None = None) -> str:
+    """Save atomically; collective over all ranks. Returns the checkpoint path."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = os.path.join(root, step_dir_name(step))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of a crashed save
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        torch.save({"step": step, "layout": _layout_key(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "trainer": trainer_state or {}}, os.path.join(tmp, "trainer.pt"))
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = os.path.join(root, LATEST + ".tmp")
+        with open(pointer, "w") as f:
+            f.write(step_dir_name(step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, os.path.join(root, LATEST))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint saved at any TP/PP/DP layout into this layout; collective.
+
+    Returns ``{"step", "trainer", "rng_restored"}``. RNG states are restored only when the layout is
+    unchanged (per-rank states do not map across layouts).
+    """
+    from megatron.core import dist_checkpointing
+
+    meta_path = os.path.join(path, "trainer.pt")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{path} is not a megatron_rl checkpoint (no trainer.pt)")
+    meta = torch.load(meta_path, weights_only=False)
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
+    module = getattr(model, "module", model)
+    module.load_state_dict(_strip_prefix(state["model"], "model."), strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    rng_ok = False
+    if restore_rng and tuple(meta["layout"]) == _layout_key():
+        rng_path = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
+        if os.path.exists(rng_path):
+            _set_rng_state(torch.load(rng_path, weights_only=False))
+            rng_ok = True
+    return {"step": meta["step"], "trainer": meta["trainer"], "rng_restored": rng_ok}
+
+
+def _strip_prefix(sd: dict, prefix: str) -> dict:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}

@@ -1,0 +1,73 @@
+"""One micro-batch's total loss: policy loss (+ ERC gate) + positive NLL + KL + entropy bonus.
+
+Every term is aggregated with the context's global denominators, so the micro-batch shares add
+up over micro-batches and DP ranks to the one-process mini-batch loss (see ``context.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.loss.aggregation import aggregate
+from megatron_rl.loss.config import LossConfig
+from megatron_rl.loss.context import ReductionContext
+from megatron_rl.loss.erc import erc_gate, erc_keep_mask, erc_stats
+from megatron_rl.loss.gppo import positive_token_mask
+from megatron_rl.loss.kl import kl_penalty
+from megatron_rl.loss.metrics import TokenStat, mean_stat
+from megatron_rl.loss.registry import get_policy_loss
+from megatron_rl.loss.types import LossInputs, LossOutput
+
+Tensor = torch.Tensor
+
+
+def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
+                 entropy_coeff: float | Tensor | None = None) -> LossOutput:
+    """Loss share of one micro-batch (0-dim fp32) and its metric records. No host sync.
+
+    ``entropy_coeff`` (e.g. ``AdaptiveEntropyController.alpha``) overrides ``cfg.entropy_coeff``.
+    The positive NLL term (``positive_nll_coef > 0``) needs ``inp.positive`` and a context built
+    with ``extra_masks={"positive": ...}`` (its token-mean is over the global positive tokens).
+    """
+    spec = get_policy_loss(cfg.policy_loss)
+    for need in spec.needs:
+        if getattr(inp, need) is None:
+            raise ValueError(f"policy_loss={spec.name!r} needs LossInputs.{need}")
+    mask = inp.mask.bool()
+    token = spec.fn(inp, cfg)
+    stats: dict[str, TokenStat] = dict(token.stats)
+    per_token = token.loss
+    if cfg.erc:
+        if inp.entropy is None or inp.old_entropy is None:
+            raise ValueError("erc=True needs LossInputs.entropy (current pass) and "
+                             "LossInputs.old_entropy (old-policy pass)")
+        keep = erc_keep_mask(inp.entropy, inp.old_entropy, mask, cfg.erc_low, cfg.erc_high)
+        per_token = erc_gate(per_token, keep)
+        stats.update(erc_stats(inp.entropy, inp.old_entropy, keep, mask))
+    mode = spec.forced_agg or cfg.loss_agg_mode
+    pg_loss = aggregate(per_token, mask, mode, ctx, cfg.loss_scale_factor)
+    total = pg_loss
+    stats["policy/pg_loss"] = TokenStat(pg_loss.detach(), None, "sum")
+    if cfg.positive_nll_coef > 0:
+        if inp.positive is None:
+            raise ValueError("positive_nll_coef > 0 needs LossInputs.positive ([B] bool)")
+        pos = positive_token_mask(mask, inp.positive)
+        nll = torch.where(pos, -inp.logp, 0.0).sum() / ctx.count("positive").clamp_min(1).float()
+        total = total + cfg.positive_nll_coef * nll
+        stats["policy/positive_nll"] = TokenStat(nll.detach(), None, "sum")
+    if cfg.use_kl_loss:
+        if inp.ref_logp is None:
+            raise ValueError("use_kl_loss=True needs LossInputs.ref_logp")
+        kl = kl_penalty(inp.logp, inp.ref_logp, cfg.kl_loss_type)
+        total = total + cfg.kl_loss_coef * aggregate(kl, mask, mode, ctx, cfg.loss_scale_factor)
+        stats["kl/mean"] = mean_stat(kl, mask.float())
+    coeff = cfg.entropy_coeff if entropy_coeff is None else entropy_coeff
+    if inp.entropy is not None:
+        stats["policy/entropy"] = mean_stat(inp.entropy, mask.float())
+        if not (isinstance(coeff, (int, float)) and coeff == 0):
+            ent = aggregate(inp.entropy, mask, mode, ctx, cfg.loss_scale_factor)
+            total = total - torch.as_tensor(coeff, dtype=ent.dtype, device=ent.device) * ent
+    stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64).reshape(()),
+                                       None, "max")
+    return LossOutput(loss=total, loss_for_backward=total * ctx.grad_scale, pg_loss=pg_loss,
+                      stats=stats)

@@ -1,0 +1,171 @@
+"""Loss configuration: one dataclass, validated once with errors that name the field.
+
+Every knob of every algorithm in ``ALGORITHMS.md`` is a field here (no hard-coded constants in the
+loss functions). :func:`LossConfig.for_algorithm` fills the published defaults of one algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",  # Dr.GRPO reference: per-sequence sum / C, then mean over sequences
+    "token-sum-norm",  # verl's "seq-mean-token-sum-norm": total sum / C, no division by #sequences
+)
+KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+            "k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+")
+COV_STAT_SOURCES = ("prepass", "old_logp")
+
+
+class LossConfigError(ValueError):
+    """A loss config value is out of range; the message names the field and the allowed values."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """All loss settings (ALGORITHMS.md section in brackets).
+
+    Ratios named ``*_ratio`` for Clip-Cov / KL-Cov are **fractions** of the global valid-token
+    count (verl convention: 2e-4 means 0.02 %), never percentages.
+    """
+
+    policy_loss: str = "ppo"
+    loss_agg_mode: str = "token-mean"  # [0]
+    loss_scale_factor: float | None = None  # C of the *-sum-norm modes [0]; None -> global max T
+    # PPO-family clip [1, 2.1, 7, 10.2]
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual clip, must be > 1
+    log_ratio_clamp: float = 20.0
+    # Clip-Cov / KL-Cov [4]
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0
+    cov_stat_source: str = "prepass"  # "prepass" (exact) | "old_logp" (exact only for 1st update)
+    cov_seed: int = 0
+    # GSPO [5]
+    gspo_log_ratio_max: float = 10.0
+    # GPPO positive-sample NLL [7]
+    positive_nll_coef: float = 0.0
+    # ASPO [8]
+    aspo_entropy_quantile: float = 0.8
+    aspo_eps_low_entropy: float = 0.2  # clip width of tokens with entropy <= per-seq quantile
+    aspo_eps_high_entropy: float = 0.4  # clip width of the top-entropy tokens
+    aspo_c_pos: float = 3.0
+    aspo_c_neg: float = 3.0
+    # ERC gate [9]
+    erc: bool = False
+    erc_low: float = 0.95
+    erc_high: float = 1.05
+    # KL to reference [11]
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    # entropy bonus [10.1]; the adaptive controller overrides it when passed to compute_loss
+    entropy_coeff: float = 0.0
+    # entropy-dynamics diagnostic [12]
+    diagnostic_top_frac: float = 2e-4
+
+    def validate(self) -> LossConfig:
+        """Raise :class:`LossConfigError` for any out-of-range value; return ``self``."""
+        from megatron_rl.loss.registry import get_policy_loss
+
+        spec = get_policy_loss(self.policy_loss)
+        _choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
+        _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
+        _choice("cov_stat_source", self.cov_stat_source, COV_STAT_SOURCES)
+        max_low = math.inf if spec.name == "cispo" else 1.0
+        _range("clip_ratio_low", self.clip_ratio_low, 0.0, max_low, "[0, 1] ([0, inf) for cispo)")
+        _range("clip_ratio_high", self.clip_ratio_high, 0.0, math.inf, "[0, inf)")
+        _open_low("clip_ratio_c", self.clip_ratio_c, 1.0, "(1, inf)")
+        _open_low("log_ratio_clamp", self.log_ratio_clamp, 0.0, "(0, inf)")
+        for name in ("clip_cov_ratio", "kl_cov_ratio", "diagnostic_top_frac"):
+            _frac(name, getattr(self, name))
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise LossConfigError(f"clip_cov_lb ({self.clip_cov_lb}) must be < clip_cov_ub "
+                                  f"({self.clip_cov_ub})")
+        _range("kl_cov_coef", self.kl_cov_coef, 0.0, math.inf, "[0, inf)")
+        _open_low("gspo_log_ratio_max", self.gspo_log_ratio_max, 0.0, "(0, inf)")
+        _range("positive_nll_coef", self.positive_nll_coef, 0.0, math.inf, "[0, inf)")
+        if not 0.0 < self.aspo_entropy_quantile < 1.0:
+            raise LossConfigError(f"aspo_entropy_quantile must be in (0, 1), got "
+                                  f"{self.aspo_entropy_quantile}")
+        for name in ("aspo_eps_low_entropy", "aspo_eps_high_entropy"):
+            _range(name, getattr(self, name), 0.0, 1.0, "[0, 1]")
+        for name in ("aspo_c_pos", "aspo_c_neg"):
+            _open_low(name, getattr(self, name), 1.0, "(1, inf)")
+        if not 0.0 <= self.erc_low < 1.0 < self.erc_high:
+            raise LossConfigError(f"erc_low/erc_high must satisfy 0 <= erc_low < 1 < erc_high, got "
+                                  f"{self.erc_low}/{self.erc_high}")
+        if self.erc and not spec.token_level:
+            raise LossConfigError(f"erc=True needs a token-level policy_loss; {spec.name!r} is "
+                                  "sequence-level (use 'gspo_token')")
+        _range("kl_loss_coef", self.kl_loss_coef, 0.0, math.inf, "[0, inf)")
+        coeff = self.entropy_coeff
+        if not isinstance(coeff, (int, float)) or not math.isfinite(coeff):
+            raise LossConfigError(f"entropy_coeff={self.entropy_coeff!r}; allowed: a finite float")
+        if self.loss_scale_factor is not None:
+            _open_low("loss_scale_factor", self.loss_scale_factor, 0.0, "(0, inf) or None")
+        return self
+
+    @staticmethod
+    def for_algorithm(name: str, **overrides: object) -> LossConfig:
+        """Published defaults of one algorithm (see ``PRESETS``), then ``overrides``; validated."""
+        if name not in PRESETS:
+            raise LossConfigError(f"unknown algorithm preset {name!r}; valid: {sorted(PRESETS)}")
+        known = {f.name for f in fields(LossConfig)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise LossConfigError(f"unknown LossConfig field(s) {bad}; valid: {sorted(known)}")
+        return replace(LossConfig(**PRESETS[name]), **overrides).validate()
+
+
+PRESETS: dict[str, dict] = {
+    "ppo": dict(policy_loss="ppo"),
+    "grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-mean", use_kl_loss=True),
+    "dr_grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm"),
+    "dapo": dict(policy_loss="ppo", clip_ratio_high=0.28, clip_ratio_c=10.0),
+    "gspo": dict(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+                 loss_agg_mode="seq-mean-token-mean"),
+    "gspo_token": dict(policy_loss="gspo_token", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+                       loss_agg_mode="seq-mean-token-mean"),
+    "cispo": dict(policy_loss="cispo", clip_ratio_low=10.0, clip_ratio_high=0.2),
+    "gppo": dict(policy_loss="gppo", clip_ratio_high=0.28, clip_ratio_c=10.0,
+                 positive_nll_coef=0.1),
+    "aspo": dict(policy_loss="aspo", use_kl_loss=True, kl_loss_coef=0.001),
+    "clip_cov": dict(policy_loss="clip_cov", clip_ratio_low=1.0, clip_ratio_high=1.0,
+                     clip_ratio_c=10.0),
+    "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=2e-4, kl_cov_coef=1.0, clip_ratio_c=10.0),
+    "dapo_erc": dict(policy_loss="ppo", clip_ratio_high=0.28, clip_ratio_c=10.0, erc=True,
+                     positive_nll_coef=0.1),
+    "gppo_erc": dict(policy_loss="gppo", clip_ratio_c=10.0, erc=True, positive_nll_coef=0.1),
+    "dcpo": dict(policy_loss="dcpo", clip_ratio_high=0.28, clip_ratio_c=10.0),
+    "skywork_or1": dict(policy_loss="ppo"),
+}
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise LossConfigError(f"{name}={value!r} is not valid; allowed: {list(allowed)}")
+
+
+def _range(name: str, value: float, lo: float, hi: float, allowed: str) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or not lo <= value <= hi:
+        raise LossConfigError(f"{name}={value!r} is out of range; allowed: {allowed}")
+
+
+def _open_low(name: str, value: float, lo: float, allowed: str) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or not value > lo:
+        raise LossConfigError(f"{name}={value!r} is out of range; allowed: {allowed}")
+
+
+def _frac(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 < value <= 1.0:
+        raise LossConfigError(f"{name}={value!r} is out of range; allowed: (0, 1] (a fraction of "
+                              "the global valid-token count, not a percentage)")

@@ -1,0 +1,167 @@
+"""The reduction context: the only object in ``megatron_rl.loss`` that talks to other processes.
+
+Built **once per mini-batch**, before the micro-batch loop, from the masks of every micro-batch this
+rank holds. :meth:`ReductionContext.from_minibatch` does one ``all_gather`` of a few integers over
+the data-parallel (DP) group and from them knows:
+
+* ``num_tokens``: valid response tokens of the whole mini-batch (all DP ranks, all micro-batches);
+* ``num_seqs``: sequences with at least one valid token, same scope;
+* ``max_len``: the largest padded response length T of any micro-batch on any rank;
+* ``seq_offset``: the global index of this rank's first sequence.
+
+Global layout convention: the mini-batch is the concatenation of DP rank 0's sequences, then rank
+1's, ...; within a rank, micro-batch 0's rows, then micro-batch 1's, .... A token's **global index**
+is ``seq_idx * max_len + t`` (``t`` = position in the right-padded response). Only the order of
+this index matters (it breaks ties in top-k selections), and that order is the same for any stride
+>= T, so padding differences between layouts do not change any selection.
+
+Gradient convention (read this before wiring the loss into a DP optimizer)
+-------------------------------------------------------------------------
+A micro-batch's ``loss`` is ``sum(local contributions) / global denominator``. Summing ``loss`` over
+all micro-batches **and** all DP ranks gives the mini-batch loss of one process holding all of it,
+and **summing** parameter gradients over DP ranks gives that process's gradient. Megatron DDP
+*averages* gradients over DP, so back-propagate ``loss * ctx.grad_scale`` with
+``grad_scale = dp_size`` (the default, ``dp_grad_average=True``); after DDP's average the gradient
+equals the single-process gradient. If the megatron schedule also divides each micro-batch loss by
+the number of micro-batches (``calculate_per_token_loss=False``), multiply by that number as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+def default_dp_group() -> object | None:
+    """Megatron's DP group when ``parallel_state`` is initialised, else WORLD, else ``None``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return ps.get_data_parallel_group()
+    except ImportError:  # megatron-core is optional for the loss module
+        pass
+    return dist.group.WORLD
+
+
+def as_list(x: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """A micro-batch list: a single ``[B, T]`` tensor becomes a one-element list."""
+    return [x] if isinstance(x, Tensor) else list(x)
+
+
+@dataclass
+class ReductionContext:
+    """Global denominators and collectives of one mini-batch (see the module docstring).
+
+    Counts are 0-dim device tensors (no host sync). ``group=None`` means a single process.
+    """
+
+    group: object | None
+    dp_size: int
+    dp_rank: int
+    num_tokens: Tensor  # int64, global valid tokens
+    num_seqs: Tensor  # int64, global sequences with >= 1 valid token
+    max_len: Tensor  # int64, global max padded T
+    seq_offset: Tensor  # int64, global index of this rank's first sequence
+    mb_seq_offsets: list[int]  # local row offset of each micro-batch (host ints, from shapes)
+    extra_counts: dict[str, Tensor] = field(default_factory=dict)
+    dp_grad_average: bool = True
+
+    # ---- construction -------------------------------------------------------------------------
+    @staticmethod
+    def from_minibatch(masks: Tensor | Sequence[Tensor], group: object | None = "default",
+                       dp_grad_average: bool = True,
+                       extra_masks: dict[str, Sequence[Tensor]] | None = None
+                       ) -> ReductionContext:
+        """Build the context from this rank's micro-batch masks (each ``[B_m, T_m]``).
+
+        One ``all_gather`` over ``group`` (``"default"``: :func:`default_dp_group`). ``extra_masks``
+        maps a name to per-micro-batch ``[B_m, T_m]`` masks whose global valid count is needed
+        too (e.g. ``"positive"`` tokens of the GPPO NLL term); read it with :meth:`count`.
+        """
+        masks = as_list(masks)
+        if not masks:
+            raise ValueError("from_minibatch needs at least one micro-batch mask")
+        if group == "default":
+            group = default_dp_group()
+        device = masks[0].device
+        names = sorted(extra_masks or {})
+        local = _local_counts(masks, [as_list(extra_masks[n]) for n in names], device)
+        if group is None:
+            rows = local.unsqueeze(0)
+            rank, size = 0, 1
+        else:
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            gathered = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(gathered, local, group=group)  # the one collective of this method
+            rows = torch.stack(gathered)
+        totals = rows.sum(0)
+        offsets = [0]
+        for m in masks[:-1]:
+            offsets.append(offsets[-1] + m.shape[0])
+        return ReductionContext(
+            group=group, dp_size=size, dp_rank=rank, num_tokens=totals[0], num_seqs=totals[1],
+            max_len=rows[:, 3].max(), seq_offset=rows[:rank, 2].sum(),
+            mb_seq_offsets=offsets,
+            extra_counts={n: totals[4 + i] for i, n in enumerate(names)},
+            dp_grad_average=dp_grad_average)
+
+    # ---- denominators -------------------------------------------------------------------------
+    @property
+    def token_denominator(self) -> Tensor:
+        """Global valid-token count as fp32, at least 1 (an empty mini-batch gives loss 0)."""
+        return self.num_tokens.clamp_min(1).to(torch.float32)
+
+    @property
+    def seq_denominator(self) -> Tensor:
+        """Global count of non-empty sequences as fp32, at least 1."""
+        return self.num_seqs.clamp_min(1).to(torch.float32)
+
+    def count(self, name: str) -> Tensor:
+        """Global valid count of an ``extra_masks`` entry (int64, 0-dim)."""
+        if name not in self.extra_counts:
+            raise KeyError(f"count {name!r} was not requested in from_minibatch(extra_masks=...); "
+                           f"have {sorted(self.extra_counts)}")
+        return self.extra_counts[name]
+
+    @property
+    def grad_scale(self) -> float:
+        """Multiply the loss by this before backward: ``dp_size`` when DP averages gradients."""
+        return float(self.dp_size) if self.dp_grad_average else 1.0
+
+    # ---- global indices -----------------------------------------------------------------------
+    def seq_index(self, micro_batch: int, rows: int, device: torch.device | None = None) -> Tensor:
+        """Global sequence index ``[rows]`` (int64) of the rows of local micro-batch
+        ``micro_batch``."""
+        start = self.seq_offset.to(device or self.seq_offset.device)
+        local = torch.arange(rows, device=start.device) + self.mb_seq_offsets[micro_batch]
+        return start + local
+
+    # ---- collectives --------------------------------------------------------------------------
+    def all_reduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        """In-place all-reduce over the DP group (no-op for a single process); returns ``t``."""
+        if self.group is not None and self.dp_size > 1:
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+
+def _local_counts(masks: list[Tensor], extra: list[list[Tensor]], device: torch.device) -> Tensor:
+    """``[4 + len(extra)]`` int64: valid tokens, non-empty seqs, rows, max T, extra counts."""
+    tokens = sum(m.bool().sum() for m in masks)
+    nonempty = sum(m.bool().any(-1).sum() for m in masks)
+    rows = sum(m.shape[0] for m in masks)
+    max_t = max(m.shape[-1] for m in masks)
+    head = [torch.as_tensor(tokens, dtype=torch.int64, device=device),
+            torch.as_tensor(nonempty, dtype=torch.int64, device=device),
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(max_t, dtype=torch.int64, device=device)]
+    tail = [torch.as_tensor(sum(x.bool().sum() for x in ms), dtype=torch.int64, device=device)
+            for ms in extra]
+    return torch.stack(head + tail)

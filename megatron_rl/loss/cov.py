@@ -1,0 +1,206 @@
+"""Clip-Cov and KL-Cov (§4) with mini-batch-global statistics, plus the §12 diagnostic.
+
+Per mini-batch, before any micro-batch runs backward:
+
+1. pick the log-prob statistic source (:func:`cov_stat_logp`): ``cov_stat_source="prepass"``
+   (exact; the caller runs a no-grad forward of the current weights over the mini-batch) or
+   ``"old_logp"`` (free; exact for the first update after a rollout, an approximation for later
+   mini-batches / epochs because the weights have moved);
+2. :func:`select_cov_tokens` computes ``Cov_t = (logp_t - mean logp)(A_t - mean A)`` with means
+   over the **global** valid tokens, and selects tokens with an exact global rule (the same tokens
+   for any DP / micro-batch split): KL-Cov takes the top ``max(floor(kl_cov_ratio * N), 1)``
+   Cov tokens (ties -> smaller global index); Clip-Cov takes
+   ``min(max(floor(clip_cov_ratio * N), 1), #candidates)`` candidates uniformly at random,
+   the randomness being a hash of (``cov_seed``, step, global token index);
+3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megatron_rl.loss.common import log_ratio, ppo_kl_stat
+from megatron_rl.loss.config import LossConfig, LossConfigError
+from megatron_rl.loss.context import ReductionContext, as_list
+from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.select import (
+    composite_key,
+    float_order_key,
+    global_token_index,
+    global_topk_mask,
+    token_hash32,
+)
+from megatron_rl.loss.types import LossInputs, TokenLoss
+
+Tensor = torch.Tensor
+TensorList = Tensor | Sequence[Tensor]
+
+
+@dataclass
+class CovSelection:
+    """Selected-token masks (one ``[B_m, T_m]`` bool per local micro-batch) and global metrics."""
+
+    selected: list[Tensor]
+    stats: dict[str, Tensor]
+
+
+def cov_stat_logp(cfg: LossConfig, old_logp: TensorList, prepass_logp: TensorList | None = None
+                  ) -> list[Tensor]:
+    """The log-probs the covariance statistic is computed from (see module docstring)."""
+    if cfg.cov_stat_source == "old_logp":
+        return [x.detach() for x in as_list(old_logp)]
+    if cfg.cov_stat_source == "prepass":
+        if prepass_logp is None:
+            raise LossConfigError("cov_stat_source='prepass' needs the no-grad pre-pass log-probs "
+                                  "of the current weights (prepass_logp); or set "
+                                  "cov_stat_source='old_logp' (exact only for the first update)")
+        return [x.detach() for x in as_list(prepass_logp)]
+    raise LossConfigError(f"cov_stat_source={cfg.cov_stat_source!r}; allowed: "
+                          "['prepass', 'old_logp']")
+
+
+def token_covariance(ctx: ReductionContext, logp: TensorList, advantages: TensorList,
+                     masks: TensorList) -> tuple[list[Tensor], Tensor]:
+    """Per-token ``Cov_t`` (fp32 ``[B_m, T_m]``, 0 at padding) with global fp64 means, and the
+    global batch covariance ``mean_t Cov_t`` (0-dim fp64). One ``all_reduce`` of 3 numbers."""
+    ms = [m.bool() for m in as_list(masks)]
+    lp = [x.detach().double() for x in as_list(logp)]
+    adv = [a.detach().double() for a in as_list(advantages)]
+    parts = [torch.stack([torch.where(m, x, 0.0).sum(), torch.where(m, a, 0.0).sum(),
+                          torch.where(m, x * a, 0.0).sum()])
+             for x, a, m in zip(lp, adv, ms, strict=True)]
+    sums = torch.stack(parts).sum(0)
+    ctx.all_reduce(sums)
+    n = ctx.num_tokens.clamp_min(1).double()
+    mean_lp, mean_a = sums[0] / n, sums[1] / n
+    batch_cov = sums[2] / n - mean_lp * mean_a
+    cov = [torch.where(m, (x - mean_lp) * (a - mean_a), 0.0).float()
+           for x, a, m in zip(lp, adv, ms, strict=True)]
+    return cov, batch_cov
+
+
+def _flat(xs: list[Tensor]) -> Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _unflat(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    out, start = [], 0
+    for x in like:
+        out.append(flat[start:start + x.numel()].view(x.shape))
+        start += x.numel()
+    return out
+
+
+def _count_k(ratio: float, n: Tensor) -> Tensor:
+    """``max(floor(ratio * N), 1)`` as int64 device tensor."""
+    return torch.floor(ratio * n.double()).to(torch.int64).clamp_min(1)
+
+
+def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> Tensor:
+    """bool ``[B, T]``: the PPO clip is active (``L2 > L1``), ratio bounds from ``cfg``."""
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    return loss2 > loss1
+
+
+def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorList,
+                      old_logp: TensorList, advantages: TensorList, masks: TensorList,
+                      step: int | Tensor = 0) -> CovSelection:
+    """Global Clip-Cov / KL-Cov token selection for this rank's micro-batches (``cfg.policy_loss``
+    picks the rule). Inputs are per-micro-batch ``[B_m, T_m]`` lists (or one tensor) in the
+    order used by ``ctx``. Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k), no host sync.
+    """
+    lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
+    ms = [m.bool() for m in as_list(masks)]
+    device = lp[0].device
+    cov, batch_cov = token_covariance(ctx, lp, adv, ms)
+    idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
+    valid, cov_f = _flat(ms), _flat(cov)
+    if cfg.policy_loss == "kl_cov":
+        active = valid
+        keys = composite_key(float_order_key(cov_f), idx)
+        k = _count_k(cfg.kl_cov_ratio, ctx.num_tokens)
+    elif cfg.policy_loss == "clip_cov":
+        ratio = [torch.exp(log_ratio(x, o.detach(), None)) for x, o in zip(lp, old, strict=True)]
+        clipped = _flat([ppo_clipped(r, a, cfg) for r, a in zip(ratio, adv, strict=True)])
+        active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
+        rand = [token_hash32(cfg.cov_seed, step, ctx.seq_index(i, m.shape[0], device),
+                             torch.arange(m.shape[1], device=device)) for i, m in enumerate(ms)]
+        keys = composite_key(_flat(rand), idx)
+        k = _count_k(cfg.clip_cov_ratio, ctx.num_tokens)
+    else:
+        raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
+                              f"{cfg.policy_loss!r}")
+    sel = global_topk_mask(keys, active, k, ctx)
+    sums = torch.stack([sel.double().sum(), torch.where(sel, cov_f.double(), 0.0).sum(),
+                        active.double().sum()])
+    ctx.all_reduce(sums)
+    n = ctx.num_tokens.clamp_min(1).double()
+    name = cfg.policy_loss
+    stats = {"cov/batch_cov": batch_cov.float(),
+             "cov/mean_selected": (sums[1] / sums[0].clamp_min(1)).float(),
+             f"{name}/num_selected": sums[0].float(),
+             f"{name}/selected_frac": (sums[0] / n).float(),
+             f"{name}/candidate_frac": (sums[2] / n).float()}
+    return CovSelection(_unflat(sel, ms), stats)
+
+
+def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advantages: TensorList,
+                                masks: TensorList, top_frac: float = 2e-4) -> dict[str, Tensor]:
+    """§12 diagnostic: global batch ``Cov(log pi, A)`` and the mean ``Cov_t`` of the top
+    ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
+    mean over all tokens, so users see which tokens drive entropy collapse."""
+    ms = [m.bool() for m in as_list(masks)]
+    device = ms[0].device
+    cov, batch_cov = token_covariance(ctx, logp, advantages, ms)
+    cov_f, valid = _flat(cov), _flat(ms)
+    idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
+    sel = global_topk_mask(composite_key(float_order_key(cov_f), idx), valid,
+                           _count_k(top_frac, ctx.num_tokens), ctx)
+    sums = torch.stack([sel.double().sum(), torch.where(sel, cov_f.double(), 0.0).sum()])
+    ctx.all_reduce(sums)
+    return {"entropy_dynamics/batch_cov": batch_cov.float(),
+            "entropy_dynamics/cov_mean_all": batch_cov.float(),
+            "entropy_dynamics/cov_mean_top": (sums[1] / sums[0].clamp_min(1)).float(),
+            "entropy_dynamics/top_count": sums[0].float()}
+
+
+def _selected(inp: LossInputs, name: str) -> Tensor:
+    if inp.cov_selected is None:
+        raise ValueError(f"policy_loss={name!r} needs LossInputs.cov_selected: call "
+                         "select_cov_tokens(...) once per mini-batch and pass each micro-batch "
+                         "its slice")
+    return inp.cov_selected.bool()
+
+
+def clip_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+    """§4 Clip-Cov: PPO-clip (no dual clip, no log-ratio clamp) with the selected tokens'
+    loss and gradient zeroed; they still count in the denominator."""
+    sel = _selected(inp, "clip_cov")
+    ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
+    a = inp.advantages
+    loss1 = -a * ratio
+    loss2 = -a * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss = torch.where(sel, torch.zeros_like(loss1), torch.maximum(loss1, loss2))
+    m = inp.mask.float()
+    stats = {"clip_cov/zeroed_frac": mean_stat(sel.float(), m),
+             "policy/clip_frac": mean_stat((loss2 > loss1).float(), m),
+             **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
+    return TokenLoss(loss, stats)
+
+
+def kl_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+    """§4 KL-Cov: ``-A r`` (no clipping) plus ``kl_cov_coef * |logp - old_logp|`` on the selected
+    tokens."""
+    sel = _selected(inp, "kl_cov")
+    lr = log_ratio(inp.logp, inp.old_logp, None)
+    loss = -inp.advantages * torch.exp(lr)
+    loss = loss + torch.where(sel, cfg.kl_cov_coef * lr.abs(), torch.zeros_like(lr))
+    m = inp.mask.float()
+    stats = {"kl_cov/penalised_frac": mean_stat(sel.float(), m),
+             "policy/abs_log_ratio": mean_stat(lr.abs(), m),
+             **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
+    return TokenLoss(loss, stats)

@@ -1,0 +1,73 @@
+"""Policy losses by config name. Each entry is a pure ``(LossInputs, LossConfig) -> TokenLoss``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_rl.loss.aspo import aspo_token_loss
+from megatron_rl.loss.cispo import cispo_token_loss
+from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
+from megatron_rl.loss.gppo import gppo_token_loss
+from megatron_rl.loss.gspo import gspo_token_level_loss, gspo_token_loss
+from megatron_rl.loss.ppo import dcpo_token_loss, ppo_token_loss
+
+
+class UnknownLossError(KeyError, ValueError):
+    """``policy_loss`` names no registered loss; the message lists the valid names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """A registered loss. ``token_level``: composes with the ERC gate. ``forced_agg``: the
+    aggregation the algorithm defines (overrides ``loss_agg_mode``). ``needs``: extra inputs."""
+
+    name: str
+    fn: Callable
+    section: str
+    token_level: bool = True
+    forced_agg: str | None = None
+    needs: tuple[str, ...] = ()
+
+
+_REGISTRY: dict[str, PolicyLossSpec] = {}
+
+
+def register_policy_loss(spec: PolicyLossSpec) -> PolicyLossSpec:
+    """Add a loss under ``spec.name`` (refuses duplicates)."""
+    if spec.name in _REGISTRY:
+        raise ValueError(f"policy loss {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def policy_loss_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_policy_loss(name: str) -> PolicyLossSpec:
+    """The spec registered as ``name``; :class:`UnknownLossError` lists the valid names."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UnknownLossError(f"policy_loss={name!r} is not a registered loss; valid names: "
+                               f"{policy_loss_names()}") from None
+
+
+for _spec in (
+    PolicyLossSpec("ppo", ppo_token_loss, "§1"),
+    PolicyLossSpec("dapo", ppo_token_loss, "§2.1 (= ppo; set clip_ratio_high=0.28)"),
+    PolicyLossSpec("gspo", gspo_token_loss, "§5", token_level=False,
+                   forced_agg="seq-mean-token-mean"),
+    PolicyLossSpec("gspo_token", gspo_token_level_loss, "§5", forced_agg="seq-mean-token-mean"),
+    PolicyLossSpec("cispo", cispo_token_loss, "§6"),
+    PolicyLossSpec("gppo", gppo_token_loss, "§7"),
+    PolicyLossSpec("aspo", aspo_token_loss, "§8", needs=("entropy",)),
+    PolicyLossSpec("clip_cov", clip_cov_token_loss, "§4", needs=("cov_selected",)),
+    PolicyLossSpec("kl_cov", kl_cov_token_loss, "§4", needs=("cov_selected",)),
+    PolicyLossSpec("dcpo", dcpo_token_loss, "§10.2"),
+):
+    register_policy_loss(_spec)

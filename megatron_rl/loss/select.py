@@ -1,0 +1,112 @@
+"""Layout-independent token selection: counter-based random keys and an exact global top-k.
+
+Both run on device with integer tensor ops and never read a value on the host.
+
+* :func:`token_hash32` gives each token a pseudo-random 32-bit key from
+  ``(seed, step, global sequence index, position)`` (murmur3 finaliser rounds, 32-bit arithmetic
+  emulated in int64 without overflow), so every layout draws the same "random" numbers.
+* :func:`global_topk_mask` selects exactly the ``k`` largest int64 keys over all DP ranks by radix
+  selection: one ``all_reduce`` of a digit histogram per pass. ``k`` is a device tensor,
+  so no host sync is needed to size anything; 4 passes of 16-bit digits (512 KiB each).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_rl.loss.context import ReductionContext
+
+Tensor = torch.Tensor
+
+_M32 = 0xFFFFFFFF
+_IDX_BITS = 31  # global token index must be < 2**31 (a mini-batch of < 2.1e9 padded tokens)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """Murmur3 32-bit finaliser on int64 tensors holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def token_hash32(seed: int, step: int | Tensor, seq_idx: Tensor, pos: Tensor) -> Tensor:
+    """Pseudo-random int64 in ``[0, 2**32)`` per token: ``seq_idx [B]`` x ``pos [T]`` -> ``[B, T]``.
+
+    Depends only on (seed, step, global sequence index, position), never on the layout. The
+    per-sequence and per-position parts are hashed on ``[B]`` and ``[T]``; one finaliser round
+    mixes them per token.
+    """
+    seq_idx = seq_idx.to(torch.int64)
+    step_t = torch.as_tensor(step, dtype=torch.int64, device=seq_idx.device)
+    h_seq = _fmix32((seq_idx & _M32) ^ (int(seed) & _M32))
+    h_seq = _fmix32(h_seq ^ ((seq_idx >> 32) & _M32))
+    h_seq = _fmix32(h_seq ^ (step_t & _M32))
+    h_pos = _fmix32(_fmix32((pos.to(torch.int64) & _M32) ^ 0x9E3779B9))
+    return _fmix32(h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0))
+
+
+def float_order_key(x: Tensor) -> Tensor:
+    """int64 in ``[0, 2**32)`` whose order equals the order of the fp32 values ``x`` (no NaN)."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return ordered + 2**31
+
+
+def composite_key(score_key: Tensor, global_index: Tensor) -> Tensor:
+    """Unique non-negative int64 key: ``score_key`` (32 bits) first, then the smaller global
+    index wins ties. ``global_index`` must be in ``[0, 2**31)``."""
+    return (score_key << _IDX_BITS) | ((2**_IDX_BITS - 1) - global_index)
+
+
+def global_token_index(ctx: ReductionContext, shapes: Sequence[torch.Size], device: torch.device
+                       ) -> list[Tensor]:
+    """Per micro-batch ``[B_m, T_m]`` int64 global token index ``seq_idx * max_len + t``."""
+    out = []
+    for i, shape in enumerate(shapes):
+        seq = ctx.seq_index(i, shape[0], device).unsqueeze(-1)
+        pos = torch.arange(shape[1], device=device).unsqueeze(0)
+        out.append(seq * ctx.max_len.to(device) + pos)
+    return out
+
+
+def global_topk_mask(keys: Tensor, active: Tensor, k: Tensor, ctx: ReductionContext,
+                     digit_bits: int = 16) -> Tensor:
+    """Select the ``min(k, #active globally)`` largest ``keys`` among ``active`` tokens (all ranks).
+
+    ``keys``: 1-D int64, non-negative and globally unique; ``active``: 1-D bool; ``k``: 0-dim int64.
+    Returns a 1-D bool mask of this rank's selected tokens. Exact radix selection of the k-th
+    largest key, most significant digit first: one ``all_reduce`` of a ``2**digit_bits``-bin
+    histogram per digit (4 passes with the default 16-bit digits).
+    """
+    device = keys.device
+    bins = 1 << digit_bits
+    ones = torch.ones_like(keys)
+    prefix = torch.zeros((), dtype=torch.int64, device=device)
+    match = active
+    need = k_eff = None
+    for shift in range(64 - digit_bits, -1, -digit_bits):
+        digit = (keys >> shift) & (bins - 1)
+        slot = torch.where(match, digit, bins)
+        hist = torch.zeros(bins + 1, dtype=torch.int64, device=device).index_add_(0, slot, ones)
+        hist = hist[:bins]
+        ctx.all_reduce(hist)
+        if need is None:
+            k_eff = torch.minimum(k.to(torch.int64), hist.sum())
+            need = k_eff.clamp_min(1)
+        at_or_above = hist.flip(0).cumsum(0).flip(0)  # [d] -> count with digit >= d
+        d = ((at_or_above >= need).sum() - 1).clamp(0, bins - 1)
+        above = at_or_above.gather(0, d.view(1)).squeeze(0) - hist.gather(0, d.view(1)).squeeze(0)
+        need = need - above
+        prefix = prefix | (d << shift)
+        match = match & (digit == d)
+    return active & (keys >= prefix) & (k_eff > 0)

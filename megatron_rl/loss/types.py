@@ -1,0 +1,56 @@
+"""Inputs and outputs of the policy losses (shapes and dtypes stated once, here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl.loss.metrics import TokenStat
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class LossInputs:
+    """Per-micro-batch tensors, all ``[B, T]`` fp32 unless stated.
+
+    ``logp`` carries the gradient; ``old_logp``, ``advantages``, ``ref_logp`` and ``old_entropy``
+    are constants. ``mask`` is bool/0-1 (1 = valid response token). ``entropy`` is the current
+    full-vocabulary entropy (may carry gradient, for the entropy bonus). ``cov_selected`` is this
+    micro-batch's slice of :func:`megatron_rl.loss.cov.select_cov_tokens` (Clip-Cov / KL-Cov only).
+    ``positive`` is ``[B]`` bool: sequences counted as correct (GPPO positive NLL term).
+    """
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    entropy: Tensor | None = None
+    old_entropy: Tensor | None = None
+    ref_logp: Tensor | None = None
+    cov_selected: Tensor | None = None
+    positive: Tensor | None = None
+
+
+@dataclass
+class TokenLoss:
+    """A policy loss before aggregation: per-token loss ``[B, T]`` and its metric records."""
+
+    loss: Tensor
+    stats: dict[str, TokenStat] = field(default_factory=dict)
+
+
+@dataclass
+class LossOutput:
+    """Result of :func:`megatron_rl.loss.compute.compute_loss` for one micro-batch.
+
+    ``loss``: this micro-batch's share of the mini-batch loss (sum convention, see
+    :mod:`megatron_rl.loss.context`). ``loss_for_backward`` = ``loss * ctx.grad_scale`` (what to
+    back-propagate under DP gradient averaging). ``stats``: feed to a ``MetricAccumulator``.
+    """
+
+    loss: Tensor
+    loss_for_backward: Tensor
+    pg_loss: Tensor
+    stats: dict[str, TokenStat]

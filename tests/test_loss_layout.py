@@ -1,0 +1,308 @@
+"""Layout invariance of every loss: DP=1x1, DP=2x1, DP=2x2 and DP=1x4 give the same loss, the same
+gradients (w.r.t. logp and w.r.t. a shared parameter after DDP-style averaging), the same
+Clip-Cov / KL-Cov token sets and the same metrics (atol 1e-6).
+
+DP=2 layouts run in ONE spawned 2-process gloo job (all losses, both micro-batch splits, plus the
+TP=2 ERC check); DP=1 layouts run in the test process. The negative controls show that an
+anchor-style per-micro-batch normaliser / selection gives different results on the same split.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.loss import (
+    LossConfig,
+    LossInputs,
+    MetricAccumulator,
+    ReductionContext,
+    compute_loss,
+    cov_stat_logp,
+    entropy_dynamics_diagnostic,
+    select_cov_tokens,
+)
+
+B, T = 8, 12
+ATOL = 1e-6
+STEP = 7
+
+CASES: dict[str, dict] = {
+    "ppo_kl_entropy": dict(policy_loss="ppo", use_kl_loss=True, kl_loss_coef=0.1,
+                           kl_loss_type="k3+", entropy_coeff=0.01),
+    "dapo_seq_mean_token_mean": dict(policy_loss="dapo", clip_ratio_high=0.28,
+                                     loss_agg_mode="seq-mean-token-mean"),
+    "ppo_seq_mean_token_sum": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum"),
+    "ppo_drgrpo_norm": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm",
+                            loss_scale_factor=16.0),
+    "ppo_verl_sum_norm": dict(policy_loss="ppo", loss_agg_mode="token-sum-norm",
+                              loss_scale_factor=16.0),
+    "gspo": dict(policy_loss="gspo", clip_ratio_low=0.05, clip_ratio_high=0.05,
+                 loss_agg_mode="seq-mean-token-mean"),
+    "gspo_token": dict(policy_loss="gspo_token", clip_ratio_low=0.05, clip_ratio_high=0.05),
+    "cispo": dict(policy_loss="cispo", clip_ratio_low=10.0, clip_ratio_high=0.2),
+    "gppo_nll": dict(policy_loss="gppo", clip_ratio_c=10.0, positive_nll_coef=0.1),
+    "aspo": dict(policy_loss="aspo", use_kl_loss=True, kl_loss_type="low_var_kl"),
+    "clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=0.02,
+                     clip_cov_ub=5.0),
+    "clip_cov_old_logp": dict(policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=0.02,
+                              cov_stat_source="old_logp"),
+    "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.05, kl_cov_coef=1.0),
+    "dcpo": dict(policy_loss="dcpo", clip_ratio_high=0.28, clip_ratio_c=10.0),
+    "dapo_erc": dict(policy_loss="dapo", clip_ratio_high=0.28, clip_ratio_c=10.0, erc=True,
+                     erc_low=0.9, erc_high=1.1),
+    "gppo_erc": dict(policy_loss="gppo", clip_ratio_c=10.0, erc=True, erc_low=0.9, erc_high=1.1,
+                     positive_nll_coef=0.1),
+}
+
+
+def make_data(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One global mini-batch [B, T]; values on a coarse grid so Cov has exact ties."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([12, 3, 7, 0, 12, 5, 9, 1])  # one empty sequence
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    logp = -torch.randint(1, 9, (B, T), generator=g).float() / 4
+    old = logp + (torch.randint(-4, 5, (B, T), generator=g).float() / 16)
+    adv = (torch.randint(-2, 3, (B,), generator=g).float() / 2)[:, None].expand(B, T).clone()
+    ent = torch.rand(B, T, generator=g) + 0.5
+    old_ent = ent * (1 + (torch.rand(B, T, generator=g) - 0.5) * 0.4)
+    ref = logp + torch.randn(B, T, generator=g) * 0.3
+    feat = torch.randn(B, T, generator=g)
+    positive = adv[:, 0] > 0
+    return dict(logp=logp, old=old, adv=adv, mask=mask, ent=ent, old_ent=old_ent, ref=ref,
+                feat=feat, positive=positive)
+
+
+def _trim(x: torch.Tensor, t: int) -> torch.Tensor:
+    return x[:, :t] if x.dim() == 2 else x
+
+
+def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bool) -> dict:
+    """Run one case on this rank's ``rows`` split into ``n_micro`` micro-batches.
+
+    Returns local loss sum, per-row grads (padded back to T), selected masks, w-grad, metrics.
+    ``trim``: each micro-batch is cut to its own longest valid sequence (dynamic padding).
+    """
+    cfg = LossConfig(**CASES[case]).validate()
+    local = {k: v[rows] for k, v in data.items()}
+    n = local["mask"].shape[0]
+    bounds = [(i * n // n_micro, (i + 1) * n // n_micro) for i in range(n_micro)]
+    mbs = []
+    for a, b in bounds:
+        mb = {k: v[a:b] for k, v in local.items()}
+        if trim:
+            t_mb = max(int(mb["mask"].sum(-1).max()), 1)
+            mb = {k: _trim(v, t_mb) for k, v in mb.items()}
+        mbs.append(mb)
+    masks = [mb["mask"] for mb in mbs]
+    pos_masks = [mb["mask"] & mb["positive"][:, None] for mb in mbs]
+    ctx = ReductionContext.from_minibatch(masks, group=group, extra_masks={"positive": pos_masks})
+    w = torch.zeros((), requires_grad=True)  # a parameter shared (replicated) by all DP ranks
+    sel_stats, selected = {}, [None] * n_micro
+    if cfg.policy_loss in ("clip_cov", "kl_cov"):
+        stat = cov_stat_logp(cfg, [mb["old"] for mb in mbs], [mb["logp"] for mb in mbs])
+        sel = select_cov_tokens(ctx, cfg, stat, [mb["old"] for mb in mbs],
+                                [mb["adv"] for mb in mbs], masks, step=STEP)
+        sel_stats, selected = sel.stats, sel.selected
+    diag = entropy_dynamics_diagnostic(ctx, [mb["logp"] for mb in mbs], [mb["adv"] for mb in mbs],
+                                       masks, top_frac=0.05)
+    acc = MetricAccumulator()
+    total, grads = torch.zeros(()), []
+    for i, mb in enumerate(mbs):
+        logp = mb["logp"] + w * mb["feat"]
+        logp.retain_grad()
+        inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=mb["ent"],
+                         old_entropy=mb["old_ent"], ref_logp=mb["ref"], cov_selected=selected[i],
+                         positive=mb["positive"])
+        out = compute_loss(inp, cfg, ctx)
+        out.loss_for_backward.backward()
+        acc.update(out.stats)
+        total = total + out.loss.detach()
+        grads.append(torch.nn.functional.pad(logp.grad / ctx.grad_scale, (0, T - logp.shape[1])))
+    w_grad = w.grad.clone()
+    if ctx.dp_size > 1:  # what megatron DDP does: average gradients over the DP group
+        dist.all_reduce(w_grad, group=ctx.group)
+        w_grad /= ctx.dp_size
+    sel_rows = (torch.cat([torch.nn.functional.pad(s, (0, T - s.shape[1])) for s in selected])
+                if selected[0] is not None else None)
+    return dict(loss=total, grad=torch.cat(grads), selected=sel_rows, w_grad=w_grad,
+                metrics={**acc.reduce(ctx), **sel_stats, **diag})
+
+
+def _tp_erc_part(data: dict) -> dict:
+    """TP=2: entropy from vocab-parallel shards -> ERC gate; returned for comparison with TP=1."""
+    rank = dist.get_rank()
+    logits, labels = data["tp_logits"], data["tp_labels"]
+    v_local = logits.shape[-1] // 2
+    shard = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+    return erc_from_logits(shard, labels, data, dist.group.WORLD)
+
+
+def erc_from_logits(logits: torch.Tensor, labels: torch.Tensor, data: dict, tp_group) -> dict:
+    from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy
+
+    logp, ent = vocab_parallel_logprob_entropy(logits, labels, group=tp_group)
+    shape = data["mask"].shape
+    logp, ent = logp.view(shape), ent.view(shape)
+    cfg = LossConfig(policy_loss="dapo", clip_ratio_high=0.28, clip_ratio_c=10.0, erc=True,
+                     erc_low=0.9, erc_high=1.1)
+    ctx = ReductionContext.from_minibatch(data["mask"], group=None)  # DP = 1 here
+    inp = LossInputs(logp, logp.detach() + data["old"] - data["logp"], data["adv"], data["mask"],
+                     entropy=ent, old_entropy=data["tp_old_ent"])
+    from megatron_rl.loss.erc import erc_keep_mask
+
+    keep = erc_keep_mask(ent, data["tp_old_ent"], data["mask"], cfg.erc_low, cfg.erc_high)
+    out = compute_loss(inp, cfg, ctx)
+    out.loss.backward()
+    return dict(entropy=ent.detach(), keep=keep, loss=out.loss.detach(), grad=logits.grad.clone())
+
+
+def dp2_worker(data: dict, tp_data: dict | None) -> dict:
+    from megatron_rl.parallel.runtime import init_distributed
+
+    init_distributed(backend="gloo", timeout_s=60)
+    rank = dist.get_rank()
+    rows = slice(rank * B // 2, (rank + 1) * B // 2)
+    res = {}
+    for n_micro, trim in ((1, False), (2, True)):
+        for case in CASES:
+            res[(case, n_micro)] = run_layout(case, data, rows, n_micro, "default", trim)
+    if tp_data is not None:
+        res["tp"] = _tp_erc_part(tp_data)
+    return res
+
+
+def _vocab_parallel_available() -> bool:
+    try:
+        from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _tp_data(data: dict) -> dict:
+    g = torch.Generator().manual_seed(1)
+    out = dict(data)
+    out["tp_logits"] = torch.randn(B * T, 16, generator=g) * 2
+    out["tp_labels"] = torch.randint(0, 16, (B * T,), generator=g)
+    # old entropy near the TP=1 entropy so that the gate keeps some tokens and drops others
+    full = torch.log_softmax(out["tp_logits"], -1)
+    h = -(full.exp() * full).sum(-1).view(B, T)
+    out["tp_old_ent"] = h * (1 + (torch.rand(B, T, generator=g) - 0.5) * 0.4)
+    return out
+
+
+def compare(ref: dict, got: dict, label: str) -> None:
+    torch.testing.assert_close(got["loss"], ref["loss"], atol=ATOL, rtol=0, msg=f"{label}: loss")
+    torch.testing.assert_close(got["grad"], ref["grad"], atol=ATOL, rtol=0,
+                               msg=f"{label}: grad logp")
+    torch.testing.assert_close(got["w_grad"], ref["w_grad"], atol=ATOL, rtol=1e-6,
+                               msg=f"{label}: DP-averaged grad of a shared parameter")
+    if ref["selected"] is not None:
+        assert torch.equal(got["selected"], ref["selected"]), f"{label}: selected token set"
+    assert sorted(got["metrics"]) == sorted(ref["metrics"]), f"{label}: metric names"
+    for k, v in ref["metrics"].items():
+        torch.testing.assert_close(got["metrics"][k], v, atol=ATOL, rtol=1e-6,
+                                   msg=f"{label}: metric {k}")
+
+
+def merge_ranks(per_rank: list[dict]) -> dict:
+    a, b = per_rank
+    return dict(loss=a["loss"] + b["loss"], grad=torch.cat([a["grad"], b["grad"]]),
+                selected=None if a["selected"] is None else torch.cat([a["selected"],
+                                                                         b["selected"]]),
+                w_grad=a["w_grad"], metrics=a["metrics"])
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_data()
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return {case: run_layout(case, data, slice(0, B), 1, None, False) for case in CASES}
+
+
+def test_dp1_four_micro_batches_match_one(data, reference):
+    for case in CASES:
+        compare(reference[case], run_layout(case, data, slice(0, B), 4, None, True),
+                f"{case} DP=1x4")
+
+
+def test_selection_is_nontrivial(reference):
+    for case in ("clip_cov", "kl_cov", "clip_cov_old_logp"):
+        n = int(reference[case]["selected"].sum())
+        assert n >= 2, (case, n)
+    assert 0 < float(reference["dapo_erc"]["metrics"]["erc/kept_frac"]) < 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dp2_layouts_match_single_process(data, reference):
+    from megatron_rl.parallel.launch import spawn
+
+    with_tp = _vocab_parallel_available()
+    tp_data = _tp_data(data) if with_tp else data
+    results = spawn(dp2_worker, 2, (data, tp_data if with_tp else None), timeout_s=240)
+    for case in CASES:
+        for n_micro in (1, 2):
+            got = merge_ranks([r[(case, n_micro)] for r in results])
+            assert torch.equal(results[0][(case, n_micro)]["w_grad"],
+                               results[1][(case, n_micro)]["w_grad"])
+            compare(reference[case], got, f"{case} DP=2x{n_micro}")
+    if with_tp:
+        logits = tp_data["tp_logits"].clone().requires_grad_(True)
+        ref = erc_from_logits(logits, tp_data["tp_labels"], tp_data, None)
+        assert 0 < int(ref["keep"].sum()) < int(tp_data["mask"].sum())
+        v_local = logits.shape[-1] // 2
+        for rank, r in enumerate(results):
+            tp = r["tp"]
+            torch.testing.assert_close(tp["entropy"], ref["entropy"], atol=ATOL, rtol=0)
+            assert torch.equal(tp["keep"], ref["keep"]), "ERC gate differs between TP=2 and TP=1"
+            torch.testing.assert_close(tp["loss"], ref["loss"], atol=ATOL, rtol=0)
+            torch.testing.assert_close(tp["grad"],
+                                       ref["grad"][:, rank * v_local:(rank + 1) * v_local],
+                                       atol=ATOL, rtol=0)
+
+
+# ---- negative controls: the comparison above can fail --------------------------------------
+def anchor_style_grad(case: str, data: dict, n_micro: int) -> torch.Tensor:
+    """Per-micro-batch denominators and selection (what the anchors do), 1/n_micro accumulation."""
+    cfg = LossConfig(**CASES[case]).validate()
+    grads = []
+    for i in range(n_micro):
+        rows = slice(i * B // n_micro, (i + 1) * B // n_micro)
+        mb = {k: v[rows] for k, v in data.items()}
+        ctx = ReductionContext.from_minibatch(mb["mask"], group=None,
+                                              extra_masks={"positive": [mb["mask"]]})
+        sel = None
+        if cfg.policy_loss in ("clip_cov", "kl_cov"):
+            sel = select_cov_tokens(ctx, cfg, mb["logp"], mb["old"], mb["adv"], mb["mask"],
+                                    step=STEP).selected[0]
+        logp = mb["logp"].clone().requires_grad_(True)
+        inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=mb["ent"],
+                         old_entropy=mb["old_ent"], ref_logp=mb["ref"], cov_selected=sel,
+                         positive=mb["positive"])
+        out = compute_loss(inp, cfg, ctx)
+        (out.loss / n_micro).backward()
+        grads.append(logp.grad)
+    return torch.cat(grads)
+
+
+@pytest.mark.parametrize("case", ["ppo_kl_entropy", "kl_cov", "clip_cov"])
+def test_negative_control_per_micro_batch_normaliser_differs(data, reference, case):
+    local = anchor_style_grad(case, data, 4)
+    assert (local - reference[case]["grad"]).abs().max() > 1e-3
+
+
+def test_negative_control_per_micro_batch_selection_differs(data, reference):
+    cfg = LossConfig(**CASES["kl_cov"]).validate()
+    picked = []
+    for i in range(4):
+        rows = slice(i * B // 4, (i + 1) * B // 4)
+        ctx = ReductionContext.from_minibatch(data["mask"][rows], group=None)
+        picked.append(select_cov_tokens(ctx, cfg, data["logp"][rows], data["old"][rows],
+                                        data["adv"][rows], data["mask"][rows]).selected[0])
+    assert not torch.equal(torch.cat(picked), reference["kl_cov"]["selected"])

@@ -1,0 +1,238 @@
+"""Benchmark: global Clip-Cov / KL-Cov (ours) vs a per-micro-batch implementation in the anchors'
+style (``.cpu()`` top-k / ``.item()`` counts / ``nonzero`` + ``randperm`` per micro-batch, an
+"at least one token" floor per micro-batch), on one mini-batch of 64 x 4096 tokens, CPU, one run.
+
+Reported per variant: wall time per mini-batch (selection + loss forward + backward of every
+micro-batch) and the number of host syncs per mini-batch. Syncs are counted two ways at once:
+a ``TorchDispatchMode`` counts the ops that force a device->host sync on a GPU
+(``aten._local_scalar_dense`` = ``.item()``/``int()``/``bool()``, ``aten.nonzero``,
+``aten.masked_select`` and boolean-mask indexing, whose output shape depends on data), and
+``Tensor.cpu`` / ``Tensor.tolist`` are wrapped to count explicit copies to the host (on a CPU
+tensor ``.cpu()`` is a no-op, so the dispatcher alone would miss it).
+
+Also printed: the cost of the "prepass" statistic source, as the ratio of a no-grad forward to a
+forward + backward of a small transformer (the pre-pass is one extra no-grad forward per
+mini-batch; the "old_logp" source costs nothing).
+
+Usage: ``python tools/bench_losses.py [--micro-batches 8] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from megatron_rl.loss import (  # noqa: E402
+    LossConfig,
+    LossInputs,
+    MetricAccumulator,
+    ReductionContext,
+    compute_loss,
+    select_cov_tokens,
+)
+
+B, T = 64, 4096
+
+
+# ---- host-sync counting ---------------------------------------------------------------------
+class SyncCounter(TorchDispatchMode):
+    """Counts ops that would block on a device->host copy on a GPU."""
+
+    SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                torch.ops.aten.masked_select.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNC_OPS:
+            self.count += 1
+        elif func is torch.ops.aten.index.Tensor and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Yields a dict whose ``"n"`` is the number of host syncs inside the block."""
+    box = {"n": 0}
+    orig_cpu, orig_tolist = torch.Tensor.cpu, torch.Tensor.tolist
+
+    def cpu(self, *a, **k):
+        box["n"] += 1
+        return orig_cpu(self, *a, **k)
+
+    def tolist(self, *a, **k):
+        box["n"] += 1
+        return orig_tolist(self, *a, **k)
+
+    torch.Tensor.cpu, torch.Tensor.tolist = cpu, tolist
+    mode = SyncCounter()
+    try:
+        with mode:
+            yield box
+    finally:
+        torch.Tensor.cpu, torch.Tensor.tolist = orig_cpu, orig_tolist
+        box["n"] += mode.count
+
+
+# ---- anchor-style per-micro-batch implementation ---------------------------------------------
+def _masked_mean(x, m):
+    return (x * m).sum() / m.sum()
+
+
+def anchor_clip_cov(logp, old, adv, mask, cfg: LossConfig):
+    """Per-micro-batch Clip-Cov as the public implementations structure it (not exact global)."""
+    m = mask.float()
+    ratio = torch.exp(logp - old)
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    n_clip = max(int(cfg.clip_cov_ratio * m.sum().item()), 1)  # host sync, per-mb floor
+    cov = (adv - _masked_mean(adv, m)) * (logp.detach() - _masked_mean(logp.detach(), m))
+    cov = cov.masked_fill(~mask, float("-inf"))
+    cand = (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~(l2 > l1) & mask
+    idx = torch.nonzero(cand)  # host sync (dynamic shape)
+    corr = torch.ones_like(adv)
+    if len(idx) > 0:
+        pick = idx[torch.randperm(len(idx))[:min(n_clip, len(idx))]]
+        corr[pick[:, 0], pick[:, 1]] = 0
+    return torch.maximum(l1, l2) * corr
+
+
+def anchor_kl_cov(logp, old, adv, mask, cfg: LossConfig):
+    """Per-micro-batch KL-Cov with the top-k done on host copies, as in the public code."""
+    lr = logp - old
+    loss = -adv * torch.exp(lr)
+    flat_valid = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]  # host sync
+    a = adv[mask].detach().reshape(-1).cpu()
+    lp = logp[mask].detach().reshape(-1).cpu()
+    if len(a) > 0:
+        cov = (a - a.mean()) * (lp - lp.mean())
+        k = max(1, int(len(cov) * cfg.kl_cov_ratio))
+        top = flat_valid[torch.topk(cov, k, largest=True).indices]
+        extra = torch.zeros(loss.numel())
+        extra[top] = cfg.kl_cov_coef
+        loss = loss + extra.view_as(loss) * lr.abs()
+    return loss
+
+
+def anchor_step(mbs, cfg, fn):
+    n = len(mbs)
+    for mb in mbs:
+        logp = mb["logp"].clone().requires_grad_(True)
+        per_tok = fn(logp, mb["old"], mb["adv"], mb["mask"], cfg)
+        m = mb["mask"].float()
+        loss = (per_tok * m).sum() / m.sum().item() / n  # per-mb token-mean, grad accumulation
+        loss.backward()
+
+
+# ---- ours ------------------------------------------------------------------------------------
+def global_step(mbs, cfg):
+    masks = [mb["mask"] for mb in mbs]
+    ctx = ReductionContext.from_minibatch(masks, group=None)
+    sel = select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
+                            [mb["adv"] for mb in mbs], masks, step=1)
+    acc = MetricAccumulator()
+    for i, mb in enumerate(mbs):
+        logp = mb["logp"].clone().requires_grad_(True)
+        out = compute_loss(LossInputs(logp, mb["old"], mb["adv"], mb["mask"],
+                                      cov_selected=sel.selected[i]), cfg, ctx)
+        out.loss_for_backward.backward()
+        acc.update(out.stats)
+    acc.reduce(ctx)
+
+
+def selection_only(mbs, cfg):
+    masks = [mb["mask"] for mb in mbs]
+    ctx = ReductionContext.from_minibatch(masks, group=None)
+    select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
+                      [mb["adv"] for mb in mbs], masks, step=1)
+
+
+def make_minibatch(n_micro: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    logp = -torch.rand(B, T, generator=g) * 4
+    old = logp + torch.randn(B, T, generator=g) * 0.05
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
+    per = B // n_micro
+    return [dict(logp=logp[i:i + per], old=old[i:i + per], adv=adv[i:i + per],
+                 mask=mask[i:i + per]) for i in range(0, B, per)]
+
+
+def timed(fn, repeats: int) -> tuple[float, int]:
+    fn()  # warm-up
+    with count_host_syncs() as box:
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, box["n"]
+
+
+def prepass_ratio(repeats: int) -> float:
+    """no-grad forward time / (forward + backward) time of a small transformer LM."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Embedding(4096, 256),
+                                torch.nn.TransformerEncoder(layer, 2), torch.nn.Linear(256, 4096))
+    x = torch.randint(0, 4096, (4, 512))
+
+    def fwd():
+        with torch.no_grad():
+            torch.log_softmax(model(x), -1)
+
+    def fwd_bwd():
+        torch.log_softmax(model(x), -1).mean().backward()
+
+    return timed(fwd, repeats)[0] / timed(fwd_bwd, repeats)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1 avoids OpenMP spin-wait noise on a shared box)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    mbs = make_minibatch(args.micro_batches)
+    n_tok = int(sum(mb["mask"].sum() for mb in mbs))
+    print(f"mini-batch {B}x{T} ({n_tok} valid tokens), {args.micro_batches} micro-batches, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    cfgs = {"clip_cov": LossConfig(policy_loss="clip_cov", clip_cov_ratio=2e-4,
+                                   clip_ratio_low=0.2, clip_ratio_high=0.2),
+            "kl_cov": LossConfig(policy_loss="kl_cov", kl_cov_ratio=2e-4)}
+    anchors = {"clip_cov": anchor_clip_cov, "kl_cov": anchor_kl_cov}
+    print(f"{'variant':<34}{'ms / mini-batch':>16}{'host syncs':>12}")
+    for name, cfg in cfgs.items():
+        cfg.validate()
+        t_sel, s_sel = timed(lambda cfg=cfg: selection_only(mbs, cfg), args.repeats)
+        t_g, s_g = timed(lambda cfg=cfg: global_step(mbs, cfg), args.repeats)
+        t_a, s_a = timed(lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name]),
+                         args.repeats)
+        print(f"{name + ' global selection only':<34}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
+        print(f"{name + ' global (ours), full step':<34}{t_g * 1e3:>16.1f}{s_g:>12d}")
+        print(f"{name + ' per-micro-batch (anchor)':<34}{t_a * 1e3:>16.1f}{s_a:>12d}")
+        print(f"{name + ' time ratio ours/anchor':<34}{t_g / t_a:>16.2f}")
+    r = prepass_ratio(args.repeats)
+    print(f"prepass cost: no-grad forward / (forward+backward) = {r:.2f} "
+          f"(cov_stat_source='prepass' adds about {r * 100:.0f}% of a training micro-batch pass "
+          "per mini-batch after the first; 'old_logp' adds 0)")
+
+
+if __name__ == "__main__":
+    main()
