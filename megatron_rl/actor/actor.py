@@ -1,0 +1,90 @@
+"""The Megatron actor: model stage + DDP + optimizer + policy updater + checkpoints, for one rank.
+
+Batch convention (this DP rank's rows): ``tokens [N, S]`` int64, ``mask [N, S]`` bool (response
+tokens; position 0 never), ``advantages [N, S]`` fp32; the old-policy pass adds ``old_logp`` and
+``old_entropy`` and the reference pass ``ref_logp`` (``[N, S]`` fp32, last pipeline stage only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.actor.forward import forward_logprob_entropy
+from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_rl.actor.train_step import ActorConfig, PolicyUpdater, split_rows
+from megatron_rl.loss import LossConfig
+from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.weights import load_full_state_dict
+
+
+class Actor:
+    """One rank's share of the policy model and its training machinery."""
+
+    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, optim_cfg: OptimConfig,
+                 loss_cfg: LossConfig, total_steps: int, seed: int = 1234,
+                 full_state: Mapping[str, torch.Tensor] | None = None,
+                 entropy_controller=None) -> None:
+        self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
+        self.model = build_gpt_model(model_cfg, seed=seed)
+        if full_state is not None:
+            load_full_state_dict(self.model, full_state)
+        self.ddp = wrap_ddp(self.model, optim_cfg.use_distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
+        self.updater = PolicyUpdater(self.ddp, self.optimizer, self.scheduler, actor_cfg,
+                                     self.loss_cfg, entropy_controller)
+
+    def micro_batches(self, batch: Mapping[str, Any]) -> list[dict]:
+        """Cut this rank's rows into micro-batches of ``actor.micro_batch_size`` sequences."""
+        n = batch["tokens"].shape[0]
+        return [{k: v[s] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                for s in split_rows(n, self.cfg.micro_batch_size,
+                                    f"actor.micro_batch_size={self.cfg.micro_batch_size}")]
+
+    def logprobs(self, batch: Mapping[str, Any], compute_entropy: bool = True,
+                 model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
+        """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; None elsewhere)."""
+        outs = forward_logprob_entropy(model or self.model, self.micro_batches(batch),
+                                       temperature=self.cfg.temperature,
+                                       compute_entropy=compute_entropy,
+                                       chunk_size=self.cfg.logprob_chunk_size)
+        if not outs:
+            return None
+        res = {"logp": torch.cat([o["logp"] for o in outs])}
+        if compute_entropy:
+            res["entropy"] = torch.cat([o["entropy"] for o in outs])
+        return res
+
+    def add_old_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The old-policy pass: adds ``old_logp`` and ``old_entropy`` (current weights)."""
+        out = self.logprobs(batch)
+        if out is not None:
+            batch["old_logp"], batch["old_entropy"] = out["logp"], out["entropy"]
+        return batch
+
+    def update(self, batch: Mapping[str, Any], step: int) -> list[dict[str, float]]:
+        """All optimizer steps of one RL step; metrics per mini-batch (last stage)."""
+        return self.updater.update(dict(batch), step)
+
+    def save(self, root: str, step: int, trainer_state: dict | None = None) -> str:
+        """Atomic checkpoint of model, optimizer, scheduler, RNG and ``trainer_state``."""
+        state = dict(trainer_state or {})
+        if self.updater.entropy_controller is not None:
+            state["entropy_controller"] = self.updater.entropy_controller.state_dict()
+        state["optimizer_steps"] = self.updater.optimizer_steps
+        return save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, state)
+
+    def resume(self, root: str) -> dict[str, Any] | None:
+        """Load the newest checkpoint under ``root`` if there is one (any saved layout)."""
+        path = latest_checkpoint(root)
+        if path is None:
+            return None
+        info = load_checkpoint(path, self.ddp, self.optimizer, self.scheduler)
+        trainer = info["trainer"]
+        if self.updater.entropy_controller is not None and "entropy_controller" in trainer:
+            self.updater.entropy_controller.load_state_dict(trainer["entropy_controller"])
+        self.updater.optimizer_steps = trainer.get("optimizer_steps", 0)
+        return info

@@ -1,0 +1,281 @@
+"""The actor's policy update over megatron's pipeline schedules.
+
+One RL step's batch (this DP rank's rows, ``[N, S]`` tensors) is cut into mini-batches (one optimizer
+step each) and micro-batches (one pipeline forward/backward each):
+
+- a global mini-batch of ``mini_batch_size`` sequences is split over DP ranks as contiguous row
+  blocks (rank r holds rows ``[r*G/dp, (r+1)*G/dp)`` of every mini-batch), the order the loss
+  module's global token indices assume;
+- the :class:`~megatron_rl.loss.context.ReductionContext` is built once per mini-batch, before the
+  schedule runs, so every micro-batch divides by the global denominators;
+- Clip-Cov/KL-Cov select their tokens once per mini-batch from mini-batch-wide statistics
+  (``old_logp`` for the first update after a rollout, else a no-grad pre-pass, unless the config
+  says ``cov_stat_source: old_logp``);
+- megatron's schedule divides each micro-batch loss by the number of micro-batches and DDP averages
+  gradients over DP; the loss handed back is multiplied by both, so the summed gradient equals that
+  of one process holding the whole mini-batch.
+
+Numerical guard: a non-finite loss or gradient skips the optimizer step (gradients dropped, weights
+untouched), is reported with its step, and after ``max_consecutive_skips`` skips in a row the run
+stops with :class:`NonFiniteError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.forward import forward_logprob_entropy
+from megatron_rl.loss import (
+    LossConfig,
+    LossInputs,
+    MetricAccumulator,
+    ReductionContext,
+    compute_loss,
+    select_cov_tokens,
+)
+from megatron_rl.models.heads import response_logprob_entropy
+
+COV_LOSSES = ("clip_cov", "kl_cov")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient."""
+
+
+class ActorConfigError(ValueError):
+    """An actor config field has an invalid value."""
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """Batching of the update and the numerical guard."""
+
+    micro_batch_size: int = 2  # sequences per micro-batch on one DP rank
+    mini_batch_size: int = 0  # sequences per optimizer step, all DP ranks; 0 = the whole batch
+    ppo_epochs: int = 1
+    temperature: float = 1.0
+    logprob_chunk_size: int | None = None
+    max_consecutive_skips: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "ppo_epochs", "max_consecutive_skips"):
+            if getattr(self, name) < 1:
+                raise ActorConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.mini_batch_size < 0:
+            raise ActorConfigError("actor.mini_batch_size must be >= 0 (0 = whole batch)")
+        if not self.temperature > 0:
+            raise ActorConfigError(f"actor.temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class NumericalGuard:
+    """Counts consecutive skipped steps; raises after ``limit`` in a row."""
+
+    limit: int = 3
+    consecutive: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+
+    def record(self, ok: bool, step: int, reason: str) -> None:
+        if ok:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.skipped_steps.append(step)
+        if dist.get_rank() == 0:
+            print(f"[guard] step {step}: {reason}; optimizer step skipped "
+                  f"({self.consecutive}/{self.limit} consecutive)", flush=True)
+        if self.consecutive >= self.limit:
+            raise NonFiniteError(f"{self.consecutive} consecutive non-finite updates (last at step "
+                                 f"{step}: {reason}); stopping. Skipped steps: "
+                                 f"{self.skipped_steps}")
+
+
+def split_rows(n: int, size: int, what: str) -> list[slice]:
+    """Cut ``n`` rows into blocks of ``size``; ``n`` must be a multiple of ``size``."""
+    if size < 1 or n % size:
+        raise ActorConfigError(f"{what}: {n} rows cannot be split into blocks of {size}")
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
+def minibatch_slices(n_local: int, cfg: ActorConfig, dp: int) -> list[list[slice]]:
+    """Per mini-batch, the list of micro-batch row slices of this rank's ``n_local`` rows."""
+    global_rows = n_local * dp
+    mini = cfg.mini_batch_size or global_rows
+    if mini % dp:
+        raise ActorConfigError(f"actor.mini_batch_size={mini} is not divisible by the data-parallel "
+                               f"size {dp}")
+    local_mini = mini // dp
+    out = []
+    for mb in split_rows(n_local, local_mini, f"actor.mini_batch_size={mini} over dp={dp}"):
+        micro = split_rows(local_mini, cfg.micro_batch_size,
+                           f"actor.micro_batch_size={cfg.micro_batch_size}")
+        out.append([slice(mb.start + m.start, mb.start + m.stop) for m in micro])
+    return out
+
+
+def _take(batch: dict[str, Any], rows: slice) -> dict[str, Any]:
+    return {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage()
+
+
+def needs_entropy(cfg: LossConfig, adaptive: bool) -> tuple[bool, bool]:
+    """(compute entropy in the update pass, entropy needs a gradient)."""
+    grad = cfg.entropy_coeff > 0 or adaptive
+    return True, grad
+
+
+class PolicyUpdater:
+    """Runs the mini-batch/micro-batch update of one RL step on a DDP-wrapped model chunk."""
+
+    def __init__(self, ddp_model, optimizer, scheduler, actor_cfg: ActorConfig,
+                 loss_cfg: LossConfig, entropy_controller=None) -> None:
+        self.model = ddp_model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.cfg = actor_cfg
+        self.loss_cfg = loss_cfg
+        self.entropy_controller = entropy_controller
+        self.guard = NumericalGuard(actor_cfg.max_consecutive_skips)
+        self.optimizer_steps = 0
+
+    @property
+    def module(self):
+        return getattr(self.model, "module", self.model)
+
+    # ---- one mini-batch ----------------------------------------------------------------------
+    def _micro_batches(self, batch: dict, slices: list[slice]) -> list[dict]:
+        return [_take(batch, s) for s in slices]
+
+    def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, first_update: bool,
+                       step: int):
+        cfg = self.loss_cfg
+        if cfg.policy_loss not in COV_LOSSES:
+            return None, {}
+        olds = [mb["old_logp"] for mb in mbs]
+        if first_update or cfg.cov_stat_source == "old_logp":
+            stat = olds
+        else:  # exact: the current weights' log-probs, no grad, before any backward
+            outs = forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
+                                           compute_entropy=False,
+                                           chunk_size=self.cfg.logprob_chunk_size)
+            stat = [o["logp"] for o in outs]
+        sel = select_cov_tokens(ctx, cfg, stat, olds, [mb["advantages"] for mb in mbs],
+                                [mb["mask"] for mb in mbs], step)
+        return sel.selected, sel.stats
+
+    def train_minibatch(self, mbs: list[dict], step: int, first_update: bool) -> dict[str, float]:
+        """Forward/backward all micro-batches of one mini-batch, then one guarded optimizer step.
+
+        Metrics are returned on the last pipeline stage (empty dict elsewhere).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        last = _last_stage()
+        cfg, n_micro = self.loss_cfg, len(mbs)
+        bsz, seq = mbs[0]["tokens"].shape
+        ctx = selected = None
+        cov_stats: dict = {}
+        acc = MetricAccumulator()
+        losses: list[torch.Tensor] = []
+        if last:
+            extra = None
+            if cfg.positive_nll_coef > 0:
+                extra = {"positive": [mb["mask"].bool() & mb["positive"].bool()[:, None]
+                                      for mb in mbs]}
+            ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], extra_masks=extra)
+            selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step)
+        alpha = None if self.entropy_controller is None else self.entropy_controller.alpha
+        compute_ent, ent_grad = needs_entropy(cfg, self.entropy_controller is not None)
+        module = self.module
+
+        def forward_step(data_iterator, model_chunk):
+            i, mb = next(data_iterator)
+            tokens, mask = mb["tokens"], mb["mask"]
+            pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            hidden = model_chunk(tokens, pos, None)
+
+            def loss_func(hidden_states):
+                logp, ent = response_logprob_entropy(
+                    module, hidden_states, tokens, mask, temperature=self.cfg.temperature,
+                    compute_entropy=compute_ent, entropy_grad=ent_grad,
+                    chunk_size=self.cfg.logprob_chunk_size)
+                out = compute_loss(LossInputs(
+                    logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
+                    entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
+                    cov_selected=None if selected is None else selected[i],
+                    positive=mb.get("positive")), cfg, ctx, entropy_coeff=alpha)
+                acc.update(out.stats)
+                losses.append(out.loss.detach())
+                # The schedule divides by n_micro and DDP averages over DP: undo both.
+                return out.loss_for_backward * n_micro, {}
+
+            return hidden, loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
+            model=[self.model], num_microbatches=n_micro, seq_length=seq, micro_batch_size=bsz,
+            forward_only=False)
+
+        metrics: dict[str, float] = {}
+        loss_bad = torch.zeros((), dtype=torch.float32)
+        if last:
+            total = ctx.all_reduce(torch.stack(losses).sum().double())
+            loss_bad = (~torch.isfinite(total)).float()
+            metrics = {k: float(v) for k, v in {**acc.reduce(ctx), **cov_stats}.items()}
+            metrics["actor/loss"] = float(total)
+        grad_bad = self._nonfinite_grads()
+        flag = torch.stack([loss_bad, grad_bad])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one host-visible decision per mini-batch
+        ok = not bool(flag.any())
+        grad_norm = float("nan")
+        if ok:
+            success, grad_norm, _ = self.optimizer.step()
+            ok = bool(success) and grad_norm is not None and grad_norm == grad_norm and abs(
+                grad_norm) != float("inf")
+            self.scheduler.step(1)
+            self.optimizer_steps += 1
+        else:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        reason = "non-finite loss" if flag[0] else "non-finite gradient"
+        self.guard.record(ok, step, reason)
+        metrics.update({"actor/grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                        "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "actor/skipped": 0.0 if ok else 1.0})
+        return metrics
+
+    def _nonfinite_grads(self) -> torch.Tensor:
+        bad = torch.zeros((), dtype=torch.float32)
+        for p in self.module.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None:
+                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+        return bad
+
+    # ---- one RL step ---------------------------------------------------------------------------
+    def update(self, batch: dict[str, Any], step: int) -> list[dict[str, float]]:
+        """All epochs and mini-batches of one RL step over this DP rank's ``batch`` rows."""
+        from megatron.core import parallel_state as ps
+
+        n_local = batch["tokens"].shape[0]
+        plan = minibatch_slices(n_local, self.cfg, ps.get_data_parallel_world_size())
+        history = []
+        for epoch in range(self.cfg.ppo_epochs):
+            for j, slices in enumerate(plan):
+                mbs = self._micro_batches(batch, slices)
+                history.append(self.train_minibatch(mbs, step, first_update=(epoch == 0 and
+                                                                             j == 0)))
+        return history
