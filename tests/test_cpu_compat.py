@@ -6,6 +6,9 @@ and expects success. A patch that stops being needed (e.g. after a megatron-core
 this test fail, so it gets removed instead of silently accumulating.
 """
 
+import re
+import traceback
+
 import pytest
 import torch
 
@@ -13,12 +16,42 @@ from megatron_rl.parallel import cpu_compat
 from megatron_rl.parallel.launch import spawn
 
 
-def _scenario(name: str, model, batch) -> None:
-    from megatron.core import tensor_parallel
+def _train_step(ddp, optimizer, batch) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = batch[0]["tokens"]
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+
+    def forward_step(data_iterator, model_chunk):
+        out = model_chunk(next(data_iterator), pos, None)
+        return out, lambda o: (o.float().pow(2).mean(), {})
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([tokens]),
+                                model=[ddp], num_microbatches=1, seq_length=tokens.shape[1],
+                                micro_batch_size=tokens.shape[0], forward_only=False)
+    optimizer.step()
+
+
+def _scenario(name: str, model, batch, ddp, optimizer, root: str) -> None:
+    import os
+
+    from megatron.core import dist_checkpointing, tensor_parallel
 
     from megatron_rl.actor.forward import forward_logprob_entropy
 
-    if name == "rng_tracker":
+    if name == "clip_type_check":  # gradient clipping inside optimizer.step()
+        _train_step(ddp, optimizer, batch)
+    elif name == "synchronize":  # a dist_checkpointing save
+        path = os.path.join(root, f"ckpt_{len(os.listdir(root))}")
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(path)
+        torch.distributed.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), path)
+        torch.distributed.barrier()
+    elif name == "rng_tracker":
         tensor_parallel.model_parallel_cuda_manual_seed(7)
     elif name == "tensor_cuda":  # tied embeddings across pipeline stages
         from megatron_rl.models.builder import build_gpt_model
@@ -29,7 +62,8 @@ def _scenario(name: str, model, batch) -> None:
         forward_logprob_entropy(model, batch)
 
 
-def _compat_worker() -> dict:
+def _compat_worker(root: str) -> dict:
+    from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
     from megatron_rl.check import make_batch
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.config import get_preset
@@ -38,15 +72,18 @@ def _compat_worker() -> dict:
     runtime.init_parallel(tp=1, pp=2, timeout_s=60)
     model = build_gpt_model(get_preset("tiny"), seed=0)
     batch = make_batch(1, 2, 16, 256)
+    ddp = wrap_ddp(model)
+    optimizer, _ = build_optimizer(ddp, OptimConfig(lr=1e-3, clip_grad=1e-3), total_steps=10)
     report = {}
     for name in cpu_compat.PATCH_NAMES:
         with cpu_compat.without(name):
             try:
-                _scenario(name, model, batch)
+                _scenario(name, model, batch, ddp, optimizer, root)
                 failed_without = ""
             except Exception as e:  # noqa: BLE001 - any failure shows the patch is needed
-                failed_without = f"{type(e).__name__}: {e}"
-        _scenario(name, model, batch)  # must work again with the patch back on
+                frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+                failed_without = (f"{type(e).__name__}: {e}", frames)
+        _scenario(name, model, batch, ddp, optimizer, root)  # works again with the patch on
         report[name] = failed_without
     report["active"] = cpu_compat.active()
     runtime.shutdown()
@@ -55,13 +92,17 @@ def _compat_worker() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_every_patch_is_needed():
-    reports = spawn(_compat_worker, 2, timeout_s=240)
+def test_every_patch_is_needed(tmp_path):
+    reports = spawn(_compat_worker, 2, (str(tmp_path),), timeout_s=240)
+    answers = {p.name: re.findall(r"[\w/]+\.py", p.answers) for p in cpu_compat.PATCHES}
     for rank, rep in enumerate(reports):
         assert rep["active"] == cpu_compat.PATCH_NAMES
         for name in cpu_compat.PATCH_NAMES:
             assert rep[name], f"rank {rank}: the path of patch {name!r} ran without it"
-            assert "CUDA" in rep[name] or "cuda" in rep[name], (name, rep[name])
+            message, frames = rep[name]
+            # The failure comes from (one of) the megatron-core files the patch says it answers.
+            assert any(f.endswith(a) for f in frames for a in answers[name]), (name, message,
+                                                                               frames[-3:])
 
 
 def test_never_enabled_with_cuda(monkeypatch):
