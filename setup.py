@@ -18,9 +18,15 @@ setup(
         "numpy",
         "nvidia-ml-py",
         "psutil",  # megatron-core dist_checkpointing needs it but does not declare it
+        "transformers>=4.51",  # embedded rollout engine, HF conversion
+        "safetensors",
+        "reasoning-gym",  # verifiable tasks
+        "math-verify",
+        "matplotlib",  # plot
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "ruff"],
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "pyarrow", "triton"],
+        "logging": ["tensorboard", "wandb"],
         # NVIDIA apex is optional and never installed from PyPI (PyPI's "apex" is unrelated).
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
         "sglang": ["sglang", "sglang-router"],

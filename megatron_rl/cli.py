@@ -16,6 +16,42 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if rep.ok(args.atol) else 1
 
 
+def _train_worker(cfg):
+    from megatron_rl.trainer import train
+
+    return train(cfg)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from megatron_rl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
+        _train_worker(cfg)
+        return 0
+    from megatron_rl.parallel.launch import spawn
+
+    print(f"[train] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
+          f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
+    spawn(_train_worker, world, (cfg,), timeout_s=7 * 24 * 3600)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from megatron_rl.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m megatron_rl",
@@ -35,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token chunk of the log-prob/entropy op (default: unchunked)")
     c.add_argument("--atol", type=float, default=1e-5)
     c.set_defaults(func=_cmd_check)
+
+    t = sub.add_parser("train", help="RL training (SFT warm start when sft.steps > 0)")
+    t.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
+                                                "output_dir=runs/x")
+    t.set_defaults(func=_cmd_train)
+
+    from megatron_rl.convert.cli import add_convert_subcommand
+
+    add_convert_subcommand(sub)
+
+    pl = sub.add_parser("plot", help="write PNG curves of a run directory")
+    pl.add_argument("run_dir")
+    pl.set_defaults(func=_cmd_plot)
     return p
 
 

@@ -10,7 +10,7 @@ from megatron_rl.models.config import (
     get_preset,
     validate_for_layout,
 )
-from megatron_rl.models.weights import _unshard, shard_for_rank
+from megatron_rl.models.weights import unshard, shard_for_rank
 
 
 def test_presets_valid():
@@ -65,6 +65,6 @@ def test_fc1_shard_roundtrip(tp):
     parts = [shard_for_rank(name, full, True, 0, tp, r) for r in range(tp)]
     for r, p in enumerate(parts):  # megatron's local layout: [gate_r; up_r]
         assert torch.equal(p, torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]))
-    assert torch.equal(_unshard(name, parts, 0), full)
+    assert torch.equal(unshard(name, parts, 0), full)
     if tp > 1:  # negative control: a plain slice would mix gate and up rows
         assert not torch.equal(parts[0], full.chunk(tp)[0])

@@ -77,7 +77,9 @@ class ModelConfig:
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim"),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            # transformers >= 5 nests rope_theta in rope_parameters
+            rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get(
+                "rope_theta", 10000.0)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=hf.get("attention_bias", family == "qwen2"),

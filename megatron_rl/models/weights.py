@@ -61,7 +61,7 @@ def _is_fc1_weight(name: str) -> bool:
     return name.endswith("mlp.linear_fc1.weight")
 
 
-def _tp_info(param: torch.Tensor) -> tuple[bool, int]:
+def tp_info(param: torch.Tensor) -> tuple[bool, int]:
     return bool(getattr(param, "tensor_model_parallel", False)), int(
         getattr(param, "partition_dim", 0))
 
@@ -80,7 +80,7 @@ def shard_for_rank(name: str, full: torch.Tensor, partitioned: bool, dim: int, t
     return full.chunk(tp, dim=dim)[rank]
 
 
-def _unshard(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+def unshard(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     if _is_fc1_weight(name):
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -111,12 +111,12 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None) -> dict[str, 
     tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
     out: dict[str, torch.Tensor] = {}
     for _, name, param in iter_local_params(model):
-        partitioned, dim = _tp_info(param)
+        partitioned, dim = tp_info(param)
         data = param.detach()
         if partitioned and tp > 1:
             parts = [torch.empty_like(data) for _ in range(tp)]
             dist.all_gather(parts, data.contiguous(), group=tp_group)
-            out[name] = _unshard(name, parts, dim).cpu()
+            out[name] = unshard(name, parts, dim).cpu()
         else:
             out[name] = data.clone().cpu()
     return out
@@ -159,7 +159,7 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
             seen.add(name)
             if name not in full:
                 raise WeightsError(f"missing tensor {name!r} (model parameter {local!r})")
-            partitioned, dim = _tp_info(param)
+            partitioned, dim = tp_info(param)
             shard = shard_for_rank(name, full[name], partitioned, dim, tp, rank)
             if tuple(shard.shape) != tuple(param.shape):
                 raise WeightsError(
@@ -194,7 +194,7 @@ def _belongs_to_stage(name: str, model: torch.nn.Module, layer_ids: set[int]) ->
 
 def full_shape(name: str, param: torch.Tensor, tp: int) -> tuple[int, ...]:
     """Canonical (unsharded) shape of a local parameter."""
-    partitioned, dim = _tp_info(param)
+    partitioned, dim = tp_info(param)
     shape = list(param.shape)
     if partitioned:
         shape[dim] *= tp
@@ -235,7 +235,7 @@ def init_layout_invariant(model: torch.nn.Module, std: float, seed: int) -> None
     with torch.no_grad():
         for _, name, param in iter_local_params(model):
             full = canonical_init(name, full_shape(name, param, tp), std, num_layers, seed)
-            partitioned, dim = _tp_info(param)
+            partitioned, dim = tp_info(param)
             param.copy_(shard_for_rank(name, full, partitioned, dim, tp, rank))
         if _tied(model) and getattr(model, "post_process", False) and not getattr(
                 model, "pre_process", True):

@@ -182,6 +182,18 @@ def current_layout(backend: str | None = None) -> ParallelLayout:
         backend=backend or dist.get_backend())
 
 
+def last_stage_rank() -> int:
+    """Global rank of the last pipeline stage's TP-rank-0, DP-rank-0 process (where the loss and
+    the update metrics live). Collective (one small all-reduce); the same on every rank."""
+    from megatron.core import parallel_state as ps
+
+    mine = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0)
+    t = torch.tensor([dist.get_rank() if mine else dist.get_world_size()], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def shutdown() -> None:
     """Tear down megatron parallel_state and torch.distributed (safe to call twice)."""
     from megatron.core import parallel_state as ps

@@ -1,0 +1,221 @@
+"""Prompt datasets and a deterministic, resumable prompt loader.
+
+* :class:`PromptDataset`: rows ``{"prompt": str, "answer": str, ...}`` from JSONL or Parquet
+  files (DAPO-Math style; the prompt and answer field names are configurable and may be dotted
+  paths into nested fields, e.g. ``reward_model.ground_truth``) or generated from a
+  reasoning-gym task (:meth:`PromptDataset.from_task`). A row without a prompt or an answer is a
+  ``ValueError`` naming the file and the line (JSONL, 1-based) or row (Parquet, 0-based).
+  Chat-style prompts (a list of ``{"role", "content"}`` messages) are kept as the content of the
+  last user message.
+* :class:`PromptLoader`: batches of rows; epoch ``e`` visits the rows in the permutation given by
+  ``(seed, e)``; the last partial batch of an epoch is dropped (every batch is full).
+  ``state_dict()`` / ``load_state_dict()`` restore the position exactly.
+* :func:`train_val_split`: disjoint deterministic split, by row or by distinct prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, Iterator, Sequence
+
+
+def _get(row: dict, key: str) -> Any:
+    cur: Any = row
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _prompt_text(p: Any) -> Any:
+    if isinstance(p, (list, tuple)) and p and isinstance(p[-1], dict) and "content" in p[-1]:
+        users = [m for m in p if m.get("role", "user") == "user"]
+        return (users or list(p))[-1]["content"]
+    if hasattr(p, "tolist"):  # numpy array from parquet
+        return _prompt_text(p.tolist())
+    return p
+
+
+class PromptDataset:
+    def __init__(self, rows: Sequence[dict], source: str = "<memory>"):
+        self.rows = list(rows)
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    @staticmethod
+    def _normalise(raw: dict, prompt_key: str, answer_key: str, where: str) -> dict:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+        prompt = _prompt_text(_get(raw, prompt_key))
+        answer = _get(raw, answer_key)
+        if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+            raise ValueError(f"{where}: row has no prompt field {prompt_key!r} "
+                             f"(fields: {sorted(raw)})")
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            raise ValueError(f"{where}: row has no answer field {answer_key!r} "
+                             f"(fields: {sorted(raw)}); every prompt needs an answer to score")
+        if hasattr(answer, "tolist"):
+            answer = answer.tolist()
+        row = {k: v for k, v in raw.items() if k not in (prompt_key, answer_key)}
+        row["prompt"] = str(prompt)
+        row["answer"] = answer if isinstance(answer, str) else json.dumps(answer) \
+            if isinstance(answer, (list, dict)) else str(answer)
+        return row
+
+    @classmethod
+    def from_jsonl(cls, path: str, prompt_key: str = "prompt", answer_key: str = "answer"
+                   ) -> PromptDataset:
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e})") from None
+                rows.append(cls._normalise(raw, prompt_key, answer_key, where))
+        return cls(rows, path)
+
+    @classmethod
+    def from_parquet(cls, path: str, prompt_key: str = "prompt", answer_key: str = "answer"
+                     ) -> PromptDataset:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:  # pragma: no cover
+            raise ImportError("reading Parquet needs pyarrow: pip install pyarrow") from e
+        table = pq.read_table(path)
+        rows = [cls._normalise(raw, prompt_key, answer_key, f"{path} row {i}")
+                for i, raw in enumerate(table.to_pylist())]
+        return cls(rows, path)
+
+    @classmethod
+    def from_files(cls, paths: str | Sequence[str], prompt_key: str = "prompt",
+                   answer_key: str = "answer") -> PromptDataset:
+        """JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) files, concatenated."""
+        if isinstance(paths, str):
+            paths = [paths]
+        rows: list[dict] = []
+        for p in paths:
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"prompt dataset file not found: {p}")
+            ext = os.path.splitext(p)[1].lower()
+            if ext == ".parquet":
+                rows += cls.from_parquet(p, prompt_key, answer_key).rows
+            elif ext in (".jsonl", ".json"):
+                rows += cls.from_jsonl(p, prompt_key, answer_key).rows
+            else:
+                raise ValueError(f"{p}: unsupported dataset format {ext!r} "
+                                 "(expected .jsonl, .json or .parquet)")
+        return cls(rows, ",".join(paths))
+
+    @classmethod
+    def from_task(cls, name: str | None = None, size: int = 1000, seed: int = 0,
+                  **task_kwargs) -> PromptDataset:
+        """Generated rows of a reasoning-gym task (see :mod:`megatron_rl.rewards.tasks`)."""
+        from megatron_rl.rewards.tasks import DEFAULT_TASK, make_task_dataset
+
+        name = name or DEFAULT_TASK
+        return cls(make_task_dataset(name, size, seed, **task_kwargs), f"task:{name}")
+
+
+def train_val_split(dataset: PromptDataset, val_size: int | float, seed: int = 0,
+                    by: str | None = "prompt") -> tuple[PromptDataset, PromptDataset]:
+    """Deterministic disjoint split. ``val_size``: a count, or a fraction if < 1.
+
+    ``by="prompt"`` splits the distinct prompts (no prompt text appears in both sets; the count
+    or fraction then refers to distinct prompts); ``by=None`` splits rows. Order within each
+    part follows the original dataset."""
+    if by is None:
+        keys = list(range(len(dataset)))
+        key_of = list(range(len(dataset)))
+    else:
+        key_of = [r[by] for r in dataset.rows]
+        keys = list(dict.fromkeys(key_of))
+    n_val = int(round(val_size * len(keys))) if isinstance(val_size, float) and val_size < 1 \
+        else int(val_size)
+    if not 0 < n_val < len(keys):
+        raise ValueError(f"val_size={val_size} gives {n_val} of {len(keys)} "
+                         f"{'distinct ' + by + 's' if by else 'rows'}; need 0 < n < total")
+    perm = list(keys)
+    random.Random(seed).shuffle(perm)
+    val_keys = set(perm[:n_val])
+    train = [r for r, k in zip(dataset.rows, key_of) if k not in val_keys]
+    val = [r for r, k in zip(dataset.rows, key_of) if k in val_keys]
+    return (PromptDataset(train, dataset.source + "[train]"),
+            PromptDataset(val, dataset.source + "[val]"))
+
+
+class PromptLoader:
+    """Infinite iterator over full batches (lists of rows), epoch after epoch.
+
+    The order of epoch ``e`` is ``random.Random(f"{seed}:{e}")``'s shuffle of the row indices
+    (``shuffle=False``: dataset order). ``state_dict()`` records (epoch, position); a loader
+    restored with ``load_state_dict()`` yields exactly the batches the original would have yielded
+    next."""
+
+    def __init__(self, dataset: PromptDataset | Sequence[dict], batch_size: int, seed: int = 0,
+                 shuffle: bool = True):
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if len(dataset) < self.batch_size:
+            raise ValueError(f"dataset has {len(dataset)} rows < batch_size {self.batch_size}")
+        self.epoch = 0
+        self.pos = 0  # index into this epoch's order of the next row
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+            self._order, self._order_epoch = order, self.epoch
+        return self._order
+
+    def next_batch(self) -> list[dict]:
+        if self.pos + self.batch_size > len(self.dataset):
+            self.epoch += 1
+            self.pos = 0
+        order = self._epoch_order()
+        idx = order[self.pos: self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return [self.dataset[i] for i in idx]
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed,
+                "batch_size": self.batch_size, "num_rows": len(self.dataset),
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "batch_size", "num_rows", "shuffle"):
+            mine = self.state_dict()[k]
+            if k in state and state[k] != mine:
+                raise ValueError(f"PromptLoader.load_state_dict: {k} differs (checkpoint "
+                                 f"{state[k]!r}, loader {mine!r}); the position would not match")
+        self.epoch = int(state["epoch"])
+        self.pos = int(state["pos"])

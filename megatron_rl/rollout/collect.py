@@ -1,0 +1,176 @@
+"""One step's rollout on the engine's rank: generate, score, filter, turn records into a batch.
+
+Records are plain dicts, one per response: ``uid`` (prompt group), ``prompt_ids``,
+``response_ids``, ``logprobs``, ``truncated``, ``response_length``, ``score``, ``acc``, ``reward``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import torch
+
+from megatron_rl.advantages import (
+    broadcast_to_tokens,
+    drgrpo_advantages,
+    grpo_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.filters import (
+    DynamicSampler,
+    apply_overlong,
+    filter_groups_by_std,
+    mean_in_group_std,
+    reward_variance_top_p,
+    select_uids,
+)
+from megatron_rl.rewards.math_verify_reward import score_batch
+
+_uid = itertools.count()
+
+
+def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingParams,
+                     score_fn: Callable[[dict, str], float], seed: int,
+                     timeout_s: float = 5.0, counters: dict | None = None) -> list[dict]:
+    """Generate ``params.n`` responses per row and score them (one record per response).
+
+    Each sample is scored in isolation: a reward function that raises or hangs gives 0 for that
+    sample (counted in ``counters["reward_failed"/"reward_timeout"]``), never a crashed run.
+    """
+    prompts = [tokenizer.encode(r["prompt"]) for r in rows]
+    groups = engine.generate(prompts, params, seed=seed)
+    flat = [(row, c, tokenizer.decode(c.response_ids)) for row, comps in zip(rows, groups)
+            for c in comps]
+    scores, n_failed, n_timeout = score_batch(score_fn, [f[0] for f in flat],
+                                              [f[2] for f in flat], timeout_s)
+    if counters is not None:
+        counters["reward_failed"] = counters.get("reward_failed", 0) + n_failed
+        counters["reward_timeout"] = counters.get("reward_timeout", 0) + n_timeout
+    records = []
+    it = iter(zip(flat, scores))
+    for _row, comps in zip(rows, groups):
+        uid = next(_uid)
+        for _ in comps:
+            (_, c, text), s = next(it)
+            s = float(s)
+            records.append({"uid": uid, "prompt_ids": c.prompt_ids, "response_ids":
+                            c.response_ids, "logprobs": c.logprobs, "truncated": not c.finished,
+                            "response_length": len(c.response_ids), "score": s,
+                            "acc": float(s >= 1.0), "reward": s, "text": text})
+    return records
+
+
+def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[list[dict], dict]:
+    """Generation rounds (DAPO dynamic sampling when enabled), overlong shaping, RV filter.
+
+    ``cfg`` is the run config; ``loader`` yields ``rollout.gen_batch_size`` prompts per round.
+    Returns the kept records and rollout metrics.
+    """
+    r, t = cfg.rollout, cfg.trainer
+    params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                            top_p=r.top_p)
+    metrics: dict[str, float] = {}
+    counters: dict[str, int] = {}
+    shaped_all: list[dict] = []
+
+    def one_round(i: int) -> list[dict]:
+        recs = generate_records(engine, tokenizer, loader.next_batch(), params, score_fn,
+                                seed=t.seed * 100003 + step * 101 + i,
+                                timeout_s=r.reward_timeout_s, counters=counters)
+        if r.overlong_buffer > 0 or r.overlong_filter:
+            recs, om = apply_overlong(recs, r.max_new_tokens,
+                                      r.overlong_buffer if r.overlong_buffer > 0 else None,
+                                      r.overlong_penalty_factor, r.overlong_filter)
+            metrics.update({f"rollout/{k}": float(v) for k, v in om.items()})
+        shaped_all.extend(recs)
+        return recs
+
+    if r.dynamic_sampling:
+        sampler = DynamicSampler(train_batch_size=t.train_batch_size,
+                                 max_num_gen_batches=r.max_num_gen_batches,
+                                 metric=r.filter_metric)
+        i = 0
+        while not sampler.add(one_round(i)):
+            i += 1
+        records, stats = sampler.result()
+        metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()})
+    else:
+        records = one_round(0)
+        _, counts = filter_groups_by_std(records, r.filter_metric)
+        metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
+    if r.rv_filter_p < 1.0:
+        kept, rv = reward_variance_top_p(records, r.rv_filter_p, r.rv_include_zero)
+        records = select_uids(records, kept)
+        metrics.update({f"rollout/rv_{k}": float(v) for k, v in rv.items()
+                        if isinstance(v, (int, float))})
+    metrics.update(rollout_metrics(shaped_all, records))
+    metrics.update({f"rollout/{k}": float(v) for k, v in counters.items()})
+    return records, metrics
+
+
+def rollout_metrics(generated: list[dict], kept: list[dict]) -> dict[str, float]:
+    """Accuracy, reward, length and truncation over everything generated this step."""
+    n = max(1, len(generated))
+    return {"rollout/acc": sum(x["acc"] for x in generated) / n,
+            "rollout/score": sum(x["score"] for x in generated) / n,
+            "rollout/reward": sum(x["reward"] for x in generated) / n,
+            "rollout/response_length": sum(x["response_length"] for x in generated) / n,
+            "rollout/truncated_frac": sum(x["truncated"] for x in generated) / n,
+            # over everything generated (before filtering): the early-stop signal (RAGEN)
+            "rollout/in_group_reward_std": mean_in_group_std(generated) if generated else 0.0,
+            "rollout/kept_responses": float(len(kept))}
+
+
+def compute_advantages(records: list[dict], estimator: str) -> torch.Tensor:
+    """Per-response scalar advantages ``[R]`` (outcome rewards, ALGORITHMS.md §3)."""
+    scores = torch.tensor([x["reward"] for x in records], dtype=torch.float32)
+    groups = torch.tensor([x["uid"] for x in records])
+    if estimator == "grpo":
+        return grpo_advantages(scores, groups).float()
+    if estimator == "drgrpo":
+        return drgrpo_advantages(scores, groups).float()
+    if estimator == "rloo":
+        return rloo_advantages(scores, groups).float()
+    raise ValueError(f"trainer.advantage={estimator!r} is not an outcome estimator here")
+
+
+def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int
+                     ) -> dict[str, torch.Tensor]:
+    """``tokens/mask/advantages [N, S]`` (right-padded; N padded with empty rows to a multiple of
+    ``rows_multiple``), plus ``rollout_logp [N, S]`` and ``reward [N]``."""
+    n = len(records)
+    n_pad = -(-n // rows_multiple) * rows_multiple
+    seq = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in records)
+    tokens = torch.full((n_pad, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros((n_pad, seq), dtype=torch.bool)
+    roll_lp = torch.zeros((n_pad, seq))
+    for i, x in enumerate(records):
+        p, resp = x["prompt_ids"], x["response_ids"]
+        tokens[i, :len(p) + len(resp)] = torch.tensor(p + resp)
+        if not x.get("overlong_filtered", False):
+            mask[i, len(p):len(p) + len(resp)] = True
+        roll_lp[i, len(p):len(p) + len(resp)] = torch.tensor(x["logprobs"])
+    if estimator == "reinforce_pp_baseline":
+        scores = torch.tensor([x["reward"] for x in records] + [0.0] * (n_pad - n))
+        groups = torch.tensor([x["uid"] for x in records] + [-1 - i for i in range(n_pad - n)])
+        adv = reinforce_pp_baseline_advantages(scores, groups, mask)
+    else:
+        seq_adv = torch.zeros(n_pad)
+        seq_adv[:n] = compute_advantages(records, estimator)
+        adv = broadcast_to_tokens(seq_adv, mask)
+    reward = torch.zeros(n_pad)
+    reward[:n] = torch.tensor([x["reward"] for x in records])
+    return {"tokens": tokens, "mask": mask, "advantages": adv, "rollout_logp": roll_lp,
+            "reward": reward}
+
+
+def dp_rows(n: int, dp: int, dp_rank: int, mini: int) -> torch.Tensor:
+    """Row indices of this DP rank: for every global mini-batch of ``mini`` rows, its contiguous
+    ``mini/dp`` block (the order the loss module's global token indices assume)."""
+    mini = mini or n
+    per = mini // dp
+    return torch.cat([torch.arange(j * mini + dp_rank * per, j * mini + (dp_rank + 1) * per)
+                      for j in range(n // mini)])

@@ -1,0 +1,123 @@
+"""Embedded rollout engine: in-process generation with a ``transformers`` model.
+
+The default where no SGLang server can run (CPU machines, tests, demos). It implements the
+:class:`~megatron_rl.rollout.engine.RolloutEngine` interface: sampling with temperature/top-p,
+per-token log-probs of the sampled tokens (under the temperature-scaled distribution), and weight
+updates from HF-named buckets streamed out of the Megatron actor. Every update is verified: the
+SHA-256 of the tensors received must equal the SHA-256 of the engine's parameters after loading,
+and every parameter of the engine must have been received; otherwise :class:`WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import torch
+
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.rollout.engine import Bucket, Completion, SamplingParams
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights do not equal what the trainer sent."""
+
+
+def build_hf_model(cfg: ModelConfig) -> torch.nn.Module:
+    """A randomly initialised ``transformers`` causal LM with ``cfg``'s architecture (no download)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.convert.registry import hf_config_dict
+
+    fields = hf_config_dict(cfg)
+    model_type = fields.pop("model_type")
+    fields.pop("architectures", None)
+    conf = AutoConfig.for_model(model_type, **fields)
+    return AutoModelForCausalLM.from_config(conf).float().eval()
+
+
+def _digest(items: Iterable[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(items, key=lambda x: x[0]):
+        h.update(name.encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class EmbeddedEngine:
+    """A ``transformers`` model held by one process (rank 0 of the trainer)."""
+
+    def __init__(self, cfg: ModelConfig, eos_id: int, pad_id: int) -> None:
+        self.cfg = cfg
+        self.model = build_hf_model(cfg)
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.weight_version = -1
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _expected_names(self) -> set[str]:
+        names = {n for n, _ in self.model.named_parameters()}
+        if self.cfg.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
+        """Copy every received tensor into the model, then verify; returns the checksum."""
+        params = dict(self.model.named_parameters())
+        received: list[tuple[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    if name not in params:
+                        raise WeightSyncError(f"weight sync sent {name!r}, which the engine's "
+                                              f"model does not have")
+                    if tuple(tensor.shape) != tuple(params[name].shape):
+                        raise WeightSyncError(f"weight sync shape mismatch for {name!r}: sent "
+                                              f"{tuple(tensor.shape)}, engine has "
+                                              f"{tuple(params[name].shape)}")
+                    params[name].copy_(tensor)
+                    received.append((name, tensor.detach().clone()))
+        missing = self._expected_names() - {n for n, _ in received}
+        if missing:
+            raise WeightSyncError(f"weight sync did not send {sorted(missing)[:5]}")
+        sent = _digest(received)
+        loaded = _digest((n, params[n]) for n, _ in received)
+        if sent != loaded:
+            raise WeightSyncError(f"engine weights differ from the trainer's after sync "
+                                  f"(version {version}): {loaded[:12]} != {sent[:12]}")
+        self.weight_version = version
+        return sent
+
+    # ---- generation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seed: int | None = None) -> list[list[Completion]]:
+        """``params.n`` completions per prompt (left-padded batch, KV cache)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        rows = [p for p in prompts for _ in range(params.n)]
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        sample = not params.greedy and params.temperature > 0
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None, top_k=0 if sample else None,
+            max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
+        gen = out.sequences[:, width:]
+        temp = params.temperature if sample else 1.0
+        logp = torch.stack([torch.log_softmax(lg.float() / temp, dim=-1) for lg in out.logits], 1)
+        tok_logp = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)  # [R, new]
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for i, p in enumerate(rows):
+            resp = gen[i].tolist()
+            finished = self.eos_id in resp
+            end = resp.index(self.eos_id) + 1 if finished else len(resp)
+            results[i // params.n].append(Completion(
+                prompt_ids=list(p), response_ids=resp[:end],
+                logprobs=tok_logp[i, :end].tolist(), finished=finished))
+        return results

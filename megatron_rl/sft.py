@@ -1,0 +1,77 @@
+"""Supervised warm start with the same Megatron actor (teacher-forced answer tokens).
+
+The SFT loss is the token-mean negative log-likelihood of ``answer + EOS``. It runs through the
+actor's own update path: with ``old_logp`` taken from the current weights right before each
+optimizer step and advantage 1 on every answer token, the PPO surrogate's gradient is exactly the
+NLL gradient (the ratio is 1, inside any clip range).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
+    """``tokens/mask/advantages [N, S]`` for prompt + answer + EOS (mask on answer + EOS)."""
+    seqs = [(tokenizer.encode(r["prompt"]), tokenizer.encode(str(r["answer"])) + [tokenizer.eos_id])
+            for r in rows]
+    width = max(len(p) + len(a) for p, a in seqs)
+    tokens = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, (p, a) in enumerate(seqs):
+        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p):len(p) + len(a)] = True
+    return {"tokens": tokens, "mask": mask, "advantages": mask.float()}
+
+
+def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[dict, list]:
+    """Train ``cfg.sft.steps`` steps; return the canonical full weights and a metric log."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.loss import LossConfig
+    from megatron_rl.models.weights import gather_full_state_dict
+    from megatron_rl.rollout.collect import dp_rows
+
+    import dataclasses
+
+    s = cfg.sft
+    dp = ps.get_data_parallel_world_size()
+    if s.batch_size % dp:
+        raise ValueError(f"sft.batch_size={s.batch_size} must be divisible by parallel.dp={dp}")
+    micro = min(cfg.actor.micro_batch_size, s.batch_size // dp)
+    while (s.batch_size // dp) % micro:
+        micro -= 1
+    actor = make_actor(cfg, OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
+                       LossConfig(policy_loss="ppo", clip_ratio_low=0.2, clip_ratio_high=0.2),
+                       s.steps, actor_cfg=dataclasses.replace(
+                           cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1))
+    rng = random.Random(cfg.trainer.seed)
+    dp_rank = ps.get_data_parallel_rank()
+    log = []
+    t0 = time.perf_counter()
+    for step in range(s.steps):
+        rows = [rng.choice(train_rows) for _ in range(s.batch_size)] if train_rows else None
+        box = [sft_batch(tokenizer, rows) if rows is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        batch = box[0]
+        local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, 0)]
+                 for k, v in batch.items()}
+        actor.add_old_logprobs(local)
+        metrics = actor.update(local, step)[-1]
+        if "old_logp" in local:  # last pipeline stage: NLL of the batch before this step
+            m = local["mask"]
+            nll = float(-(local["old_logp"] * m).sum() / m.sum().clamp_min(1))
+            log.append({"sft/step": step + 1, "sft/nll": nll,
+                        "sft/grad_norm": metrics.get("actor/grad_norm", 0.0)})
+            reporter = ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
+            if reporter and (step + 1) % max(1, s.steps // 5) == 0:
+                print(f"[sft] step {step + 1}/{s.steps} nll {nll:.3f} "
+                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    state = gather_full_state_dict(actor.model)
+    del actor
+    return state, log
