@@ -80,14 +80,14 @@ def _local(batch: dict, rows: torch.Tensor) -> dict:
 
 
 def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state=None,
-               entropy_controller=None, actor_cfg=None):
+               entropy_controller=None, actor_cfg=None, ref_state=None):
     from megatron_rl.actor.actor import Actor
     from megatron_rl.models.config import get_preset
 
     return Actor(get_preset(cfg.model.preset), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
                  total_steps,
                  seed=cfg.trainer.seed, full_state=full_state,
-                 entropy_controller=entropy_controller)
+                 entropy_controller=entropy_controller, ref_state=ref_state)
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -137,9 +137,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if not resuming and cfg.sft.steps > 0:
         sft_state, sft_log = run_sft(cfg, tok, train_rows, make_actor)
     controller = _entropy_controller(cfg)
+    ref_state = _reference_weights(run_dir, loss_cfg.use_kl_loss, sft_state, resuming, rank0)
     actor = make_actor(cfg, cfg.optim, loss_cfg, t.total_steps * _opt_steps_per_rl_step(cfg),
-                       full_state=sft_state, entropy_controller=controller)
-    del sft_state
+                       full_state=sft_state, entropy_controller=controller, ref_state=ref_state)
+    del sft_state, ref_state
     start, history, val_start = 0, [], None
     stopper = EarlyStopper(**_early_stop_kwargs(cfg))
     if resuming:
@@ -192,6 +193,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         local = _local(batch, dp_rows(n_rows, dp, dp_rank, mini if mini else n_rows))
         with ph("old_logp"):
             actor.add_old_logprobs(local)
+        with ph("ref_logp"):
+            actor.add_ref_logprobs(local)
         with ph("update"):
             upd = actor.update(local, step)
         with ph("weight_sync"):
@@ -245,6 +248,21 @@ def train(cfg: RunConfig) -> dict[str, Any]:
               f"wall_s={summary['wall_s']:.1f}", flush=True)
     runtime.shutdown()
     return summary
+
+
+def _reference_weights(run_dir: str, needed: bool, sft_state, resuming: bool, rank0: bool):
+    """Initial weights of the frozen reference policy (KL term only). A fresh run with a warm
+    start writes them to ``run_dir/reference_weights.pt`` so that a resumed run finds them."""
+    if not needed:
+        return None
+    path = os.path.join(run_dir, "reference_weights.pt")
+    if not resuming:
+        if rank0 and sft_state is not None:
+            torch.save(sft_state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return sft_state
+    dist.barrier()
+    return torch.load(path, weights_only=True) if os.path.exists(path) else None
 
 
 def _last_stage_metrics(history: list[dict], src: int) -> dict:

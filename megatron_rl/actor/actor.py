@@ -27,11 +27,21 @@ class Actor:
     def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, optim_cfg: OptimConfig,
                  loss_cfg: LossConfig, total_steps: int, seed: int = 1234,
                  full_state: Mapping[str, torch.Tensor] | None = None,
-                 entropy_controller=None) -> None:
+                 entropy_controller=None,
+                 ref_state: Mapping[str, torch.Tensor] | None = None) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
         self.model = build_gpt_model(model_cfg, seed=seed)
         if full_state is not None:
             load_full_state_dict(self.model, full_state)
+        # Frozen reference policy, only when a KL term needs it: the initial weights
+        # (``ref_state``, else ``full_state``, else the seeded init).
+        self.ref_model = None
+        if self.loss_cfg.use_kl_loss:
+            self.ref_model = build_gpt_model(model_cfg, seed=seed)
+            ref = ref_state if ref_state is not None else full_state
+            if ref is not None:
+                load_full_state_dict(self.ref_model, ref)
+            self.ref_model.eval().requires_grad_(False)
         self.ddp = wrap_ddp(self.model, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
         self.updater = PolicyUpdater(self.ddp, self.optimizer, self.scheduler, actor_cfg,
@@ -63,6 +73,14 @@ class Actor:
         out = self.logprobs(batch)
         if out is not None:
             batch["old_logp"], batch["old_entropy"] = out["logp"], out["entropy"]
+        return batch
+
+    def add_ref_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The reference pass: adds ``ref_logp`` (no-op when no KL term is configured)."""
+        if self.ref_model is not None:
+            out = self.logprobs(batch, compute_entropy=False, model=self.ref_model)
+            if out is not None:
+                batch["ref_logp"] = out["logp"]
         return batch
 
     def update(self, batch: Mapping[str, Any], step: int) -> list[dict[str, float]]:

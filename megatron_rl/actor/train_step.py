@@ -35,6 +35,7 @@ from megatron_rl.loss import (
     MetricAccumulator,
     ReductionContext,
     compute_loss,
+    entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
 from megatron_rl.models.heads import response_logprob_entropy
@@ -193,6 +194,10 @@ class PolicyUpdater:
                                       for mb in mbs]}
             ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], extra_masks=extra)
             selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step)
+            if first_update:  # §12 diagnostic on the rollout policy, once per RL step
+                cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
+                    ctx, [mb["old_logp"] for mb in mbs], [mb["advantages"] for mb in mbs],
+                    [mb["mask"] for mb in mbs], cfg.diagnostic_top_frac)}
         alpha = None if self.entropy_controller is None else self.entropy_controller.alpha
         compute_ent, ent_grad = needs_entropy(cfg, self.entropy_controller is not None)
         module = self.module

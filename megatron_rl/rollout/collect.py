@@ -140,7 +140,7 @@ def compute_advantages(records: list[dict], estimator: str) -> torch.Tensor:
 def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int
                      ) -> dict[str, torch.Tensor]:
     """``tokens/mask/advantages [N, S]`` (right-padded; N padded with empty rows to a multiple of
-    ``rows_multiple``), plus ``rollout_logp [N, S]`` and ``reward [N]``."""
+    ``rows_multiple``), plus ``rollout_logp [N, S]``, ``reward [N]`` and ``positive [N]``."""
     n = len(records)
     n_pad = -(-n // rows_multiple) * rows_multiple
     seq = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in records)
@@ -163,8 +163,10 @@ def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mult
         adv = broadcast_to_tokens(seq_adv, mask)
     reward = torch.zeros(n_pad)
     reward[:n] = torch.tensor([x["reward"] for x in records])
+    positive = torch.zeros(n_pad, dtype=torch.bool)  # correct responses (GPPO's NLL term)
+    positive[:n] = torch.tensor([x["acc"] >= 1.0 for x in records])
     return {"tokens": tokens, "mask": mask, "advantages": adv, "rollout_logp": roll_lp,
-            "reward": reward}
+            "reward": reward, "positive": positive}
 
 
 def dp_rows(n: int, dp: int, dp_rank: int, mini: int) -> torch.Tensor:
