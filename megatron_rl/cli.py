@@ -16,10 +16,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if rep.ok(args.atol) else 1
 
 
-def _train_worker(cfg):
-    from megatron_rl.trainer import train
+def _train_worker(cfg, mode: str = "train"):
+    from megatron_rl import trainer
 
-    return train(cfg)
+    return {"train": trainer.train, "eval": trainer.evaluate, "sft": trainer.sft_only}[mode](cfg)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -34,13 +34,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 2
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     if "RANK" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
-        _train_worker(cfg)
+        _train_worker(cfg, args.command)
         return 0
-    from megatron_rl.parallel.launch import spawn
+    from megatron_rl.parallel.launch import WorkerError, spawn
 
-    print(f"[train] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
+    print(f"[{args.command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
-    spawn(_train_worker, world, (cfg,), timeout_s=7 * 24 * 3600)
+    try:
+        spawn(_train_worker, world, (cfg, args.command), timeout_s=7 * 24 * 3600)
+    except WorkerError as exc:
+        print(f"[{args.command}] failed: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -77,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
                                                 "output_dir=runs/x")
     t.set_defaults(func=_cmd_train)
+    for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
+                       ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
+        e = sub.add_parser(name, help=text)
+        e.add_argument("config", nargs="?", default=None)
+        e.add_argument("overrides", nargs="*")
+        e.set_defaults(func=_cmd_train)
 
     from megatron_rl.convert.cli import add_convert_subcommand
 

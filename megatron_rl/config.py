@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelSection:
     preset: str = "tiny"
-    hf_checkpoint: str | None = None  # HF directory to start from (converted on load)
+    init_weights: str | None = None  # canonical weights (.pt) to start from, e.g. from `sft`
 
 
 @dataclass

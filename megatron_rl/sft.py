@@ -30,14 +30,14 @@ def sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
 
 def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[dict, list]:
     """Train ``cfg.sft.steps`` steps; return the canonical full weights and a metric log."""
+    import dataclasses
+
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.loss import LossConfig
     from megatron_rl.models.weights import gather_full_state_dict
     from megatron_rl.rollout.collect import dp_rows
-
-    import dataclasses
 
     s = cfg.sft
     dp = ps.get_data_parallel_world_size()

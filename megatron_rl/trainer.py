@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
 
-
 PROGRESS_KEYS = {"reward": ("rollout/reward",), "acc": ("rollout/acc",),
                  "entropy": ("policy/entropy",)}
 
@@ -134,7 +133,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     resuming = t.resume and _bcast(latest_checkpoint(ckpt_root) if rank0 else None) is not None
     sft_state = None
     sft_log: list = []
-    if not resuming and cfg.sft.steps > 0:
+    if not resuming and cfg.model.init_weights:
+        sft_state = torch.load(cfg.model.init_weights, weights_only=True)
+    elif not resuming and cfg.sft.steps > 0:
         sft_state, sft_log = run_sft(cfg, tok, train_rows, make_actor)
     controller = _entropy_controller(cfg)
     ref_state = _reference_weights(run_dir, loss_cfg.use_kl_loss, sft_state, resuming, rank0)
@@ -152,9 +153,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             loader.load_state_dict(st["loader"])
     engine = None
     if rank0:
-        from megatron_rl.rollout.embedded import EmbeddedEngine
-
         from megatron_rl.models.config import get_preset
+        from megatron_rl.rollout.embedded import EmbeddedEngine
         engine = EmbeddedEngine(get_preset(cfg.model.preset), tok.eos_id, tok.pad_id)
     tracker = Tracker(run_dir, total_steps=t.total_steps, use_tensorboard=cfg.logging.tensorboard,
                       use_wandb=cfg.logging.wandb, project=cfg.logging.project,
@@ -248,6 +248,76 @@ def train(cfg: RunConfig) -> dict[str, Any]:
               f"wall_s={summary['wall_s']:.1f}", flush=True)
     runtime.shutdown()
     return summary
+
+
+def _setup_eval(cfg: RunConfig):
+    from megatron_rl.data import PromptDataset, train_val_split
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rewards.tokenizer import ByteTokenizer
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    d = cfg.data
+    full = (PromptDataset.from_files(d.path, d.prompt_field, d.answer_field) if d.path else
+            PromptDataset.from_task(d.task, d.train_size + d.val_size, d.seed, **d.task_kwargs))
+    _, val_set = train_val_split(full, d.val_size, seed=d.seed,
+                                 by="prompt" if d.split_by == "prompt" else None)
+    tok = ByteTokenizer()
+    return tok, val_set.rows, EmbeddedEngine(get_preset(cfg.model.preset), tok.eos_id,
+                                             tok.pad_id)
+
+
+def evaluate(cfg: RunConfig) -> float | None:
+    """Validation accuracy of the newest checkpoint under ``trainer.output_dir`` (SPMD)."""
+    from megatron_rl.actor.checkpoint import latest_checkpoint
+    from megatron_rl.parallel import runtime
+
+    p = cfg.parallel
+    runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed, timeout_s=900)
+    root = os.path.join(cfg.trainer.output_dir, "checkpoints")
+    path = latest_checkpoint(root)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint under {root} (train first, or set output_dir)")
+    actor = make_actor(cfg, cfg.optim, cfg.loss.build(), 1)
+    info = actor.resume(root)
+    rank0 = dist.get_rank() == 0
+    tok, rows, engine = _setup_eval(cfg) if rank0 else (None, None, None)
+    sync_weights(actor, engine, cfg, version=info["step"] + 1)
+    acc = validate(engine, tok, rows, cfg, _score_fn(cfg))
+    if rank0:
+        print(f"eval: val_acc={acc:.4f} checkpoint={path} (after step {info['step'] + 1})",
+              flush=True)
+    runtime.shutdown()
+    return acc
+
+
+def sft_only(cfg: RunConfig) -> str | None:
+    """Run the supervised warm start alone; write canonical weights to
+    ``output_dir/sft_weights.pt`` (start RL from them with ``model.init_weights=...``)."""
+    from megatron_rl.data import PromptDataset, train_val_split
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rewards.tokenizer import ByteTokenizer
+    from megatron_rl.sft import run_sft
+
+    p, d = cfg.parallel, cfg.data
+    runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed, timeout_s=900)
+    rank0 = dist.get_rank() == 0
+    rows = None
+    if rank0:
+        full = (PromptDataset.from_files(d.path, d.prompt_field, d.answer_field) if d.path else
+                PromptDataset.from_task(d.task, d.train_size + d.val_size, d.seed,
+                                        **d.task_kwargs))
+        rows = train_val_split(full, d.val_size, seed=d.seed,
+                               by="prompt" if d.split_by == "prompt" else None)[0].rows
+    state, _ = run_sft(cfg, ByteTokenizer(), rows, make_actor)
+    path = None
+    if rank0:
+        os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+        path = os.path.join(cfg.trainer.output_dir, "sft_weights.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        print(f"sft: wrote {path}", flush=True)
+    runtime.shutdown()
+    return path
 
 
 def _reference_weights(run_dir: str, needed: bool, sft_state, resuming: bool, rank0: bool):

@@ -5,9 +5,9 @@ import signal
 
 import pytest
 import torch
+from test_actor_layout import GLOBAL_SEQS, loss_config, make_global_batch
 
 from megatron_rl.parallel.launch import WorkerError, spawn
-from test_actor_layout import GLOBAL_SEQS, loss_config, make_global_batch
 
 
 def _rows(dp: int):

@@ -31,7 +31,7 @@ def loss_config():
                                     cov_stat_source="prepass")
 
 
-def _update_worker(tp: int, pp: int, dp: int, steps: int) -> dict | None:
+def _update_worker(tp: int, pp: int, dp: int, steps: int, fused: bool = False) -> dict | None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.actor import Actor
@@ -47,7 +47,8 @@ def _update_worker(tp: int, pp: int, dp: int, steps: int) -> dict | None:
                  (ps.get_data_parallel_rank() + 1) * GLOBAL_SEQS // dp)
     batch = {k: v[rows] for k, v in full.items()}
     noise = batch.pop("old_noise")
-    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=GLOBAL_SEQS // dp // 2),
+    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=GLOBAL_SEQS // dp // 2,
+                                                  fused_logprob_entropy=fused),
                   OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0), loss_config(),
                   total_steps=steps, seed=7)
     history = []
@@ -67,9 +68,9 @@ def _update_worker(tp: int, pp: int, dp: int, steps: int) -> dict | None:
     return out
 
 
-def run(tp: int, pp: int, dp: int, steps: int = 1) -> dict:
+def run(tp: int, pp: int, dp: int, steps: int = 1, fused: bool = False) -> dict:
     merged: dict = {}
-    for r in spawn(_update_worker, tp * pp * dp, (tp, pp, dp, steps), timeout_s=400):
+    for r in spawn(_update_worker, tp * pp * dp, (tp, pp, dp, steps, fused), timeout_s=400):
         merged.update(r or {})
     return merged
 
@@ -88,9 +89,11 @@ def _max_rel(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)])
-def test_update_is_layout_invariant(reference, tp, pp, dp):
-    got = run(tp, pp, dp)
+@pytest.mark.parametrize("tp,pp,dp,fused", [(2, 1, 1, False), (1, 2, 1, False),
+                                            (2, 2, 1, False), (1, 1, 2, False), (2, 2, 1, True)])
+def test_update_is_layout_invariant(reference, tp, pp, dp, fused):
+    """The last case also swaps in the fused head (torch reference of kernels.fused_head)."""
+    got = run(tp, pp, dp, fused=fused)
     ref_h, got_h = reference["history"], got["history"]
     assert ref_h[0]["clip_cov/num_selected"] >= 1  # the Clip-Cov path is exercised
     assert ref_h[0]["actor/skipped"] == 0.0

@@ -10,7 +10,7 @@ from megatron_rl.models.config import (
     get_preset,
     validate_for_layout,
 )
-from megatron_rl.models.weights import unshard, shard_for_rank
+from megatron_rl.models.weights import shard_for_rank, unshard
 
 
 def test_presets_valid():

@@ -56,11 +56,12 @@ class Actor:
 
     def logprobs(self, batch: Mapping[str, Any], compute_entropy: bool = True,
                  model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
-        """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; None elsewhere)."""
+        """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; else None)."""
         outs = forward_logprob_entropy(model or self.model, self.micro_batches(batch),
                                        temperature=self.cfg.temperature,
                                        compute_entropy=compute_entropy,
-                                       chunk_size=self.cfg.logprob_chunk_size)
+                                       chunk_size=self.cfg.logprob_chunk_size,
+                                       fused=self.cfg.use_fused_head)
         if not outs:
             return None
         res = {"logp": torch.cat([o["logp"] for o in outs])}

@@ -40,7 +40,7 @@ def validate_micro_batches(micro_batches: Sequence[dict]) -> tuple[int, int]:
 @torch.no_grad()
 def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict], *,
                             temperature: float = 1.0, compute_entropy: bool = True,
-                            chunk_size: int | None = None) -> list[dict]:
+                            chunk_size: int | None = None, fused: bool = False) -> list[dict]:
     """Run ``micro_batches`` (dicts with ``tokens`` and ``mask``, ``[B, S]``) through the pipeline.
 
     Returns, on the last pipeline stage, one dict per micro-batch with ``logp`` and ``entropy``
@@ -60,7 +60,8 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
         def collect(hidden_states, non_loss_data=True):
             logp, ent = response_logprob_entropy(
                 model_chunk, hidden_states, tokens, mask, temperature=temperature,
-                compute_entropy=compute_entropy, entropy_grad=False, chunk_size=chunk_size)
+                compute_entropy=compute_entropy, entropy_grad=False, chunk_size=chunk_size,
+                fused=fused)
             return {"logp": logp, "entropy": ent}
 
         return hidden, collect

@@ -1,7 +1,7 @@
 """The actor's policy update over megatron's pipeline schedules.
 
-One RL step's batch (this DP rank's rows, ``[N, S]`` tensors) is cut into mini-batches (one optimizer
-step each) and micro-batches (one pipeline forward/backward each):
+One RL step's batch (this DP rank's rows, ``[N, S]`` tensors) is cut into mini-batches (one
+optimizer step each) and micro-batches (one pipeline forward/backward each):
 
 - a global mini-batch of ``mini_batch_size`` sequences is split over DP ranks as contiguous row
   blocks (rank r holds rows ``[r*G/dp, (r+1)*G/dp)`` of every mini-batch), the order the loss
@@ -61,6 +61,14 @@ class ActorConfig:
     temperature: float = 1.0
     logprob_chunk_size: int | None = None
     max_consecutive_skips: int = 3
+    fused_logprob_entropy: bool | None = None  # None: on when CUDA is available
+
+    @property
+    def use_fused_head(self) -> bool:
+        """Whether the fused linear + log-prob + entropy head is used."""
+        if self.fused_logprob_entropy is None:
+            return torch.cuda.is_available()
+        return self.fused_logprob_entropy
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "ppo_epochs", "max_consecutive_skips"):
@@ -107,8 +115,8 @@ def minibatch_slices(n_local: int, cfg: ActorConfig, dp: int) -> list[list[slice
     global_rows = n_local * dp
     mini = cfg.mini_batch_size or global_rows
     if mini % dp:
-        raise ActorConfigError(f"actor.mini_batch_size={mini} is not divisible by the data-parallel "
-                               f"size {dp}")
+        raise ActorConfigError(f"actor.mini_batch_size={mini} is not divisible by the "
+                               f"data-parallel size {dp}")
     local_mini = mini // dp
     out = []
     for mb in split_rows(n_local, local_mini, f"actor.mini_batch_size={mini} over dp={dp}"):
@@ -167,7 +175,8 @@ class PolicyUpdater:
         else:  # exact: the current weights' log-probs, no grad, before any backward
             outs = forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
                                            compute_entropy=False,
-                                           chunk_size=self.cfg.logprob_chunk_size)
+                                           chunk_size=self.cfg.logprob_chunk_size,
+                                           fused=self.cfg.use_fused_head)
             stat = [o["logp"] for o in outs]
         sel = select_cov_tokens(ctx, cfg, stat, olds, [mb["advantages"] for mb in mbs],
                                 [mb["mask"] for mb in mbs], step)
@@ -212,7 +221,7 @@ class PolicyUpdater:
                 logp, ent = response_logprob_entropy(
                     module, hidden_states, tokens, mask, temperature=self.cfg.temperature,
                     compute_entropy=compute_ent, entropy_grad=ent_grad,
-                    chunk_size=self.cfg.logprob_chunk_size)
+                    chunk_size=self.cfg.logprob_chunk_size, fused=self.cfg.use_fused_head)
                 out = compute_loss(LossInputs(
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),

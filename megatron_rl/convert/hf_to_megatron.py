@@ -13,7 +13,6 @@ original ``config.json``) and ``hf_assets/`` (tokenizer files), which the revers
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_rl.convert.common import to_hf
 from megatron_rl.convert.registry import mapping_for
 from megatron_rl.models.config import ModelConfig
-from megatron_rl.models.weights import tp_info, unshard, iter_local_params
+from megatron_rl.models.weights import iter_local_params, tp_info, unshard
 
 Bucket = list[tuple[str, torch.Tensor]]
 

@@ -41,9 +41,20 @@ def response_logits(model: torch.nn.Module, hidden: torch.Tensor, b: torch.Tenso
 def response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, tokens: torch.Tensor,
                              mask: torch.Tensor, *, temperature: float = 1.0,
                              compute_entropy: bool = True, entropy_grad: bool = True,
-                             chunk_size: int | None = None) -> tuple[torch.Tensor,
-                                                                     torch.Tensor | None]:
-    """Per-token log-prob and entropy as ``[B, S]`` fp32 tensors (zero outside ``mask``)."""
+                             chunk_size: int | None = None, fused: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-prob and entropy as ``[B, S]`` fp32 tensors (zero outside ``mask``).
+
+    ``fused=True`` uses the fused linear + log-prob + entropy head (``kernels.fused_head``:
+    Triton on GPU, its chunked torch reference elsewhere), which never materialises the
+    ``[N, V/TP]`` logits; the values are the same.
+    """
+    if fused:
+        from megatron_rl.models.fused_head import fused_response_logprob_entropy
+
+        return fused_response_logprob_entropy(
+            model, hidden, tokens, mask, temperature=temperature,
+            compute_entropy=compute_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size)
     b, t = response_index(mask)
     logits = response_logits(model, hidden, b, t)
     logp, ent = vocab_parallel_logprob_entropy(

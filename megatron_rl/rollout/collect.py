@@ -18,6 +18,7 @@ from megatron_rl.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from megatron_rl.rewards.math_verify_reward import score_batch
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.filters import (
     DynamicSampler,
@@ -27,7 +28,6 @@ from megatron_rl.rollout.filters import (
     reward_variance_top_p,
     select_uids,
 )
-from megatron_rl.rewards.math_verify_reward import score_batch
 
 _uid = itertools.count()
 

@@ -24,7 +24,7 @@ class WeightSyncError(RuntimeError):
 
 
 def build_hf_model(cfg: ModelConfig) -> torch.nn.Module:
-    """A randomly initialised ``transformers`` causal LM with ``cfg``'s architecture (no download)."""
+    """A random ``transformers`` causal LM with ``cfg``'s architecture (nothing downloaded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_rl.convert.registry import hf_config_dict
