@@ -39,6 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl.parallel.launch import WorkerError, spawn  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import rss_kib  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIB = 1024 ** 2
 FULL = dict(tokens=16384, hidden=5120, vocab=151936)
@@ -49,11 +52,7 @@ SMALL = dict(tokens=512, hidden=1024, vocab=32768)
 # Memory probes
 # --------------------------------------------------------------------------------------------
 def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+    return rss_kib(field)
 
 
 class PeakProbe:

@@ -41,6 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_rl.parallel.launch import spawn  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import rss_kib  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GIB = 1024 ** 3
 # Rough fp32 [N, V] buffers at the naive path's peak (z, log_softmax, softmax, product in forward;
@@ -62,11 +65,7 @@ def _reset_peak() -> bool:
 
 
 def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+    return rss_kib(field)
 
 
 class _SavedBytes:
