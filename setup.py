@@ -27,7 +27,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "ruff", "pyarrow", "triton"],
         "logging": ["tensorboard", "wandb"],
-        # NVIDIA apex is optional and never installed from PyPI (PyPI's "apex" is unrelated).
+        # NVIDIA's apex is optional and never installed from PyPI (the PyPI package of that name
+        # is an unrelated project).
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
         "sglang": ["sglang", "sglang-router"],
     },

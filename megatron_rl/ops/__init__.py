@@ -1,17 +1,4 @@
 """Vocab-parallel ops: per-token log-prob and entropy without gathering the vocabulary."""
 
-from megatron_rl.ops.vocab_parallel import (
-    VocabParallelLogProbEntropy,
-    check_tp_consistency,
-    naive_logprob_entropy,
-    reference_logprob_entropy,
-    vocab_parallel_logprob_entropy,
-)
-
-__all__ = [
-    "VocabParallelLogProbEntropy",
-    "check_tp_consistency",
-    "naive_logprob_entropy",
-    "reference_logprob_entropy",
-    "vocab_parallel_logprob_entropy",
-]
+from megatron_rl.ops.vocab_parallel import *  # noqa: F403 - the public API is its __all__
+from megatron_rl.ops.vocab_parallel import __all__  # noqa: F401
