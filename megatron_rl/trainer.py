@@ -99,7 +99,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     from megatron_rl.rewards.tokenizer import ByteTokenizer
     from megatron_rl.rollout.collect import collect_step, dp_rows, records_to_batch
     from megatron_rl.sft import run_sft
-    from megatron_rl.tracking import Tracker
+    from megatron_rl.tracking import Tracker, gpu_stats
 
     t_start = time.perf_counter()
     p, t = cfg.parallel, cfg.trainer
@@ -207,7 +207,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 val_acc = validate(engine, tok, val_rows, cfg, score_fn)
         upd_metrics = _last_stage_metrics(upd, reporter)
         if rank0:
-            metrics = {**metrics, **upd_metrics, **ph.times}
+            metrics = {**metrics, **upd_metrics, **ph.times, **gpu_stats()}
             if do_val:
                 metrics["val/acc"] = val_acc
         decision = None
