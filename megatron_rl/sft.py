@@ -1,9 +1,8 @@
 """Supervised warm start with the same Megatron actor (teacher-forced answer tokens).
 
-The SFT loss is the token-mean negative log-likelihood of ``answer + EOS``. It runs through the
-actor's own update path: with ``old_logp`` taken from the current weights right before each
-optimizer step and advantage 1 on every answer token, the PPO surrogate's gradient is exactly the
-NLL gradient (the ratio is 1, inside any clip range).
+The SFT loss is the token-mean negative log-likelihood of ``answer + EOS`` (the ``nll`` policy
+loss with advantage 1 on every answer token). It runs through the actor's own update path: megatron
+pipeline schedule, DDP, optimizer, numerical guard; no old-policy pass is needed.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ def sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
     for i, (p, a) in enumerate(seqs):
         tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
         mask[i, len(p):len(p) + len(a)] = True
-    return {"tokens": tokens, "mask": mask, "advantages": mask.float()}
+    # ``old_logp`` is required by the loss inputs but unused by the ``nll`` loss.
+    return {"tokens": tokens, "mask": mask, "advantages": mask.float(),
+            "old_logp": torch.zeros(tokens.shape)}
 
 
 def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[dict, list]:
@@ -47,7 +48,7 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
     while (s.batch_size // dp) % micro:
         micro -= 1
     actor = make_actor(cfg, OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
-                       LossConfig(policy_loss="ppo", clip_ratio_low=0.2, clip_ratio_high=0.2),
+                       LossConfig(policy_loss="nll"),
                        s.steps, actor_cfg=dataclasses.replace(
                            cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1))
     rng = random.Random(cfg.trainer.seed)
@@ -61,11 +62,9 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
         batch = box[0]
         local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, 0)]
                  for k, v in batch.items()}
-        actor.add_old_logprobs(local)
         metrics = actor.update(local, step)[-1]
-        if "old_logp" in local:  # last pipeline stage: NLL of the batch before this step
-            m = local["mask"]
-            nll = float(-(local["old_logp"] * m).sum() / m.sum().clamp_min(1))
+        if "sft/nll" in metrics:  # last pipeline stage: NLL of the batch (global token-mean)
+            nll = metrics["sft/nll"]
             log.append({"sft/step": step + 1, "sft/nll": nll,
                         "sft/grad_norm": metrics.get("actor/grad_norm", 0.0)})
             reporter = ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -30,27 +31,32 @@ def _bcast(obj: Any) -> Any:
 
 
 class Phases:
-    """Wall time per phase of one step."""
+    """Wall time per phase of one step: ``with phases("rollout"): ...`` -> ``time/rollout``."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        phases = self
-
-        class _T:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                phases.times[f"time/{name}"] = time.perf_counter() - self.t0
-        return _T()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = time.perf_counter() - t0
 
 
 def sync_weights(actor, engine, cfg: RunConfig, version: int) -> str | None:
-    """Stream HF-named buckets out of the Megatron actor into the engine (collective)."""
+    """Stream HF-named buckets out of the Megatron actor into the engine.
+
+    Collective over the model-parallel group of DP replica 0 only (the engine's rank is there);
+    the other replicas hold identical weights and skip the gathers entirely.
+    """
+    from megatron.core import parallel_state as ps
+
     from megatron_rl.convert.stream import iter_hf_weight_buckets
 
+    if ps.get_data_parallel_rank() != 0:
+        return None
     buckets = iter_hf_weight_buckets(actor.model, cfg.rollout.weight_sync_bucket_mb * 2**20,
                                      broadcast_pp=True)
     if engine is not None:

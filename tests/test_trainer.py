@@ -100,3 +100,14 @@ def test_killed_run_resumes_to_same_metrics(reference_run, tmp_path):
     run_train("examples/tiny_dapo.yaml", tmp_path, *SHORT)
     assert killed_at < len(metrics(out))
     assert metrics(tmp_path) == metrics(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_data_parallel_pipeline_run(tmp_path):
+    """PP2 x DP2: only DP replica 0 streams weights to the engine; the others must not hang."""
+    out = run_train("examples/tiny_dapo.yaml", tmp_path, "parallel.tp=1", "parallel.pp=2",
+                    "parallel.dp=2", "sft.steps=3", "trainer.total_steps=2",
+                    "trainer.test_freq=2", "rollout.dynamic_sampling=false")
+    assert "summary: val_acc_start=" in out
+    assert metrics(tmp_path)[-1]["actor/skipped"] == 0.0

@@ -203,7 +203,7 @@ class PolicyUpdater:
                                       for mb in mbs]}
             ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], extra_masks=extra)
             selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step)
-            if first_update:  # §12 diagnostic on the rollout policy, once per RL step
+            if first_update and cfg.policy_loss != "nll":  # §12 diagnostic, once per RL step
                 cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
                     ctx, [mb["old_logp"] for mb in mbs], [mb["advantages"] for mb in mbs],
                     [mb["mask"] for mb in mbs], cfg.diagnostic_top_frac)}

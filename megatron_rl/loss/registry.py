@@ -10,6 +10,7 @@ from megatron_rl.loss.cispo import cispo_token_loss
 from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
 from megatron_rl.loss.gppo import gppo_token_loss
 from megatron_rl.loss.gspo import gspo_token_level_loss, gspo_token_loss
+from megatron_rl.loss.nll import nll_token_loss
 from megatron_rl.loss.ppo import dcpo_token_loss, ppo_token_loss
 
 
@@ -69,5 +70,6 @@ for _spec in (
     PolicyLossSpec("clip_cov", clip_cov_token_loss, "§4", needs=("cov_selected",)),
     PolicyLossSpec("kl_cov", kl_cov_token_loss, "§4", needs=("cov_selected",)),
     PolicyLossSpec("dcpo", dcpo_token_loss, "§10.2"),
+    PolicyLossSpec("nll", nll_token_loss, "supervised warm start (not in ALGORITHMS.md)"),
 ):
     register_policy_loss(_spec)
