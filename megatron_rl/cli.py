@@ -17,9 +17,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _train_worker(cfg, mode: str = "train"):
-    from megatron_rl import trainer
+    from megatron_rl import commands, trainer
 
-    return {"train": trainer.train, "eval": trainer.evaluate, "sft": trainer.sft_only}[mode](cfg)
+    return {"train": trainer.train, "eval": commands.evaluate, "sft": commands.sft_only}[mode](cfg)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

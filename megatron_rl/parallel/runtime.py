@@ -182,6 +182,11 @@ def current_layout(backend: str | None = None) -> ParallelLayout:
         backend=backend or dist.get_backend())
 
 
+def is_rank0() -> bool:
+    """True on global rank 0 (the rollout driver's rank)."""
+    return dist.get_rank() == 0
+
+
 def last_stage_rank() -> int:
     """Global rank of the last pipeline stage's TP-rank-0, DP-rank-0 process (where the loss and
     the update metrics live). Collective (one small all-reduce); the same on every rank."""

@@ -1,0 +1,47 @@
+"""Per-step bookkeeping shared by all ranks: phase timers, the update's metrics brought from the
+last pipeline stage, and the entropy measured for adaptive entropy control."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+PROGRESS_KEYS = {"reward": ("rollout/reward",), "acc": ("rollout/acc",),
+                 "entropy": ("policy/entropy",)}
+
+
+class Phases:
+    """Wall time per phase of one step: ``with phases("rollout"): ...`` -> ``time/rollout``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = time.perf_counter() - t0
+
+
+def last_stage_metrics(history: list[dict], src: int) -> dict:
+    """The update's metrics live on the last stage (global rank ``src``); bring the final
+    mini-batch's to every rank."""
+    last = history[-1] if history else {}
+    box = [last if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return dict(box[0] or {})
+
+
+def measured_entropy(local: dict) -> float:
+    """-mean(old_logp) over the step's valid tokens, all DP ranks (ALGORITHMS.md §10.1)."""
+    from megatron.core import parallel_state as ps
+
+    m = local["mask"]
+    sums = torch.stack([(-(local["old_logp"] * m).sum()).double(), m.sum().double()])
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    return float(sums[0] / sums[1].clamp_min(1))
