@@ -10,7 +10,7 @@ carry ``[N]``-sized vectors and are not part of this single-process measurement)
 
 * (a) ``naive``: ``logits = hidden @ W.T`` in the input dtype, then ``log_softmax``, ``softmax``
   and ``-(p * log p).sum()`` in fp32 (what the anchors do), autograd backward;
-* (b) ``chunked``: :func:`kernels.fused_head.fused_linear_logprob_entropy`, torch backend;
+* (b) ``chunked``: :func:`megatron_rl.kernels.fused_head.fused_linear_logprob_entropy`, torch backend;
 * (c) ``fused``: the same function, Triton backend (needs a CUDA GPU);
 * (d) ``matmul``: the bare ``hidden @ W.T`` (forward), and ``3 matmuls``: that plus the two
   gradient matmuls ``dlogits @ W`` and ``dlogits.T @ hidden`` that any backward needs.
@@ -99,7 +99,7 @@ def _inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device):
 
 def _make_step(variant: str, hidden, weight, labels, g_lp, g_h, chunk_size, vocab_tile):
     """``step(backward: bool)`` for one variant."""
-    from kernels.fused_head import fused_linear_logprob_entropy
+    from megatron_rl.kernels.fused_head import fused_linear_logprob_entropy
     from megatron_rl.ops import naive_logprob_entropy
 
     dlogits = None
