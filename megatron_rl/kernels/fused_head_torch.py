@@ -224,7 +224,7 @@ def backward_grads(hidden: torch.Tensor, weight: torch.Tensor, label_col: torch.
                    grad_entropy: torch.Tensor | None, temperature: float, ops: ChunkOps, *,
                    need_hidden: bool = True, wgrad_acc: torch.Tensor | None = None,
                    chunk_size: int | None = None) -> torch.Tensor | None:
-    """``grad_hidden [N, H]`` of this shard (input dtype, or None); adds grad_weight to ``wgrad_acc``.
+    """``grad_hidden [N, H]`` of this shard (input dtype, or None); adds to ``wgrad_acc``.
 
     ``lse``, ``mu`` ``[N]`` fp32 global statistics (scaled units); ``grad_logp``,
     ``grad_entropy`` ``[N]`` fp32 upstream gradients or None. ``wgrad_acc``: fp32 ``[V_local, H]``
