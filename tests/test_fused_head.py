@@ -124,9 +124,20 @@ def _run_fused(spec: dict, tp: int, rank: int, group, backend: str) -> dict:
         compute_entropy=spec["compute_entropy"], entropy_grad=spec["entropy_grad"],
         backend=backend, triton_tiles=triton_tiles, **tiles)
     _loss(logp, ent, g_lp, g_h, spec).backward()
-    return dict(logp=logp.detach(), entropy=None if ent is None else ent.detach(),
-                grad_h=hidden.grad, grad_w=shard.grad,
-                ent_requires_grad=None if ent is None else ent.requires_grad)
+    out = dict(logp=logp.detach(), entropy=None if ent is None else ent.detach(),
+               grad_h=hidden.grad, grad_w=shard.grad,
+               ent_requires_grad=None if ent is None else ent.requires_grad)
+    if spec.get("twice"):                     # determinism: a second backward, bit for bit
+        first = (hidden.grad.clone(), shard.grad.clone())
+        hidden.grad = shard.grad = None
+        logp, ent = fused_linear_logprob_entropy(
+            hidden, shard, labels, group, temperature=spec["temperature"],
+            compute_entropy=spec["compute_entropy"], entropy_grad=spec["entropy_grad"],
+            backend=backend, triton_tiles=triton_tiles, **tiles)
+        _loss(logp, ent, g_lp, g_h, spec).backward()
+        out["bit_equal"] = all(torch.equal(a, b) for a, b in
+                               zip(first, (hidden.grad, shard.grad), strict=True))
+    return out
 
 
 def _check(got: dict, ref: dict, spec: dict, tp: int = 1, rank: int = 0) -> None:
@@ -147,6 +158,8 @@ def _check(got: dict, ref: dict, spec: dict, tp: int = 1, rank: int = 0) -> None
                                    msg=lambda m, n=name: f"{ctx} {n}: {m}")
     if spec["masked"]:                        # masked rows get exactly no gradient
         assert torch.all(got["grad_h"][::3] == 0), ctx
+    if spec.get("twice"):
+        assert got["bit_equal"], f"{ctx}: two backward passes differ"
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +186,7 @@ def test_bf16_against_literal_unfused_path():
 
 
 class _BigTensorSpy(TorchDispatchMode):
-    """Record the shapes of every op output with at least ``limit`` elements."""
+    """Record the shapes of new (not view / in-place) op outputs of >= ``limit`` elements."""
 
     def __init__(self, limit: int):
         super().__init__()
@@ -181,8 +194,11 @@ class _BigTensorSpy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        flat = list(args) + list((kwargs or {}).values())
+        inputs = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() >= self.limit:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.limit \
+                    and t.untyped_storage().data_ptr() not in inputs:   # new memory only
                 self.big.append((str(func), tuple(t.shape)))
         return out
 
@@ -241,6 +257,56 @@ def test_empty_batch():
     assert logp.shape == ent.shape == (0,)
     (logp.sum() + ent.sum()).backward()
     assert torch.all(weight.grad == 0)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_torch_path_deterministic(dtype):
+    """Two backward passes give bit-equal gradients (no atomics, fixed chunk order)."""
+    spec = dict(_spec(50, dtype, 0.9, **TINY), twice=True)
+    _check(_run_fused(spec, 1, 0, None, "torch"), _reference(spec), spec)
+
+
+def test_auto_chunk_rows_budget():
+    """The default chunk buffer stays within 8% of the [N, V_local] logits (issue shapes)."""
+    from megatron_rl.kernels.fused_head_torch import auto_chunk_rows
+
+    for n, v in ((16384, 151936), (16384, 151936 // 4), (4096, 151936)):
+        rows = auto_chunk_rows(n, v, 2)
+        assert rows * v * 2 <= 0.08 * n * v * 2 and rows >= 256, (n, v, rows)
+    assert auto_chunk_rows(1, 10, 2) == 1 and auto_chunk_rows(100, 10, 2) == 100
+    assert auto_chunk_rows(16384, 1000, 2, extra_fp32_buffers=2) < auto_chunk_rows(16384, 1000, 2)
+
+
+def test_main_grad_accumulation_no_weight_sized_buffer():
+    """``use_main_grad``: grad_weight lands in ``weight.main_grad`` (fp32, accumulated across
+    calls), ``weight.grad`` stays None and backward allocates nothing of ``[V_local, H]`` size;
+    without ``main_grad`` the same call allocates the fp32 accumulator (negative control)."""
+    spec = _spec(60, "bf16", 1.1, n=48)
+    hidden, weight, labels, g_lp, g_h = _make(spec)
+    v, h = weight.size(0), hidden.size(1)               # N = 48, V = 76, H = 24: N*H < V*H
+    ref = _reference(spec)
+    weight.requires_grad_(True)
+    weight.main_grad = torch.full((v, h), 0.5)                  # pre-existing content is kept
+    hidden.requires_grad_(True)
+
+    def step(use_main_grad: bool) -> _BigTensorSpy:
+        logp, ent = fused_linear_logprob_entropy(hidden, weight, labels, temperature=1.1,
+                                                 backend="torch", chunk_size=8,
+                                                 use_main_grad=use_main_grad)
+        loss = _loss(logp, ent, g_lp, g_h, spec)
+        spy = _BigTensorSpy(limit=v * h)
+        with spy:
+            loss.backward()
+        return spy
+
+    spies = [step(True), step(True)]
+    assert all(sp.big == [] for sp in spies), [sp.big for sp in spies]
+    assert weight.grad is None
+    torch.testing.assert_close(weight.main_grad - 0.5, 2 * ref["grad_w"], rtol=2e-2,
+                               atol=4e-2 * float(ref["grad_w"].abs().max()))
+    control = step(False)                                        # no main_grad use: a buffer
+    assert any(shape == (v, h) for _, shape in control.big), control.big
+    assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
 
 
 class _FakeHeadModel(torch.nn.Module):
@@ -323,9 +389,12 @@ def _spawn_cases(tp: int, backend: str, specs: list[dict]) -> None:
 
 
 def _triton_cases() -> list[dict]:
-    """The full grid minus the torch-only tiling knobs (Triton tiles itself)."""
-    return [dict(c, tiles={}) for c in _cases() if c["tiles"] or c["n"] == 1
-            or not c["compute_entropy"]]
+    """The tiled half of the grid (several row chunks, several vocab tiles per row), N=1 and
+    entropy off; two of them also run the backward twice (bit-equal gradients)."""
+    cases = [c for c in _cases() if c["tiles"] or c["n"] == 1 or not c["compute_entropy"]]
+    cases[0] = dict(cases[0], twice=True)                  # fp32
+    cases[2] = dict(cases[2], twice=True)                  # bf16
+    return cases
 
 
 @pytest.mark.slow
@@ -394,3 +463,82 @@ def test_integration_megatron_tp2():
             for a, b in zip(r["fused"], r["heads"]):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=str(r["preset"]))
     assert seen_tied == {False, True}
+
+
+# --------------------------------------------------------------------------------------------
+# Inside a real actor update: megatron DDP's main_grad path, fused on vs off
+# --------------------------------------------------------------------------------------------
+def _actor_worker(presets: list[str]) -> list[dict]:
+    """TP=1 actor (megatron GPTModel + DDP + optimizer): one update with the fused head on and
+    off from the same weights and batch. Returns metrics, the updated state and every
+    parameter's ``main_grad`` (what the optimizer consumed), and whether the fused backward found
+    ``main_grad`` on the output weight (observed through ``main_grad_target``)."""
+    import megatron_rl.kernels.fused_head as fh
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.loss import LossConfig
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.models.weights import gather_full_state_dict
+    from megatron_rl.parallel import runtime
+
+    found: list[bool] = []
+    real_target = fh.main_grad_target
+
+    def observed_target(weight):
+        target = real_target(weight)
+        found.append(target is not None)
+        return target
+
+    fh.main_grad_target = observed_target
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (4, 18), generator=g)
+    mask = torch.zeros(4, 18, dtype=torch.bool)
+    for b, (p, r) in enumerate([(3, 12), (5, 9), (2, 15), (6, 4)]):
+        mask[b, p:p + r] = True
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask
+    noise = 0.2 * torch.randn(4, 18, generator=g) * mask        # the rollout policy lagged
+    out = []
+    for preset in presets:
+        res = {}
+        for fused in (False, True):
+            found.clear()
+            actor = Actor(get_preset(preset),
+                          ActorConfig(micro_batch_size=2, fused_logprob_entropy=fused),
+                          OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0),
+                          LossConfig.for_algorithm("dapo", entropy_coeff=0.01),
+                          total_steps=1, seed=7)
+            batch = actor.add_old_logprobs({"tokens": tokens, "mask": mask, "advantages": adv})
+            batch["old_logp"] = batch["old_logp"] + noise
+            history = actor.update(batch, 0)
+            grads = {n: p.main_grad.detach().clone() for n, p in
+                     actor.ddp.module.named_parameters()}
+            res[fused] = dict(history=history, grads=grads,
+                              state=gather_full_state_dict(actor.model),
+                              found=list(found))
+        out.append(dict(preset=preset, tied=get_preset(preset).tie_word_embeddings, **{
+            "off": res[False], "on": res[True]}))
+    runtime.shutdown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_actor_update_fused_main_grad_matches_unfused():
+    """Fused head with DDP main_grad accumulation (untied and tied output weight) gives the same
+    gradients, metrics and updated weights as the unfused head, within fp32 slack."""
+    per_preset = spawn(_actor_worker, 1, (["tiny", "tiny-llama"],), timeout_s=560)[0]
+    assert {r["tied"] for r in per_preset} == {False, True}
+    for r in per_preset:
+        off, on = r["off"], r["on"]
+        assert off["found"] == [] and on["found"] and all(on["found"]), r["preset"]
+        for name, g_off in off["grads"].items():
+            scale = float(g_off.abs().max()) + 1e-12
+            torch.testing.assert_close(on["grads"][name], g_off, rtol=1e-4, atol=1e-5 * scale,
+                                       msg=lambda m, n=f"{r['preset']} {name}": f"{n}: {m}")
+        assert any(float(g.abs().max()) > 0 for g in off["grads"].values())
+        for k, v in off["history"][0].items():
+            assert on["history"][0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (r["preset"], k)
+        for k, v in off["state"].items():
+            torch.testing.assert_close(on["state"][k], v, rtol=1e-5, atol=1e-6)
