@@ -10,7 +10,7 @@ setup(
     version="0.1.0",
     description="RL post-training on megatron-core with exact, layout-invariant entropy control",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "kernels", "kernels.*"]),
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16",

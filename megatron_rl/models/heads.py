@@ -45,9 +45,9 @@ def response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, token
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-prob and entropy as ``[B, S]`` fp32 tensors (zero outside ``mask``).
 
-    ``fused=True`` uses the fused linear + log-prob + entropy head (``kernels.fused_head``:
-    Triton on GPU, its chunked torch reference elsewhere), which never materialises the
-    ``[N, V/TP]`` logits; the values are the same.
+    ``fused=True`` uses the fused linear + log-prob + entropy head
+    (``megatron_rl.kernels.fused_head``: row-chunked GEMMs with a Triton elementwise pass on GPU,
+    a torch one elsewhere), which never materialises the ``[N, V/TP]`` logits; same values.
     """
     if fused:
         from megatron_rl.models.fused_head import fused_response_logprob_entropy

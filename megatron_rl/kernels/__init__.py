@@ -3,7 +3,7 @@
 Nothing here imports Triton at import time; the Triton kernels load only when that backend runs.
 """
 
-from kernels.fused_head import (
+from megatron_rl.kernels.fused_head import (
     FusedLinearLogProbEntropy,
     fused_linear_logprob_entropy,
     resolve_backend,
