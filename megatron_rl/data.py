@@ -22,7 +22,6 @@ import os
 import random
 from typing import Any, Iterator, Sequence
 
-
 DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 
 
@@ -73,15 +72,17 @@ class PromptDataset:
             raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
         messages = _messages(_get(raw, prompt_key))
         prompt = _prompt_text(_get(raw, prompt_key))
+        hint = ""
         if answer_key is None:
             answer_key = next((k for k in DEFAULT_ANSWER_KEYS if _get(raw, k) is not None),
-                              " or ".join(DEFAULT_ANSWER_KEYS))
+                              DEFAULT_ANSWER_KEYS[0])
+            hint = f" (nor {DEFAULT_ANSWER_KEYS[1]!r}; set data.answer_key)"
         answer = _get(raw, answer_key)
         if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
             raise ValueError(f"{where}: row has no prompt field {prompt_key!r} "
                              f"(fields: {sorted(raw)})")
         if answer is None or (isinstance(answer, str) and not answer.strip()):
-            raise ValueError(f"{where}: row has no answer field {answer_key!r} "
+            raise ValueError(f"{where}: row has no answer field {answer_key!r}{hint} "
                              f"(fields: {sorted(raw)}); every prompt needs an answer to score")
         if hasattr(answer, "tolist"):
             answer = answer.tolist()

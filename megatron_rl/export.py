@@ -115,13 +115,21 @@ def checkpoint_for_step(run_dir: str, step: int | None) -> str:
     return path
 
 
+def load_run_config(run_dir: str) -> RunConfig:
+    """The :class:`RunConfig` a run saved in ``run_dir/config.json``."""
+    import json
+
+    from megatron_rl.config import _build
+
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+    with open(path) as f:
+        return _build(RunConfig, json.load(f), "")
+
+
 def export_run(run_dir: str, step: int | None, out_dir: str) -> str:
     """``python -m megatron_rl export``: the HF directory of a run's checkpoint (one process)."""
-    from megatron_rl.config import load_config
-
-    cfg_path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
-    cfg = load_config(cfg_path)
+    cfg = load_run_config(run_dir)
     ckpt = checkpoint_for_step(run_dir, step)
     return export_checkpoint(ckpt, cfg, out_dir, log=print)

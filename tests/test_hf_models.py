@@ -177,8 +177,8 @@ def test_dapo_parquet_rendered_filtered_and_scored_by_math_verify(tiny, capsys):
 
 
 def test_plain_prompt_answer_jsonl_and_renamed_fields(tiny, tmp_path):
-    from megatron_rl.run_setup import build_datasets, make_tokenizer, score_fn
     from megatron_rl.rewards.tasks import score
+    from megatron_rl.run_setup import build_datasets, make_tokenizer, score_fn
 
     path = tmp_path / "plain.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {i} plus 1 ?",
@@ -278,10 +278,12 @@ def test_train_from_hf_dir_tp2pp2_exports_loadable_hf_checkpoints(tiny, tmp_path
 
     from megatron_rl.cli import main
     from megatron_rl.convert.verify import hf_logits
+    from megatron_rl.export import load_run_config
     from megatron_rl.parallel.launch import spawn
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_rl", "train", f"model.hf_path={tiny['qwen2']['model']}",
+    (tmp_path / "run.yaml").write_text(f"model: {{hf_path: {tiny['qwen2']['model']}}}\n")
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(tmp_path / "run.yaml"),
            f"data.path={tiny['qwen2']['data']}", "data.val_size=8", "parallel.tp=2",
            "parallel.pp=2", "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
            "trainer.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=6",
@@ -300,7 +302,7 @@ def test_train_from_hf_dir_tp2pp2_exports_loadable_hf_checkpoints(tiny, tmp_path
     tok = transformers.AutoTokenizer.from_pretrained(export, local_files_only=True)
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
 
-    cfg = model_config(load_config(str(out / "config.json")).model)
+    cfg = model_config(load_run_config(str(out)).model)
     tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(1))
     actor = spawn(_actor_logits_worker, 1, (ckpts[-1], cfg, tokens), timeout_s=300)[0]
     exported = hf_logits(export, tokens)
