@@ -6,7 +6,7 @@
 A random model is saved with ``transformers`` (nothing downloaded). Each of the TP x PP ranks then
 builds its stage without random init (fp32 parameters, as the actor does), fills it with
 :class:`megatron_rl.model_source.HFShardSource` (each rank reads only its own slices), and reports:
-its RSS before the load (imports + its allocated stage), its peak RSS (``VmHWM``) during the load,
+its RSS before the load (imports + its allocated, touched stage), its peak RSS (``VmHWM``) during the load,
 the bytes of its own shard, the bytes it read from the files, and the whole model's size. The
 load's own cost is ``peak - before``; it should be about one tensor slice, never the model.
 """
@@ -42,6 +42,9 @@ def load_worker(hf_dir: str, tp: int, pp: int) -> dict:
     runtime.init_parallel(tp=tp, pp=pp)
     cfg = read_hf_config(hf_dir)[1]
     model = build_uninitialized_model(cfg, torch.float32)
+    with torch.no_grad():  # make the stage resident, so that "before" counts it
+        for param in model.parameters():
+            param.zero_()
     gc.collect()
     hwm_before = _rss("VmHWM")
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
