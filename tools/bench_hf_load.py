@@ -4,11 +4,12 @@
     python tools/bench_hf_load.py --tp 2 --pp 1 --layers 8
 
 A random model is saved with ``transformers`` (nothing downloaded). Each of the TP x PP ranks then
-builds its stage without random init (fp32 parameters, as the actor does), fills it with
-:class:`megatron_rl.model_source.HFShardSource` (each rank reads only its own slices), and reports:
-its RSS before the load (imports + its allocated, touched stage), its peak RSS (``VmHWM``) during the load,
-the bytes of its own shard, the bytes it read from the files, and the whole model's size. The
-load's own cost is ``peak - before``; it should be about one tensor slice, never the model.
+builds its stage without random init (fp32 parameters, as the actor does), touches it, fills it
+with :class:`megatron_rl.model_source.HFShardSource` (each rank reads only its own slices), and
+reports: its RSS before the load (imports + its resident stage), its peak RSS (``VmHWM``, reset
+with ``/proc/self/clear_refs`` just before the load) during the load, the bytes of its own shard,
+the bytes it read from the files, and the whole model's size. ``peak - before`` is the load's own
+cost; it should be about one shard's slices at most, never the model.
 """
 
 from __future__ import annotations
