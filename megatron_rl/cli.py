@@ -56,6 +56,18 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from megatron_rl.export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.step, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m megatron_rl",
@@ -91,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_rl.convert.cli import add_convert_subcommand
 
     add_convert_subcommand(sub)
+
+    ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
+                        "of a run's checkpoint")
+    ex.add_argument("run_dir")
+    ex.add_argument("--step", type=int, default=None,
+                    help="checkpoint after this many RL steps (default: the newest)")
+    ex.add_argument("--out", required=True, help="output directory")
+    ex.set_defaults(func=_cmd_export)
 
     pl = sub.add_parser("plot", help="write PNG curves of a run directory")
     pl.add_argument("run_dir")

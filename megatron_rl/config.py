@@ -25,7 +25,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    preset: str = "tiny"
+    # Exactly one of preset / hf_path / megatron_ckpt decides the architecture ("tiny" if none).
+    preset: str | None = None  # random tiny demo models (megatron_rl.models.config.PRESETS)
+    hf_path: str | None = None  # Hugging Face dir: config.json + *.safetensors (+ tokenizer)
+    megatron_ckpt: str | None = None  # output of `convert hf-to-megatron` (any TP/PP)
+    tokenizer: str | None = None  # "byte" or an HF tokenizer dir; default: from the model dir
     init_weights: str | None = None  # canonical weights (.pt) to start from, e.g. from `sft`
 
 
@@ -41,8 +45,12 @@ class DataSection:
     task: str = "basic_arithmetic"  # reasoning-gym task (or "path" below)
     task_kwargs: dict = field(default_factory=dict)
     path: str | None = None  # JSONL/Parquet prompts; overrides task
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_key: str = "prompt"  # dotted path; a list of chat messages is rendered by the template
+    answer_key: str | None = None  # dotted path; None: "answer", else "reward_model.ground_truth"
+    max_prompt_length: int = 0  # drop prompts longer than this many tokens (0 = keep all)
+    chat_template: bool = True  # render prompts with the tokenizer's chat template if it has one
+    prompt_field: str | None = None  # renamed to prompt_key (a clear error when used)
+    answer_field: str | None = None  # renamed to answer_key (a clear error when used)
     train_size: int = 2000
     val_size: int = 64
     split_by: str = "prompt"  # "prompt": no val prompt is a train prompt; "row": iid rows
@@ -82,6 +90,7 @@ class TrainerSection:
     output_dir: str = "runs/default"
     seed: int = 1234
     resume: bool = True
+    export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
 
 
 @dataclass
@@ -250,9 +259,20 @@ ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the field and the allowed values."""
-    from megatron_rl.models.config import get_preset
+    from megatron_rl.model_source import ModelSourceError, validate_model_section
+    from megatron_rl.models.config import ModelConfigError
 
-    get_preset(cfg.model.preset)
+    try:
+        validate_model_section(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+    except (ModelSourceError, ModelConfigError) as exc:
+        raise ConfigError(str(exc)) from exc
+    for old, new in (("prompt_field", "prompt_key"), ("answer_field", "answer_key")):
+        if getattr(cfg.data, old) is not None:
+            raise ConfigError(f"data.{old} was renamed data.{new}; use data.{new}="
+                              f"{getattr(cfg.data, old)!r}")
+    if cfg.data.max_prompt_length < 0:
+        raise ConfigError(f"data.max_prompt_length must be >= 0 (0 = no limit), got "
+                          f"{cfg.data.max_prompt_length}")
     cfg.loss.build()
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "

@@ -5,8 +5,10 @@
   paths into nested fields, e.g. ``reward_model.ground_truth``) or generated from a
   reasoning-gym task (:meth:`PromptDataset.from_task`). A row without a prompt or an answer is a
   ``ValueError`` naming the file and the line (JSONL, 1-based) or row (Parquet, 0-based).
-  Chat-style prompts (a list of ``{"role", "content"}`` messages) are kept as the content of the
-  last user message.
+  Chat-style prompts (a list of ``{"role", "content"}`` messages, the verl/DAPO-Math layout) are
+  kept whole in ``row["messages"]`` (rendered later with the tokenizer's chat template, see
+  :func:`megatron_rl.run_setup.build_datasets`); ``row["prompt"]`` is the last user message.
+  ``answer_key=None`` reads ``answer``, else ``reward_model.ground_truth`` (DEFAULT_ANSWER_KEYS).
 * :class:`PromptLoader`: batches of rows; epoch ``e`` visits the rows in the permutation given by
   ``(seed, e)``; the last partial batch of an epoch is dropped (every batch is full).
   ``state_dict()`` / ``load_state_dict()`` restore the position exactly.
@@ -20,6 +22,8 @@ import os
 import random
 from typing import Any, Iterator, Sequence
 
+DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
+
 
 def _get(row: dict, key: str) -> Any:
     cur: Any = row
@@ -28,6 +32,15 @@ def _get(row: dict, key: str) -> Any:
             return None
         cur = cur[part]
     return cur
+
+
+def _messages(p: Any) -> list[dict] | None:
+    if hasattr(p, "tolist"):
+        p = p.tolist()
+    if isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) and "content" in m
+                                                  for m in p):
+        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in p]
+    return None
 
 
 def _prompt_text(p: Any) -> Any:
@@ -54,27 +67,35 @@ class PromptDataset:
         return iter(self.rows)
 
     @staticmethod
-    def _normalise(raw: dict, prompt_key: str, answer_key: str, where: str) -> dict:
+    def _normalise(raw: dict, prompt_key: str, answer_key: str | None, where: str) -> dict:
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+        messages = _messages(_get(raw, prompt_key))
         prompt = _prompt_text(_get(raw, prompt_key))
+        hint = ""
+        if answer_key is None:
+            answer_key = next((k for k in DEFAULT_ANSWER_KEYS if _get(raw, k) is not None),
+                              DEFAULT_ANSWER_KEYS[0])
+            hint = f" (nor {DEFAULT_ANSWER_KEYS[1]!r}; set data.answer_key)"
         answer = _get(raw, answer_key)
         if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
             raise ValueError(f"{where}: row has no prompt field {prompt_key!r} "
                              f"(fields: {sorted(raw)})")
         if answer is None or (isinstance(answer, str) and not answer.strip()):
-            raise ValueError(f"{where}: row has no answer field {answer_key!r} "
+            raise ValueError(f"{where}: row has no answer field {answer_key!r}{hint} "
                              f"(fields: {sorted(raw)}); every prompt needs an answer to score")
         if hasattr(answer, "tolist"):
             answer = answer.tolist()
         row = {k: v for k, v in raw.items() if k not in (prompt_key, answer_key)}
         row["prompt"] = str(prompt)
+        if messages is not None:
+            row["messages"] = messages
         row["answer"] = answer if isinstance(answer, str) else json.dumps(answer) \
             if isinstance(answer, (list, dict)) else str(answer)
         return row
 
     @classmethod
-    def from_jsonl(cls, path: str, prompt_key: str = "prompt", answer_key: str = "answer"
+    def from_jsonl(cls, path: str, prompt_key: str = "prompt", answer_key: str | None = None
                    ) -> PromptDataset:
         rows = []
         with open(path, encoding="utf-8") as f:
@@ -90,7 +111,7 @@ class PromptDataset:
         return cls(rows, path)
 
     @classmethod
-    def from_parquet(cls, path: str, prompt_key: str = "prompt", answer_key: str = "answer"
+    def from_parquet(cls, path: str, prompt_key: str = "prompt", answer_key: str | None = None
                      ) -> PromptDataset:
         try:
             import pyarrow.parquet as pq
@@ -103,7 +124,7 @@ class PromptDataset:
 
     @classmethod
     def from_files(cls, paths: str | Sequence[str], prompt_key: str = "prompt",
-                   answer_key: str = "answer") -> PromptDataset:
+                   answer_key: str | None = None) -> PromptDataset:
         """JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) files, concatenated."""
         if isinstance(paths, str):
             paths = [paths]

@@ -11,39 +11,87 @@ from typing import Any, Callable
 from megatron_rl.config import RunConfig
 
 
-def build_datasets(cfg: RunConfig):
+def build_datasets(cfg: RunConfig, tokenizer=None):
     """``(train_set, val_set)`` :class:`~megatron_rl.data.PromptDataset` s of the run's data
-    (files when ``data.path`` is set, else the reasoning-gym task), split disjointly."""
+    (files when ``data.path`` is set, else the reasoning-gym task), split disjointly.
+
+    Prompts are rendered for ``tokenizer`` (default: the run's): chat messages (and, with a chat
+    template, plain prompts as one user message) through its chat template; prompts longer than
+    ``data.max_prompt_length`` tokens are dropped and counted."""
     from megatron_rl.data import PromptDataset, train_val_split
 
     d = cfg.data
-    full = (PromptDataset.from_files(d.path, d.prompt_field, d.answer_field) if d.path else
+    tokenizer = tokenizer or make_tokenizer(cfg)
+    full = (PromptDataset.from_files(d.path, d.prompt_key, d.answer_key) if d.path else
             PromptDataset.from_task(d.task, d.train_size + d.val_size, d.seed, **d.task_kwargs))
+    full, dropped = render_prompts(full, tokenizer, d.chat_template, d.max_prompt_length)
+    if dropped:
+        print(f"[data] dropped {dropped} of {dropped + len(full)} prompts longer than "
+              f"data.max_prompt_length={d.max_prompt_length} tokens", flush=True)
+    if not len(full):
+        raise ValueError(f"no prompt of {full.source} is within data.max_prompt_length="
+                         f"{d.max_prompt_length} tokens")
     return train_val_split(full, d.val_size, seed=d.seed,
                            by="prompt" if d.split_by == "prompt" else None)
 
 
+def render_prompts(dataset, tokenizer, use_template: bool, max_len: int):
+    """``(dataset with rendered prompts, number dropped)``: ``row["prompt"]`` becomes the text
+    the model sees (``row["raw_prompt"]`` keeps the original); rows whose prompt is longer than
+    ``max_len`` tokens (0: no limit) are dropped."""
+    from megatron_rl.data import PromptDataset
+    from megatron_rl.hf_tokenizer import render_prompt
+
+    kept, dropped = [], 0
+    for row in dataset.rows:
+        text = render_prompt(tokenizer, row.get("messages", row["prompt"]), use_template)
+        if max_len and len(tokenizer.encode(text)) > max_len:
+            dropped += 1
+            continue
+        kept.append({**row, "raw_prompt": row["prompt"], "prompt": text})
+    return PromptDataset(kept, dataset.source), dropped
+
+
+def model_config(cfg: RunConfig):
+    """The run's architecture (preset, HF ``config.json`` or converted checkpoint)."""
+    from megatron_rl.model_source import model_config as of_section
+
+    return of_section(cfg.model)
+
+
 def make_tokenizer(cfg: RunConfig):
-    """The run's tokenizer (the byte tokenizer of the tiny presets)."""
+    """The run's tokenizer: the HF tokenizer of the model directory (or ``model.tokenizer``),
+    else the byte tokenizer of the tiny presets. Its vocabulary must fit the model's."""
+    from megatron_rl.hf_tokenizer import HFTokenizer, check_vocab_fits
+    from megatron_rl.model_source import tokenizer_dir
     from megatron_rl.rewards.tokenizer import ByteTokenizer
 
-    return ByteTokenizer()
+    path = tokenizer_dir(cfg.model)
+    tok = HFTokenizer(path) if path else ByteTokenizer()
+    check_vocab_fits(tok, model_config(cfg).vocab_size,
+                     f"tokenizer {path or 'byte'} vs model.vocab_size")
+    return tok
 
 
 def make_engine(cfg: RunConfig, tokenizer):
-    """The rollout engine (rank 0 only): the embedded ``transformers`` engine."""
-    from megatron_rl.models.config import get_preset
+    """The rollout engine (rank 0 only): the embedded ``transformers`` engine, with the run's
+    architecture (its weights come from the actor by weight sync)."""
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(get_preset(cfg.model.preset), tokenizer.eos_id, tokenizer.pad_id)
+    return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id)
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
-    """The reward function: ``rollout.reward_fn`` when given, else the task scorer."""
+    """The reward function: ``rollout.reward_fn`` when given; for file datasets math-verify on the
+    answer field; else the reasoning-gym task scorer."""
     if cfg.rollout.reward_fn:
         from megatron_rl.rewards.plugin import load_reward_fn
 
         return load_reward_fn(cfg.rollout.reward_fn)
+    if cfg.data.path:
+        from megatron_rl.rewards.math_verify_reward import math_reward_fn
+
+        return math_reward_fn
     from megatron_rl.rewards.tasks import score
 
     return score
@@ -52,12 +100,11 @@ def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
 def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state=None,
                entropy_controller=None, actor_cfg=None, ref_state=None):
     """This rank's :class:`~megatron_rl.actor.actor.Actor` for the run's model and layout."""
-    from megatron_rl.actor.actor import Actor
-    from megatron_rl.models.config import get_preset
+    from megatron_rl.export import actor_class
 
-    return Actor(get_preset(cfg.model.preset), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
-                 total_steps, seed=cfg.trainer.seed, full_state=full_state,
-                 entropy_controller=entropy_controller, ref_state=ref_state)
+    return actor_class(cfg)(model_config(cfg), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
+                            total_steps, seed=cfg.trainer.seed, full_state=full_state,
+                            entropy_controller=entropy_controller, ref_state=ref_state)
 
 
 def entropy_controller(cfg: RunConfig) -> Any:

@@ -21,6 +21,19 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.models.weights import load_full_state_dict
 
 
+def _build_model(cfg: ModelConfig, seed: int, state) -> torch.nn.Module:
+    """This rank's stage: from a weight source (anything with ``load_into(model)``, e.g.
+    :class:`megatron_rl.model_source.HFShardSource`), from canonical full weights, or seeded."""
+    if hasattr(state, "load_into"):
+        from megatron_rl.model_source import build_model_from_source
+
+        return build_model_from_source(cfg, state)
+    model = build_gpt_model(cfg, seed=seed)
+    if state is not None:
+        load_full_state_dict(model, state)
+    return model
+
+
 class Actor:
     """One rank's share of the policy model and its training machinery."""
 
@@ -30,17 +43,13 @@ class Actor:
                  entropy_controller=None,
                  ref_state: Mapping[str, torch.Tensor] | None = None) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
-        self.model = build_gpt_model(model_cfg, seed=seed)
-        if full_state is not None:
-            load_full_state_dict(self.model, full_state)
+        self.model = _build_model(model_cfg, seed, full_state)
         # Frozen reference policy, only when a KL term needs it: the initial weights
         # (``ref_state``, else ``full_state``, else the seeded init).
         self.ref_model = None
         if self.loss_cfg.use_kl_loss:
-            self.ref_model = build_gpt_model(model_cfg, seed=seed)
             ref = ref_state if ref_state is not None else full_state
-            if ref is not None:
-                load_full_state_dict(self.ref_model, ref)
+            self.ref_model = _build_model(model_cfg, seed, ref)
             self.ref_model.eval().requires_grad_(False)
         self.ddp = wrap_ddp(self.model, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)

@@ -1,11 +1,11 @@
 """Hugging Face safetensors checkpoint -> megatron ``dist_checkpointing`` checkpoint.
 
-Each rank builds its own TP x PP stage of the megatron model (no random initialisation), fills it
-tensor by tensor from the HF files (one full tensor read, fused and sliced at a time), and the ranks
-save together with ``dist_checkpointing.save(model.sharded_state_dict())``. The checkpoint is
-megatron's own layout-free format, so it loads at any TP/PP layout
-(:func:`load_megatron_checkpoint`). Peak memory per rank is its model stage (``1/(TP*PP)`` of the
-model) plus one full tensor: convert with more ranks to lower it.
+No model is built: each writer process reads one HF tensor (or the few it fuses, QKV and
+gate/up) at a time, makes the canonical tensor and appends it to its data file of a megatron
+``torch_dist`` checkpoint (:mod:`.dcp_stream`); rank 0 then writes the merged metadata. The
+checkpoint is megatron's own layout-free format, so it loads at any TP/PP layout
+(:func:`load_megatron_checkpoint`). Peak memory per process is about one tensor (plus what the
+imports take), far below one safetensors shard.
 
 Beside megatron's files the output holds ``megatron_rl_convert.json`` (model config and the
 original ``config.json``) and ``hf_assets/`` (tokenizer files), which the reverse conversion uses.
@@ -204,45 +204,79 @@ def prepare(hf_dir: str, out_dir: str | None, tp: int, pp: int, dtype: str | Non
     return raw, cfg, mapping, ckpt, maps, _resolve_dtype(dtype, ckpt)
 
 
+def stream_tensors(hf_dir: str, out_dir: str, cfg: ModelConfig, maps: list[TensorMap],
+                   ckpt: HFCheckpoint, params_dtype: torch.dtype, writer_rank: int = 0,
+                   world: int = 1, log: Log | None = None):
+    """Write this writer's share (every ``world``-th tensor) of the checkpoint's chunks; returns
+    its :class:`~megatron_rl.convert.dcp_stream.DcpPart`. Holds one canonical tensor (and the HF
+    tensors it is fused from) at a time."""
+    from megatron_rl.convert.dcp_stream import EXTRA_STATE_MODULES, DcpStreamWriter
+    from megatron_rl.convert.megatron_to_hf import checkpoint_key
+
+    n_layers = cfg.num_hidden_layers
+    writer = DcpStreamWriter(out_dir, writer_rank)
+    state = LazyCanonicalState(ckpt, maps, cfg, params_dtype, log)
+    for i, tmap in enumerate(maps):
+        if i % world != writer_rank:
+            continue
+        full = state[tmap.canonical]
+        key, layer = checkpoint_key(tmap.canonical)
+        if layer is None:
+            writer.add_chunk(key, tuple(full.shape), (0,) * full.dim(), full)
+        else:
+            writer.add_chunk(key, (n_layers, *full.shape), (layer,) + (0,) * full.dim(),
+                             full.unsqueeze(0))
+        state._last = None  # noqa: SLF001 - drop the tensor before reading the next
+        del full
+    extras = [(layer, mod) for layer in range(n_layers) for mod in EXTRA_STATE_MODULES]
+    for j, (layer, mod) in enumerate(extras):
+        if (len(maps) + j) % world == writer_rank:
+            writer.add_object(f"decoder.layers.{mod}._extra_state/shard_{layer}_{n_layers}",
+                              [None])
+    return writer.close(), state
+
+
 def convert_rank(hf_dir: str, out_dir: str, dtype: str | None = None,
                  log: Log | None = None) -> dict:
-    """This rank's part of the conversion, in the already initialised TP x PP layout.
-    Collective (the save). Returns ``tensors`` loaded and ``bytes`` read on this rank."""
+    """This rank's share of the conversion (streamed: every ``world``-th tensor, one at a time,
+    no model built). Collective over the default group (the metadata is gathered to rank 0).
+    Returns ``tensors`` written and ``bytes`` read on this rank."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from megatron_rl.models.weights import load_full_state_dict
+    from megatron_rl.convert.dcp_stream import write_dcp_metadata
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    raw, cfg, _, ckpt, maps, params_dtype = prepare(hf_dir, None, tp, pp, dtype)
-    model = build_uninitialized_model(cfg, params_dtype)
-    state = LazyCanonicalState(ckpt, maps, cfg, params_dtype, log)
-    load_full_state_dict(model, state, strict=True)
-    if log:
-        log(f"[hf->megatron] stage loaded: {state.loaded} tensors, "
-            f"{state.bytes / 2**30:.3f} GiB; saving ...")
-    save_megatron_checkpoint(model, out_dir)
-    if dist.get_rank() == 0:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    raw, cfg, _, ckpt, maps, params_dtype = prepare(hf_dir, None, 1, 1, dtype)
+    part, state = stream_tensors(hf_dir, out_dir, cfg, maps, ckpt, params_dtype, rank, world,
+                                 log)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, part)
+    if rank == 0:
+        write_dcp_metadata(out_dir, parts)
         write_sidecar(out_dir, cfg, raw, str(params_dtype).replace("torch.", ""))
         copy_assets(hf_dir, os.path.join(out_dir, ASSETS), log or (lambda _m: None))
     dist.barrier()
+    if log:
+        log(f"[hf->megatron] wrote {state.loaded} tensors, {state.bytes / 2**30:.3f} GiB")
     return {"tensors": state.loaded, "bytes": state.bytes}
 
 
 def hf_to_megatron_worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str | None = None,
                           timeout_s: float = 3600.0, quiet: bool = False) -> dict:
-    """One rank of the conversion (spawned, or run by each torchrun/SLURM rank): set up the
-    layout, :func:`convert_rank`, tear down. Returns this rank's stats (``tensors``, ``bytes``,
-    ``wall_s``, ``peak_rss``)."""
+    """One writer process of the conversion (spawned, or each torchrun/SLURM rank). ``tp`` and
+    ``pp`` are only checked (the checkpoint loads at any layout). Returns this rank's stats
+    (``tensors``, ``bytes``, ``wall_s``, ``peak_rss``)."""
+    import torch.distributed as dist
+
     from megatron_rl.parallel import runtime
 
     t0 = time.monotonic()
-    layout = runtime.init_parallel(tp=tp, pp=pp, timeout_s=timeout_s)
-    log = None if quiet else (lambda m: print(f"[rank {layout.rank}] {m}", flush=True))
+    runtime.init_distributed(timeout_s=timeout_s)
+    rank = dist.get_rank()
+    log = None if quiet else (lambda m: print(f"[rank {rank}] {m}", flush=True))
     stats = convert_rank(hf_dir, out_dir, dtype, log)
-    runtime.shutdown()
-    return dict(stats, rank=layout.rank, wall_s=time.monotonic() - t0, peak_rss=peak_rss_bytes())
+    dist.destroy_process_group()
+    return dict(stats, rank=rank, wall_s=time.monotonic() - t0, peak_rss=peak_rss_bytes())
 
 
 def write_sidecar(out_dir: str, cfg: ModelConfig, hf_config: dict | None, dtype: str) -> None:
@@ -266,10 +300,12 @@ def convert_hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1,
                            log: Log = print) -> list[dict]:
     """Convert an HF checkpoint directory to a megatron ``dist_checkpointing`` checkpoint.
 
-    Validates everything first in this process, then converts with ``tp*pp`` ranks: in place when
-    this process is already one rank of a launched job (``WORLD_SIZE > 1`` from torchrun/SLURM;
-    every rank must call this), else on freshly spawned local gloo/NCCL processes. ``dtype`` (None:
-    the checkpoint's) is the stored dtype. Returns per-rank stats.
+    Validates everything first in this process (including that the model splits at TPxPP),
+    then streams the tensors into the checkpoint with ``tp*pp`` writer processes (every
+    ``tp*pp``-th tensor each; peak memory per process is about one tensor, not a model stage): in
+    place when this process is already one rank of a launched job (``WORLD_SIZE > 1`` from
+    torchrun/SLURM; every rank must call this), else on freshly spawned local processes.
+    ``dtype`` (None: the checkpoint's) is the stored dtype. Returns per-rank stats.
     """
     from megatron_rl.parallel.launch import spawn
 

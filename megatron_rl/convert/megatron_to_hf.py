@@ -169,9 +169,12 @@ def resolve_model_config(ckpt_dir: str, hf_config: dict | None = None,
 
 
 def _key_prefix(meta: dict[str, Any]) -> str:
-    for key in meta:
-        if key.endswith("decoder.final_layernorm.weight"):
-            return key[: -len("decoder.final_layernorm.weight")]
+    """The model's key prefix ("" or "model."); the shortest one, since a training checkpoint
+    also holds optimizer states under longer prefixes ("optimizer.state.exp_avg.model.")."""
+    found = [key[: -len("decoder.final_layernorm.weight")] for key in meta
+             if key.endswith("decoder.final_layernorm.weight")]
+    if found:
+        return min(found, key=len)
     raise ConvertError("checkpoint holds no 'decoder.final_layernorm.weight': not a megatron "
                        "GPT model checkpoint")
 
