@@ -27,11 +27,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from megatron_rl.config import ConfigError, load_config
 
+    config, overrides = split_config_arg(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(config, overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "check_only", False):
+        print(f"config ok: {config or 'built-in defaults'} + {len(overrides)} override(s)")
+        return 0
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     if "RANK" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
         _train_worker(cfg, args.command)
@@ -46,6 +50,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"[{args.command}] failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``train trainer.seed=3 ...`` (no YAML): a first positional that looks like ``key=value``
+    and is not a file is an override, and the built-in defaults are the config."""
+    import os
+
+    if config is not None and "=" in config and not os.path.exists(config):
+        return None, [config, *overrides]
+    return config, list(overrides)
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -92,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
                                                 "output_dir=runs/x")
+    t.add_argument("--check", dest="check_only", action="store_true",
+                   help="only load and check the config (exit 2 on an error), start nothing")
     t.set_defaults(func=_cmd_train)
     for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
                        ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
@@ -120,8 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return args.func(args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; ``key=value`` overrides of ``train``/``sft``/``eval`` may come
+    before or after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also come after options (argparse stops the positional list there)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-")
+                                                    for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 if __name__ == "__main__":

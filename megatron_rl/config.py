@@ -91,6 +91,8 @@ class TrainerSection:
     seed: int = 1234
     resume: bool = True
     export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
+    keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
+    kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
 
 
 @dataclass
@@ -168,6 +170,9 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return value
     if tp is float:
+        from megatron_rl.config_checks import as_float
+
+        value = as_float(value)  # "1e-6": PyYAML 1.1 reads exponents without a dot as str
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
         return float(value)
@@ -220,8 +225,16 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.seed=3)")
         key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        _set_path(tree, key.strip(), _yaml_value(item, raw) if raw != "" else "")
     return tree
+
+
+def _yaml_value(item: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({msg})") from None
 
 
 def _merge(base: dict, extra: Mapping) -> dict:
@@ -244,17 +257,25 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> RunConf
                 data = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise ConfigError(f"{path}: malformed YAML{at}: "
+                              f"{getattr(exc, 'problem', None) or exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     items = [(_ALIASES.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1])
              if "=" in o else o for o in (overrides or [])]
     data = _merge(data, parse_overrides(items))
     cfg = _build(RunConfig, data, "")
+    from megatron_rl.config_checks import check_run_config
+
+    check_run_config(cfg, data)
     validate_run_config(cfg)
     return cfg
 
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def validate_run_config(cfg: RunConfig) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.advantages import (
     broadcast_to_tokens,
-    drgrpo_advantages,
+    dr_grpo_advantages,
     grpo_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
@@ -130,8 +130,8 @@ def compute_advantages(records: list[dict], estimator: str) -> torch.Tensor:
     groups = torch.tensor([x["uid"] for x in records])
     if estimator == "grpo":
         return grpo_advantages(scores, groups).float()
-    if estimator == "drgrpo":
-        return drgrpo_advantages(scores, groups).float()
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(scores, groups).float()
     if estimator == "rloo":
         return rloo_advantages(scores, groups).float()
     raise ValueError(f"trainer.advantage={estimator!r} is not an outcome estimator here")
