@@ -36,6 +36,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "check_only", False):
         print(f"config ok: {config or 'built-in defaults'} + {len(overrides)} override(s)")
         return 0
+    if args.command == "train":  # resume preflight: changed config, finished run
+        from megatron_rl.run_guard import preflight
+
+        rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+        try:
+            done = preflight(cfg, log=print if rank0 else (lambda *_: None))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if done:
+            if rank0:
+                print(done, flush=True)
+            return 0
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     if "RANK" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
         _train_worker(cfg, args.command)

@@ -98,13 +98,15 @@ def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
 
 
 def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state=None,
-               entropy_controller=None, actor_cfg=None, ref_state=None):
+               entropy_controller=None, actor_cfg=None, ref_state=None,
+               use_reference: bool = False):
     """This rank's :class:`~megatron_rl.actor.actor.Actor` for the run's model and layout."""
     from megatron_rl.export import actor_class
 
     return actor_class(cfg)(model_config(cfg), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
                             total_steps, seed=cfg.trainer.seed, full_state=full_state,
-                            entropy_controller=entropy_controller, ref_state=ref_state)
+                            entropy_controller=entropy_controller, ref_state=ref_state,
+                            use_reference=use_reference)
 
 
 def entropy_controller(cfg: RunConfig) -> Any:

@@ -41,13 +41,14 @@ class Actor:
                  loss_cfg: LossConfig, total_steps: int, seed: int = 1234,
                  full_state: Mapping[str, torch.Tensor] | None = None,
                  entropy_controller=None,
-                 ref_state: Mapping[str, torch.Tensor] | None = None) -> None:
+                 ref_state: Mapping[str, torch.Tensor] | None = None,
+                 use_reference: bool = False) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
         self.model = _build_model(model_cfg, seed, full_state)
-        # Frozen reference policy, only when a KL term needs it: the initial weights
-        # (``ref_state``, else ``full_state``, else the seeded init).
+        # Frozen reference policy, only when a KL term needs it (KL loss, or KL in the reward:
+        # ``use_reference``): the initial weights (``ref_state``, else ``full_state``, else seeded).
         self.ref_model = None
-        if self.loss_cfg.use_kl_loss:
+        if self.loss_cfg.use_kl_loss or use_reference:
             ref = ref_state if ref_state is not None else full_state
             self.ref_model = _build_model(model_cfg, seed, ref)
             self.ref_model.eval().requires_grad_(False)
@@ -101,7 +102,10 @@ class Actor:
         """Atomic checkpoint of model, optimizer, scheduler, RNG and ``trainer_state``."""
         state = dict(trainer_state or {})
         if self.updater.entropy_controller is not None:
-            state["entropy_controller"] = self.updater.entropy_controller.state_dict()
+            from megatron_rl.actor.controller_state import last_stage_state
+
+            # updated on the last stage, saved by rank 0: bring the last stage's state here
+            state["entropy_controller"] = last_stage_state(self.updater.entropy_controller)
         state["optimizer_steps"] = self.updater.optimizer_steps
         return save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, state)
 

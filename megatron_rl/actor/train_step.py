@@ -165,7 +165,7 @@ class PolicyUpdater:
         return [_take(batch, s) for s in slices]
 
     def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, first_update: bool,
-                       step: int):
+                       step: int, salt: int = 0):
         cfg = self.loss_cfg
         if cfg.policy_loss not in COV_LOSSES:
             return None, {}
@@ -179,12 +179,15 @@ class PolicyUpdater:
                                            fused=self.cfg.use_fused_head)
             stat = [o["logp"] for o in outs]
         sel = select_cov_tokens(ctx, cfg, stat, olds, [mb["advantages"] for mb in mbs],
-                                [mb["mask"] for mb in mbs], step)
+                                [mb["mask"] for mb in mbs], step, salt=salt)
         return sel.selected, sel.stats
 
-    def train_minibatch(self, mbs: list[dict], step: int, first_update: bool) -> dict[str, float]:
+    def train_minibatch(self, mbs: list[dict], step: int, first_update: bool,
+                        diagnose: bool | None = None, salt: int = 0) -> dict[str, float]:
         """Forward/backward all micro-batches of one mini-batch, then one guarded optimizer step.
 
+        ``diagnose``: run the §12 entropy-dynamics diagnostic (default: ``first_update``);
+        ``salt``: mixed into Clip-Cov's random keys (epoch and mini-batch, see :meth:`update`).
         Metrics are returned on the last pipeline stage (empty dict elsewhere).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -202,8 +205,9 @@ class PolicyUpdater:
                 extra = {"positive": [mb["mask"].bool() & mb["positive"].bool()[:, None]
                                       for mb in mbs]}
             ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], extra_masks=extra)
-            selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step)
-            if first_update and cfg.policy_loss != "nll":  # §12 diagnostic, once per RL step
+            selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step, salt)
+            diagnose = first_update if diagnose is None else diagnose
+            if diagnose and cfg.policy_loss != "nll":  # §12 diagnostic, every epoch-0 mini-batch
                 cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
                     ctx, [mb["old_logp"] for mb in mbs], [mb["advantages"] for mb in mbs],
                     [mb["mask"] for mb in mbs], cfg.diagnostic_top_frac)}
@@ -248,6 +252,7 @@ class PolicyUpdater:
             loss_bad = (~torch.isfinite(total)).float()
             metrics = {k: float(v) for k, v in {**acc.reduce(ctx), **cov_stats}.items()}
             metrics["actor/loss"] = float(total)
+            metrics["actor/tokens"] = float(ctx.num_tokens)  # weight of the step's aggregation
         grad_bad = self._nonfinite_grads()
         flag = torch.stack([loss_bad, grad_bad])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one host-visible decision per mini-batch
@@ -290,6 +295,7 @@ class PolicyUpdater:
         for epoch in range(self.cfg.ppo_epochs):
             for j, slices in enumerate(plan):
                 mbs = self._micro_batches(batch, slices)
-                history.append(self.train_minibatch(mbs, step, first_update=(epoch == 0 and
-                                                                             j == 0)))
+                history.append(self.train_minibatch(
+                    mbs, step, first_update=(epoch == 0 and j == 0), diagnose=epoch == 0,
+                    salt=epoch * 65536 + j))  # Clip-Cov draws new tokens per epoch/mini-batch
         return history

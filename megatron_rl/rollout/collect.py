@@ -157,6 +157,8 @@ def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mult
         scores = torch.tensor([x["reward"] for x in records] + [0.0] * (n_pad - n))
         groups = torch.tensor([x["uid"] for x in records] + [-1 - i for i in range(n_pad - n)])
         adv = reinforce_pp_baseline_advantages(scores, groups, mask)
+    elif estimator == "reinforce_pp":  # needs old/ref log-probs: rollout/late_advantages.py
+        adv = torch.zeros((n_pad, seq))
     else:
         seq_adv = torch.zeros(n_pad)
         seq_adv[:n] = compute_advantages(records, estimator)
