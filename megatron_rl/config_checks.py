@@ -121,6 +121,9 @@ def check_batching(cfg) -> None:
             f"{cfg.rollout.n} = {rows} responses")
     if rows % dp:
         raise _error(f"{what} must be divisible by parallel.dp={dp}")
+    if cfg.sft.steps > 0 and cfg.sft.batch_size % dp:
+        raise _error(f"sft.batch_size={cfg.sft.batch_size} must be divisible by "
+                     f"parallel.dp={dp}")
     if mini == 0:
         return
     if rows % mini:

@@ -50,7 +50,8 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
     actor = make_actor(cfg, OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
                        LossConfig(policy_loss="nll"),
                        s.steps, actor_cfg=dataclasses.replace(
-                           cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1))
+                           cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1,
+                           temperature=1.0))  # supervised NLL of the model itself (T = 1)
     rng = random.Random(cfg.trainer.seed)
     dp_rank = ps.get_data_parallel_rank()
     log = []
