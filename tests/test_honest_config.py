@@ -215,7 +215,8 @@ def test_write_config_keeps_the_previous_one(tmp_path):
 
 # ---- end to end through the CLI ------------------------------------------------------------------
 RUN = ("examples/tiny_grpo.yaml", "parallel.tp=1", "parallel.pp=1", "sft.steps=0",
-       "rollout.dynamic_sampling=false", "rollout.n=4", "rollout.temperature=0.7",
+       "rollout.dynamic_sampling=false", "rollout.gen_batch_size=0", "rollout.n=4",
+       "rollout.temperature=0.7",
        "trainer.train_batch_size=8", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
        "actor.ppo_epochs=2", "trainer.advantage=reinforce_pp", "trainer.kl_in_reward_coef=0.01",
        "trainer.total_steps=4", "trainer.save_freq=1", "trainer.test_freq=1",

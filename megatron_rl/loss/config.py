@@ -129,6 +129,7 @@ class LossConfig:
 PRESETS: dict[str, dict] = {
     "ppo": dict(policy_loss="ppo"),
     "grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-mean", use_kl_loss=True),
+    # C = the max response length: a run config sets loss_scale_factor=rollout.max_new_tokens
     "dr_grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm"),
     "dapo": dict(policy_loss="ppo", clip_ratio_high=0.28, clip_ratio_c=10.0),
     "gspo": dict(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
