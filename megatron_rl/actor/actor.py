@@ -69,6 +69,9 @@ class Actor:
             move_module_(self.ref_model, "cpu")  # resident on the host between passes
         self.ddp = wrap_ddp(self.net, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
+        # megatron's schedule multiplies each loss by this before backward (the fp16 loss scale;
+        # 1 for bf16/fp32), as Megatron-LM's training loop does.
+        self.model.config.grad_scale_func = getattr(self.optimizer, "scale_loss", None)
         self.updater = PolicyUpdater(self.ddp, self.optimizer, self.scheduler, actor_cfg,
                                      self.loss_cfg, entropy_controller)
 

@@ -195,8 +195,9 @@ def last_stage_rank() -> int:
 
     mine = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0)
-    t = torch.tensor([dist.get_rank() if mine else dist.get_world_size()], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=host_group())  # host int: over gloo
+    t = torch.tensor([dist.get_rank() if mine else dist.get_world_size()], dtype=torch.int64,
+                     device="cpu")  # a host int: over the gloo host group
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=host_group())
     return int(t.item())
 
 
