@@ -131,3 +131,62 @@ def bare_model(model: torch.nn.Module) -> torch.nn.Module:
 def move_module_(model: torch.nn.Module, device: torch.device | str) -> None:
     """Move ``model``'s parameters and buffers to ``device`` (the reference offload)."""
     model.to(device)
+
+
+def precision_of(model: torch.nn.Module) -> str:
+    """``bf16`` / ``fp16`` / ``fp32`` from a (wrapped) model's megatron config."""
+    cfg = model.config
+    return "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+
+
+def main_param_pairs(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``(half-precision model param, its fp32 main param)`` of megatron's mixed-precision
+    optimizer (empty for the fp32 optimizer, whose model params are the main params)."""
+    pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for model_group, main_group in zip(getattr(opt, "float16_groups", []),
+                                           getattr(opt, "fp32_from_float16_groups", [])):
+            pairs += list(zip(model_group, main_group, strict=True))
+    return pairs
+
+
+def main_param_map(optimizer) -> dict[int, torch.Tensor]:
+    """``id(model param) -> fp32 main param`` (empty for fp32 actors)."""
+    return {id(p): main for p, main in main_param_pairs(optimizer)}
+
+
+def gather_main_state_dict(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """The canonical full state dict of the fp32 main weights (collective, small models)."""
+    from megatron_rl.models.weights import gather_full_state_dict
+
+    return gather_full_state_dict(bare_model(model), main=main_param_map(optimizer))
+
+
+def point_sharded_at_main(sharded: dict, optimizer) -> dict:
+    """Make every ``ShardedTensor`` of a model sharded state dict whose data is a half-precision
+    parameter refer to its fp32 main parameter instead (in place; returns ``sharded``). Saving
+    then writes fp32 main weights; loading fills the main weights."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    mains = main_param_map(optimizer)
+
+    def swap(x):
+        # Factories (e.g. the gated MLP's fc1, split into gate/up) build their tensors from .data.
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and x.data is not None \
+                and id(x.data) in mains:
+            x.data = mains[id(x.data)]
+            if isinstance(x, ShardedTensor):
+                x.dtype = x.data.dtype
+        return x
+
+    if mains:
+        dict_list_map_inplace(swap, sharded)
+    return sharded
+
+
+def copy_main_to_model(optimizer) -> None:
+    """Re-round the half-precision weights from the fp32 main weights (after a load)."""
+    with torch.no_grad():
+        for p, main in main_param_pairs(optimizer):
+            p.copy_(main)
