@@ -14,10 +14,10 @@ from megatron_rl.config import RunConfig
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank (host objects, pickled)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    """``obj`` from rank ``src`` on every rank (host objects, pickled, over the gloo host group)."""
+    from megatron_rl.parallel.runtime import broadcast_object as host_broadcast
+
+    return host_broadcast(obj, src)
 
 
 class RolloutDriver:

@@ -78,6 +78,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             continue
         local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, mini)]
                  for k, v in batch.items()}
+        runtime.move_batch_(local, runtime.device())  # once: every pass below reads it there
         with ph("old_logp"):
             actor.add_old_logprobs(local)
         with ph("ref_logp"):

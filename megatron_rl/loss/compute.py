@@ -67,7 +67,8 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         if not (isinstance(coeff, (int, float)) and coeff == 0):
             ent = aggregate(inp.entropy, mask, mode, ctx, cfg.loss_scale_factor)
             total = total - torch.as_tensor(coeff, dtype=ent.dtype, device=ent.device) * ent
-    stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64).reshape(()),
+    stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64,
+                                                       device=mask.device).reshape(()),
                                        None, "max")
     return LossOutput(loss=total, loss_for_backward=total * ctx.grad_scale, pg_loss=pg_loss,
                       stats=stats)
