@@ -15,13 +15,19 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.loss.build().clip_cov_ratio == 0.01
 
 
-def test_example_configs_load():
+def test_example_configs_load(tmp_path):
     import glob
+
+    from megatron_rl.testing.tiny_hf import make_tiny_hf
 
     paths = sorted(glob.glob("examples/*.yaml"))
     assert paths
+    tiny = make_tiny_hf(str(tmp_path / "tiny_hf"), rows=16)  # what examples/hf_math.yaml names
     for path in paths:
-        load_config(path)
+        text = open(path).read()
+        overrides = ([f"model.hf_path={tiny['model']}", f"data.path={tiny['data']}"]
+                     if "/tmp/tiny_hf/" in text else [])
+        load_config(path, overrides)
 
 
 @pytest.mark.parametrize("override,needle", [
