@@ -109,7 +109,8 @@ class Critic:
         return torch.cat(list(outs)) if _is_last_stage() else None
 
     def add_advantages(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Adds ``values``, ``returns`` and GAE ``advantages`` ``[N, S]`` (last stage)."""
+        """Adds ``values``, ``returns`` and GAE ``advantages`` ``[N, S]`` fp32 (last stage), on
+        the batch's device; computed on the model's device."""
         from megatron.core import parallel_state as ps
 
         values = self.values(batch)
@@ -120,7 +121,9 @@ class Critic:
                                   self.cfg.gamma, self.cfg.lam)
         if self.cfg.whiten_advantages:
             adv = masked_whiten(adv, mask, group=ps.get_data_parallel_group())
-        batch["values"], batch["returns"], batch["advantages"] = values, ret, adv
+        home = batch["mask"].device  # results live where the batch lives
+        batch["values"], batch["returns"], batch["advantages"] = (
+            values.to(home), ret.to(home), adv.to(home))
         return batch
 
     def actor_trains(self, step: int) -> bool:
