@@ -175,3 +175,24 @@ def test_environment_tokens_never_reach_the_loss(episodes):
     # had they entered the loss, the objective's sign would flip and the update would differ
     assert pg_leak > 0
     assert any(not torch.allclose(w_clean[k], w_leak[k]) for k in w_clean)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("env.name=chess", "env.name='chess' is not one of"),
+    ("env.size=1", "env.size=1 is out of range for frozenlake"),
+    ("env.success_rate=0", "env.success_rate must be in"),
+    ("critic.gamma=1.5", "critic.gamma and critic.lam"),
+    ("trainer.advantage=reinforce_pp", "not available with env.name"),
+])
+def test_env_and_critic_config_errors_name_the_field(override, match):
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config("examples/sweeps/tiny_frozenlake.yaml", [override])
+
+
+def test_gae_needs_an_environment():
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="needs a multi-turn environment"):
+        load_config(None, ["trainer.advantage=gae"])

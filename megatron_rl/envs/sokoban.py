@@ -12,12 +12,24 @@ Observation: reasoning-gym's characters (``*`` player, ``%`` player on goal, ``@
 
 from __future__ import annotations
 
+import functools
 from random import Random
 from typing import Any
 
 import numpy as np
 
 from megatron_rl.envs.base import parse_direction
+
+
+@functools.lru_cache(maxsize=4096)
+def generate_room(seed: int, size: int, boxes: int, max_depth: int) -> str:
+    """reasoning-gym's room for ``seed`` (cached: the rollouts of a group share their room)."""
+    from reasoning_gym.games.contrib.sokoban.src.generator import generate
+
+    text, _solution, _ = generate(rng=Random(seed), min_w=size, min_h=size, max_w=size,
+                                  max_h=size, min_boxes=boxes, max_boxes=boxes,
+                                  max_depth=max_depth)
+    return text
 
 
 class SokobanTextEnv:
@@ -36,11 +48,8 @@ class SokobanTextEnv:
     def reset(self, seed: int, noise_seed: int | None = None) -> str:
         """New room from ``seed`` (Sokoban is deterministic: ``noise_seed`` is unused)."""
         from reasoning_gym.games.contrib.sokoban.src.game import Game
-        from reasoning_gym.games.contrib.sokoban.src.generator import generate
 
-        text, _solution, _ = generate(rng=Random(seed), min_w=self.size, min_h=self.size,
-                                      max_w=self.size, max_h=self.size, min_boxes=self.boxes,
-                                      max_boxes=self.boxes, max_depth=self.max_depth)
+        text = generate_room(seed, self.size, self.boxes, self.max_depth)
         grid = np.array([list(line) for line in text.replace(" ", "").strip().split("\n")])
         self.game = Game(height=grid.shape[0], width=grid.shape[1])
         self.game.load_puzzle_matrix(grid)
