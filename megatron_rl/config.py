@@ -358,6 +358,11 @@ def validate_env_critic(cfg: RunConfig) -> None:
         raise ConfigError(f"critic.gamma and critic.lam must be in [0, 1], got {c.gamma}, {c.lam}")
     if not c.cliprange_value > 0 or not c.lr > 0:
         raise ConfigError("critic.cliprange_value and critic.lr must be > 0")
+    am = cfg.actor.mini_batch_size
+    if c.mini_batch_size and (not am or am % c.mini_batch_size):
+        raise ConfigError(f"critic.mini_batch_size={c.mini_batch_size} must divide "
+                          f"actor.mini_batch_size={am} (rows are padded to the actor's "
+                          "mini-batch); 0 = the actor's")
     if c.warmup_steps < 0 or c.ppo_epochs < 1 or c.mini_batch_size < 0:
         raise ConfigError("critic.warmup_steps >= 0, critic.ppo_epochs >= 1 and "
                           "critic.mini_batch_size >= 0 are required")

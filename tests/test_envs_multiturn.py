@@ -183,6 +183,7 @@ def test_environment_tokens_never_reach_the_loss(episodes):
     ("env.success_rate=0", "env.success_rate must be in"),
     ("critic.gamma=1.5", "critic.gamma and critic.lam"),
     ("trainer.advantage=reinforce_pp", "not available with env.name"),
+    ("critic.mini_batch_size=12", "critic.mini_batch_size=12 must divide"),
 ])
 def test_env_and_critic_config_errors_name_the_field(override, match):
     from megatron_rl.config import ConfigError, load_config
