@@ -23,6 +23,7 @@ setup(
         "reasoning-gym",  # verifiable tasks
         "math-verify",
         "matplotlib",  # plot
+        "gymnasium>=1.0",  # FrozenLake (multi-turn envs)
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "ruff", "pyarrow", "triton"],

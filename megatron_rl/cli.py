@@ -95,6 +95,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.sweep import run_sweep
+
+    try:
+        return run_sweep(args.sweep_file, args.parallel, args.report_only, args.overrides)
+    except ConfigError as exc:
+        print(f"sweep config error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m megatron_rl",
@@ -140,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint after this many RL steps (default: the newest)")
     ex.add_argument("--out", required=True, help="output directory")
     ex.set_defaults(func=_cmd_export)
+
+    sw = sub.add_parser("sweep", help="run a sweep file (base config x one axis per sweep), "
+                        "skipping finished runs; writes report.md and plots")
+    sw.add_argument("sweep_file")
+    sw.add_argument("overrides", nargs="*", help="key=value overrides for every run (output_dir="
+                    "sets the sweep's directory), e.g. model.hf_path=/models/Qwen2.5-3B-Instruct")
+    sw.add_argument("--parallel", type=int, default=None,
+                    help="runs at the same time (default: the file's parallel_runs)")
+    sw.add_argument("--report-only", action="store_true",
+                    help="only (re)write the report and plots from the runs on disk")
+    sw.set_defaults(func=_cmd_sweep)
 
     pl = sub.add_parser("plot", help="write PNG curves of a run directory")
     pl.add_argument("run_dir")

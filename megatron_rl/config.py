@@ -131,6 +131,37 @@ class LossSection:
 
 
 @dataclass
+class EnvSection:
+    # Multi-turn environment (megatron_rl.envs); None: single-turn prompts from the data section.
+    name: str | None = None  # "frozenlake" | "sokoban"
+    size: int = 4  # grid side (frozenlake >= 2; sokoban 5..20)
+    max_turns: int = 5  # replies per episode
+    success_rate: float = 0.8  # frozenlake: probability the intended move happens (1.0 = no slip)
+    frozen_p: float = 0.8  # frozenlake: probability a generated cell is ice
+    boxes: int = 1  # sokoban
+    invalid_penalty: float = 0.1  # reward of an unparsable reply (as a penalty, >= 0)
+    step_penalty: float = 0.0  # sokoban: per-move penalty
+    val_size: int = 64  # validation environments
+    max_total_tokens: int = 512  # an episode ends before its next turn would exceed this
+    seed: int = 0
+
+
+@dataclass
+class CriticSection:
+    # The PPO value model (trainer.advantage: gae): same architecture and TP/PP as the actor.
+    gamma: float = 1.0
+    lam: float = 1.0
+    cliprange_value: float = 0.5
+    warmup_steps: int = 0  # RL steps that train only the critic (verl's critic_warmup)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # 0: actor.mini_batch_size
+    whiten_advantages: bool = True  # verl's masked_whiten over the batch's reply tokens
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -143,6 +174,8 @@ class RunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     early_stop: EarlyStopSection = field(default_factory=EarlyStopSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    critic: CriticSection = field(default_factory=CriticSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -275,7 +308,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> RunConf
     return cfg
 
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -310,7 +343,47 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"data.split_by={cfg.data.split_by!r} is not one of ('prompt', 'row')")
     if not 0 < cfg.rollout.rv_filter_p <= 1:
         raise ConfigError(f"rollout.rv_filter_p must be in (0, 1], got {cfg.rollout.rv_filter_p}")
+    validate_env_critic(cfg)
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
     if rows % cfg.parallel.dp:
         raise ConfigError(f"trainer.train_batch_size x rollout.n = {rows} responses must be "
                           f"divisible by parallel.dp={cfg.parallel.dp}")
+
+
+def validate_env_critic(cfg: RunConfig) -> None:
+    """Checks of the ``env`` and ``critic`` sections (multi-turn runs, GAE)."""
+    from megatron_rl.envs import ENVS
+
+    e, c = cfg.env, cfg.critic
+    if e.name is not None:
+        if e.name not in ENVS:
+            raise ConfigError(f"env.name={e.name!r} is not one of {ENVS} (or null)")
+        lo = 2 if e.name == "frozenlake" else 5
+        hi = 20 if e.name == "sokoban" else 64
+        if not lo <= e.size <= hi:
+            raise ConfigError(f"env.size={e.size} is out of range for {e.name}: [{lo}, {hi}]")
+        if not 0 < e.success_rate <= 1:
+            raise ConfigError(f"env.success_rate must be in (0, 1], got {e.success_rate}")
+        for name in ("max_turns", "val_size", "boxes", "max_total_tokens"):
+            if getattr(e, name) < 1:
+                raise ConfigError(f"env.{name} must be >= 1, got {getattr(e, name)}")
+        if e.invalid_penalty < 0 or e.step_penalty < 0:
+            raise ConfigError("env.invalid_penalty and env.step_penalty must be >= 0")
+        if cfg.trainer.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+            raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not available "
+                              "with env.name (allowed: grpo, drgrpo, rloo, gae)")
+    elif cfg.trainer.advantage == "gae":
+        raise ConfigError("trainer.advantage='gae' needs a multi-turn environment (set env.name "
+                          f"to one of {('frozenlake', 'sokoban')})")
+    if not (0 <= c.gamma <= 1 and 0 <= c.lam <= 1):
+        raise ConfigError(f"critic.gamma and critic.lam must be in [0, 1], got {c.gamma}, {c.lam}")
+    if not c.cliprange_value > 0 or not c.lr > 0:
+        raise ConfigError("critic.cliprange_value and critic.lr must be > 0")
+    am = cfg.actor.mini_batch_size
+    if c.mini_batch_size and (not am or am % c.mini_batch_size):
+        raise ConfigError(f"critic.mini_batch_size={c.mini_batch_size} must divide "
+                          f"actor.mini_batch_size={am} (rows are padded to the actor's "
+                          "mini-batch); 0 = the actor's")
+    if c.warmup_steps < 0 or c.ppo_epochs < 1 or c.mini_batch_size < 0:
+        raise ConfigError("critic.warmup_steps >= 0, critic.ppo_epochs >= 1 and "
+                          "critic.mini_batch_size >= 0 are required")

@@ -109,6 +109,19 @@ def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state
                             use_reference=use_reference)
 
 
+def make_critic(cfg: RunConfig, full_state=None):
+    """This rank's :class:`~megatron_rl.critic.critic.Critic` (value model) for ``trainer.advantage:
+    gae``: the actor's architecture and layout, initialised from the actor's initial weights."""
+    from megatron_rl.critic.critic import Critic
+
+    c = cfg.critic
+    rows = cfg.trainer.train_batch_size * cfg.rollout.n
+    per_step = c.ppo_epochs * max(1, rows // (c.mini_batch_size or cfg.actor.mini_batch_size
+                                              or rows))
+    return Critic(model_config(cfg), c, cfg.actor, cfg.trainer.total_steps * per_step,
+                  seed=cfg.trainer.seed, full_state=full_state)
+
+
 def entropy_controller(cfg: RunConfig) -> Any:
     """Skywork-OR1's adaptive entropy controller when the algorithm uses it, else None."""
     if cfg.loss.algorithm != "skywork_or1":

@@ -57,8 +57,12 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         full_state=init_state, entropy_controller=controller, use_reference=needs_reference(cfg),
         ref_state=reference_weights(t.output_dir, loss_cfg.use_kl_loss or needs_reference(cfg),
                                     init_state, resuming))
+    critic = setup.make_critic(cfg, init_state) if t.advantage == "gae" else None
+    critic_root = os.path.join(t.output_dir, "critic_checkpoints")
     del init_state
     start = driver.load_state_dict(actor.resume(ckpt_root)["trainer"]) if resuming else 0
+    if critic is not None and resuming:
+        critic.resume(critic_root)
     driver.start(setup.make_engine, start, resuming)
     sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb, version=start)
     driver.validate_start()
@@ -86,8 +90,12 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         # last stage: REINFORCE++ advantages (KL in the reward), rollout-vs-actor log-prob gap
         extra = {**add_late_advantages(local, t.advantage, t.kl_in_reward_coef),
                  **logp_mismatch(local)}
+        if critic is not None:
+            with ph("values"):
+                critic.add_advantages(local)  # values -> GAE advantages and returns
         with ph("update"):
-            upd = actor.update(local, step)
+            upd = actor.update(local, step) if critic is None or critic.actor_trains(step) else []
+            upd = critic.update(local, step, upd) if critic is not None else upd
         with ph("weight_sync"):
             sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
                          version=step + 1)
@@ -103,8 +111,12 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         decision = driver.finish_step(step, metrics, val_acc if do_val else None)
         if (step + 1) % t.save_freq == 0 or step + 1 == t.total_steps or decision.stop:
             actor.save(ckpt_root, step, driver.state_dict(step + 1))
+            if critic is not None:
+                critic.save(critic_root, step)
             if runtime.is_rank0():
                 prune_checkpoints(ckpt_root, t.keep_checkpoints)
+                if critic is not None:
+                    prune_checkpoints(critic_root, t.keep_checkpoints)
         if decision.stop:
             if runtime.is_rank0():
                 print(f"[train] early stop at step {step + 1}: {decision.reason}", flush=True)

@@ -101,7 +101,7 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
         records = one_round(0)
         _, counts = filter_groups_by_std(records, r.filter_metric)
         metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
-    if r.rv_filter_p < 1.0:
+    if r.rv_filter_p < 1.0 or not r.rv_include_zero:  # p=1 still drops zero-variance groups
         kept, rv = reward_variance_top_p(records, r.rv_filter_p, r.rv_include_zero)
         records = select_uids(records, kept)
         metrics.update({f"rollout/rv_{k}": float(v) for k, v in rv.items()
