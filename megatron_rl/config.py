@@ -121,11 +121,15 @@ class LoggingSection:
 class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
+    rollout_correction: str = "none"  # training/inference mismatch: none | tis | mis
+    rollout_correction_threshold: float = 2.0  # C (README "SGLang rollout fleet")
 
     def build(self):
         from megatron_rl.loss import LossConfig
 
-        return LossConfig.for_algorithm(self.algorithm, **self.overrides)
+        extra = {"rollout_correction": self.rollout_correction,
+                 "rollout_correction_threshold": self.rollout_correction_threshold}
+        return LossConfig.for_algorithm(self.algorithm, **{**extra, **self.overrides})
 
 
 @dataclass
