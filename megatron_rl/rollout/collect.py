@@ -108,6 +108,7 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
                         if isinstance(v, (int, float))})
     metrics.update(rollout_metrics(shaped_all, records))
     metrics.update({f"rollout/{k}": float(v) for k, v in counters.items()})
+    metrics.update(getattr(engine, "pop_metrics", dict)())  # SGLang fleet: lag, retries
     return records, metrics
 
 

@@ -240,7 +240,7 @@ class ServeState:
         recv = []
         for name, dt, shape in zip(req["names"], req["dtypes"], req["shapes"]):
             t = torch.empty(shape, dtype=dtype_of(dt), device=device)
-            pg.broadcast([t], 0).wait()
+            pg.broadcast(t, 0).wait()
             recv.append((name, t))
         with self.lock:
             n = load_named(self.model, recv)

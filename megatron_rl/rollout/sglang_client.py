@@ -74,6 +74,7 @@ class SGLangEngine:
         self.concurrency, self.max_retries = concurrency, max_retries
         self.max_offpolicy_lag, self.timeout = max_offpolicy_lag, request_timeout_s
         self.sync = sync  # a weight_sync strategy (set by make_sglang_engine)
+        self.probe_length, self.probe_tolerance = 16, 1e-4
         self.weight_version = -1
         self._lock = threading.Lock()
         self._metrics: dict[str, float] = {}
@@ -84,6 +85,11 @@ class SGLangEngine:
     def _count(self, key: str, n: float = 1.0) -> None:
         with self._lock:
             self._metrics[key] = self._metrics.get(key, 0.0) + n
+
+    def note_sync(self, values: dict[str, float]) -> None:
+        """Metrics of the last weight sync (reported with the next rollout)."""
+        with self._lock:
+            self._metrics.update(values)
 
     def pop_metrics(self) -> dict[str, float]:
         """Counters and off-policy lag since the last call (``rollout/`` keys)."""
@@ -166,7 +172,7 @@ class SGLangEngine:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for f in done:
                     i, j = futs[f]
-                    comp = f.result()
+                    comp = None if f.cancelled() else f.result()
                     if comp is None:
                         continue
                     groups[i][j] = comp
@@ -206,6 +212,8 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
                           s.max_offpolicy_lag, s.request_timeout_s)
     engine.sync = make_strategy(s.weight_sync, fleet, s.sync_dir or
                                 os.path.join(cfg.trainer.output_dir, "weight_sync"))
+    engine.sync.spots_per_send = s.spot_checks
+    engine.probe_length, engine.probe_tolerance = s.probe_length, s.probe_tolerance
     return engine
 
 

@@ -67,6 +67,7 @@ class SyncStrategy:
     def send(self, buckets: Iterable[Bucket], version: int) -> int:
         """Push every bucket; returns the bytes sent. Records spot-check samples."""
         self.spots = []
+        self.start_send(version)
         total = 0
         for bucket in buckets:
             self._remember_spots(bucket)
@@ -74,6 +75,9 @@ class SyncStrategy:
             self.send_bucket(bucket, version)
         self.finish_send(version)
         return total
+
+    def start_send(self, version: int) -> None:
+        """Before this sender's first bucket."""
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
         raise NotImplementedError

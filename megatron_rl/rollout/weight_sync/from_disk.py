@@ -21,10 +21,9 @@ class FromDisk(SyncStrategy):
     def version_dir(self, version: int) -> str:
         return os.path.join(self.sync_dir, f"v{version}")
 
-    def send(self, buckets, version: int) -> int:
+    def start_send(self, version: int) -> None:
         self._n = 0
         os.makedirs(self.version_dir(version), exist_ok=True)
-        return super().send(buckets, version)
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
         from safetensors.torch import save_file

@@ -54,7 +54,8 @@ class FromDistributed(SyncStrategy):
         self.close()
         world = 1 + len(self.urls) * self.tp_size
         port, addr = free_port(), sender_address(self.urls)
-        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timedelta(seconds=120))
+        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timedelta(seconds=120),
+                              wait_for_workers=False)
         errs: list[Exception] = []
 
         def join(i: int, u: str) -> None:
@@ -95,7 +96,7 @@ class FromDistributed(SyncStrategy):
         th = threading.Thread(target=post, daemon=True)
         th.start()
         for _, t in bucket:
-            self.pg.broadcast([t.detach().contiguous()], 0).wait()
+            self.pg.broadcast(t.detach().contiguous(), 0).wait()
         th.join()
         if errs:
             raise WeightSyncError(f"update_weights_from_distributed failed: {errs[0]}")
