@@ -135,9 +135,14 @@ class Fleet:
 
     # ---- processes -----------------------------------------------------------------------
     def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        """Start ``cmd`` under :mod:`megatron_rl.rollout.guard` (ends with this process)."""
         os.makedirs(self.log_dir, exist_ok=True)
+        env = dict(env or os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p)
         log = open(os.path.join(self.log_dir, f"{name}.log"), "w")
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        guard = [sys.executable, "-m", "megatron_rl.rollout.guard", str(os.getpid())]
+        return subprocess.Popen(guard + cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
     def start_server(self, i: int) -> str:
@@ -149,8 +154,6 @@ class Fleet:
         if s.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in
                                                    s.gpus[i * s.tp_size:(i + 1) * s.tp_size])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(
-            os.path.dirname(os.path.abspath(__file__)))), env.get("PYTHONPATH", "")] if p)
         self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
                                                                    self.eos_id), env)
         return url
