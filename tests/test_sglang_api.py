@@ -177,3 +177,25 @@ def test_requests_validate_against_sglang_io_struct():
     io_struct.UpdateWeightsFromDistributedReqInput(names=["a"], dtypes=["float32"],
                                                    shapes=[[2]], group_name="g",
                                                    flush_cache=False)
+
+
+def test_prefix_stop_rule_waits_for_the_complete_prefix():
+    from megatron_rl.rewards.tokenizer import ByteTokenizer
+    from megatron_rl.rollout.early_abort import prefix_stop_rule
+    from megatron_rl.rollout.engine import Completion
+
+    tok = ByteTokenizer()
+    rows = [{"answer": str(i % 2)} for i in range(4)]
+
+    def score(row, text):
+        return float(text == row["answer"])
+
+    def group(*texts):
+        return [Completion([0], tok.encode(t)) for t in texts]
+
+    stop = prefix_stop_rule(rows, tok, score, "acc", need=2)
+    assert not stop(1, group("1", "0"))  # kept, but group 0 is not complete yet
+    assert not stop(0, group("1", "1"))  # all wrong: prefix 0..1 holds 1 kept group
+    assert not stop(3, group("1", "0"))  # kept, but group 2 is missing
+    assert stop(2, group("0", "1"))  # prefix 0..3 complete with 3 kept >= 2
+    assert prefix_stop_rule(rows, tok, score, "reward", need=2) is None

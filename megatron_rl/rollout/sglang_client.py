@@ -67,6 +67,8 @@ class SGLangEngine:
     """Rollouts from a :class:`~megatron_rl.rollout.fleet.Fleet`; weights are pushed by
     :mod:`megatron_rl.rollout.weight_sync` (see :func:`megatron_rl.rollout.sync.sync_weights`)."""
 
+    supports_stop_when = True  # generate(..., stop_when=) aborts leftovers
+
     def __init__(self, fleet: Fleet, eos_id: int, concurrency: int = 32,
                  max_retries: int = 3, max_offpolicy_lag: int = -1,
                  request_timeout_s: float = 600.0, sync=None) -> None:
