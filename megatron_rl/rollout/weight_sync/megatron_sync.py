@@ -7,10 +7,11 @@ together instead of hanging:
 1. coordinator (global rank 0): health check, ``begin`` (pause + flush on every server);
 2. every rank streams its stage's HF buckets (``iter_hf_weight_buckets(broadcast_pp=False)``:
    gathered once per TP group); TP rank 0 of each stage sends them, stages in parallel;
-3. coordinator: ``commit`` (load / set version / flush);
+3. coordinator: ``commit`` (load / set version / flush), then ``resume`` (continue generation:
+   a paused server answers no probe; the synchronous trainer sends no rollout meanwhile);
 4. every sender spot-checks its tensors with ``/get_weights_by_name``; the probe sequence's
    actor log-probs (last stage) are compared with every server's within ``probe_tolerance``;
-5. coordinator: ``resume`` (continue generation); the engine's weight version is set.
+   any failure raises on every rank; the engine's weight version is set.
 """
 
 from __future__ import annotations
@@ -138,25 +139,32 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
             coord.commit(version)
         except Exception as exc:  # noqa: BLE001
             errs = [f"commit: {exc!r}"]
-    errs = errs + _agree(errs[0] if errs and coord is not None else None, mp)
-    if not errs:
-        spot = "; ".join(sender.spot_check()) if sender is not None else ""
-        worst, perr = _probe(actor, plan, tp0 and ps.is_pipeline_last_stage())
-        errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
-        diffs: list = [None] * dist.get_world_size(mp)
-        dist.all_gather_object(diffs, worst, group=mp)
-    byte_list: list = [None] * dist.get_world_size(mp)
-    dist.all_gather_object(byte_list, sent, group=mp)
+    # generation continues before the checks: a paused server answers no probe (as SGLang)
     if coord is not None:
         try:
             coord.resume()
         except Exception as exc:  # noqa: BLE001
             errs.append(f"resume: {exc!r}")
+    errs = errs + _agree(errs[0] if errs and coord is not None else None, mp)
+    dt = time.perf_counter() - t0
+    diffs: list = [0.0] * dist.get_world_size(mp)
+    if not errs:
+        try:
+            spot = "; ".join(sender.spot_check()) if sender is not None else ""
+        except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
+            spot = f"spot check on stage {stage}: {exc!r}"
+        try:
+            worst, perr = _probe(actor, plan, tp0 and ps.is_pipeline_last_stage())
+        except Exception as exc:  # noqa: BLE001
+            worst, perr = float("inf"), f"probe on stage {stage}: {exc!r}"
+        errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
+        dist.all_gather_object(diffs, worst, group=mp)
+    byte_list: list = [None] * dist.get_world_size(mp)
+    dist.all_gather_object(byte_list, sent, group=mp)
     if errs:
         raise WeightSyncError(f"weight sync v{version} ({plan['strategy']}) failed: {errs}")
     if coord is None:
         return None
-    dt = time.perf_counter() - t0
     total = sum(byte_list)
     engine.weight_version = version
     engine.note_sync({"weight_sync_probe_max_diff": max(diffs), "weight_sync_s": dt,
