@@ -199,3 +199,22 @@ def test_prefix_stop_rule_waits_for_the_complete_prefix():
     assert not stop(3, group("1", "0"))  # kept, but group 2 is missing
     assert stop(2, group("0", "1"))  # prefix 0..3 complete with 3 kept >= 2
     assert prefix_stop_rule(rows, tok, score, "reward", need=2) is None
+
+
+def test_sglang_config_section_and_errors():
+    from megatron_rl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["rollout.engine=sglang",
+                             "rollout.sglang.servers=[http://10.0.0.1:30001,http://h:30002]",
+                             "rollout.sglang.gpus=[4,5]", "rollout.sglang.weight_sync=from_tensor"])
+    assert cfg.rollout.sglang.servers == ["http://10.0.0.1:30001", "http://h:30002"]
+    assert cfg.rollout.sglang.gpus == [4, 5]
+    for bad, field in (("rollout.sglang.weight_sync=nccl", "weight_sync"),
+                       ("rollout.sglang.servers=[localhost:1]", "servers"),
+                       ("rollout.sglang.launcher=vllm", "launcher"),
+                       ("rollout.sglang.concurrency=0", "concurrency"),
+                       ("rollout.sglang.servers=3", "servers")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, ["rollout.engine=sglang", bad])
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(None, ["rollout.engine=vllm"])
