@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_subcommand(sub)
 
+    from megatron_rl.rollout.serve import add_serve_subcommand
+
+    add_serve_subcommand(sub)
+
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")
     ex.add_argument("run_dir")

@@ -58,8 +58,35 @@ class DataSection:
 
 
 @dataclass
+class SGLangSection:
+    """The SGLang rollout fleet (``rollout.engine: sglang``; README "SGLang rollout fleet")."""
+
+    servers: list = field(default_factory=list)  # URLs of running servers; empty: start some
+    num_servers: int = 2  # servers to start when ``servers`` is empty
+    launcher: str = "serve"  # "serve" (ours, CPU/tests) | "sglang" (python -m sglang.launch_server)
+    router_url: str | None = None  # a running sglang-router; None: start one on router_port
+    host: str = "127.0.0.1"
+    router_port: int = 30000  # servers started here listen on router_port + 1 + i
+    tp_size: int = 1  # --tp-size of each started SGLang server
+    mem_fraction_static: float = 0.8  # --mem-fraction-static of each started SGLang server
+    gpus: list = field(default_factory=list)  # CUDA ids for started servers (tp_size per server)
+    concurrency: int = 32  # requests in flight
+    request_timeout_s: float = 600.0
+    max_retries: int = 3  # per request, on another server
+    max_offpolicy_lag: int = -1  # -1: only measure rollout/offpolicy_lag; >= 0: refuse staler
+    weight_sync: str = "from_disk"  # from_disk | from_tensor | from_distributed
+    sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
+    probe_tolerance: float = 1e-4  # max |engine - actor| probe log-prob (fp32; ~0.05 for bf16)
+    probe_length: int = 16  # tokens of the probe sequence (0: no probe)
+    spot_checks: int = 2  # /get_weights_by_name checks per sender per sync
+    server_threads: int = 1  # torch threads of each started `serve`
+
+
+@dataclass
 class RolloutSection:
     engine: str = "embedded"
+    per_request_seed: bool = False  # seed each sample by itself (always on for engine=sglang)
+    sglang: SGLangSection = field(default_factory=SGLangSection)
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -123,11 +150,15 @@ class LoggingSection:
 class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
+    rollout_correction: str = "none"  # training/inference mismatch: none | tis | mis
+    rollout_correction_threshold: float = 2.0  # C (README "SGLang rollout fleet")
 
     def build(self):
         from megatron_rl.loss import LossConfig
 
-        return LossConfig.for_algorithm(self.algorithm, **self.overrides)
+        extra = {"rollout_correction": self.rollout_correction,
+                 "rollout_correction_threshold": self.rollout_correction_threshold}
+        return LossConfig.for_algorithm(self.algorithm, **{**extra, **self.overrides})
 
 
 @dataclass
@@ -213,6 +244,12 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{path} must be a string, got {value!r}")
         return value
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        return list(value)
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
@@ -331,9 +368,13 @@ def validate_run_config(cfg: RunConfig) -> None:
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "
                           f"{ADVANTAGES}")
-    if cfg.rollout.engine != "embedded":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not available here "
-                          "(allowed: 'embedded')")
+    if cfg.rollout.engine not in ("embedded", "sglang"):
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not one of "
+                          "('embedded', 'sglang')")
+    if cfg.rollout.engine == "sglang":
+        from megatron_rl.rollout.fleet import validate_sglang_section
+
+        validate_sglang_section(cfg.rollout.sglang)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
         if getattr(cfg.trainer, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1")

@@ -164,6 +164,7 @@ class RolloutDriver:
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
                    "steps": steps}
         self.tracker.close()
+        getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
         try:
             from megatron_rl.plot import plot_run
             plot_run(self.cfg.trainer.output_dir)

@@ -78,7 +78,12 @@ def make_engine(cfg: RunConfig, tokenizer):
     architecture (its weights come from the actor by weight sync)."""
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id)
+    if cfg.rollout.engine == "sglang":  # a fleet behind sglang-router (rollout/sglang_client.py)
+        from megatron_rl.rollout.sglang_client import make_sglang_engine
+
+        return make_sglang_engine(cfg, tokenizer)
+    return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
+                          per_request_seed=cfg.rollout.per_request_seed)
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:

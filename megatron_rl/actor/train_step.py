@@ -238,7 +238,8 @@ class PolicyUpdater:
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
                     cov_selected=None if selected is None else selected[i],
-                    positive=mb.get("positive")), cfg, ctx, entropy_coeff=alpha)
+                    positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp")), cfg, ctx,
+                    entropy_coeff=alpha)
                 acc.update(out.stats)
                 losses.append(out.loss.detach())
                 # The schedule divides by n_micro and DDP averages over DP: undo both.

@@ -34,14 +34,18 @@ _uid = itertools.count()
 
 def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingParams,
                      score_fn: Callable[[dict, str], float], seed: int,
-                     timeout_s: float = 5.0, counters: dict | None = None) -> list[dict]:
+                     timeout_s: float = 5.0, counters: dict | None = None,
+                     stop_when=None) -> list[dict]:
     """Generate ``params.n`` responses per row and score them (one record per response).
 
     Each sample is scored in isolation: a reward function that raises or hangs gives 0 for that
     sample (counted in ``counters["reward_failed"/"reward_timeout"]``), never a crashed run.
     """
     prompts = [tokenizer.encode(r["prompt"]) for r in rows]
-    groups = engine.generate(prompts, params, seed=seed)
+    if stop_when is not None:  # an SGLang fleet aborts leftovers (rollout/early_abort.py)
+        groups = engine.generate(prompts, params, seed=seed, stop_when=stop_when)
+    else:
+        groups = engine.generate(prompts, params, seed=seed)
     flat = [(row, c, tokenizer.decode(c.response_ids)) for row, comps in zip(rows, groups)
             for c in comps]
     scores, n_failed, n_timeout = score_batch(score_fn, [f[0] for f in flat],
@@ -77,9 +81,17 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
     shaped_all: list[dict] = []
 
     def one_round(i: int) -> list[dict]:
-        recs = generate_records(engine, tokenizer, loader.next_batch(), params, score_fn,
+        rows = loader.next_batch()
+        stop = None
+        if r.dynamic_sampling and getattr(engine, "supports_stop_when", False):
+            from megatron_rl.rollout.early_abort import prefix_stop_rule
+
+            stop = prefix_stop_rule(rows, tokenizer, score_fn, r.filter_metric,
+                                    t.train_batch_size - sampler.kept_prompts)
+        recs = generate_records(engine, tokenizer, rows, params, score_fn,
                                 seed=t.seed * 100003 + step * 101 + i,
-                                timeout_s=r.reward_timeout_s, counters=counters)
+                                timeout_s=r.reward_timeout_s, counters=counters,
+                                stop_when=stop)
         if r.overlong_buffer > 0 or r.overlong_filter:
             recs, om = apply_overlong(recs, r.max_new_tokens,
                                       r.overlong_buffer if r.overlong_buffer > 0 else None,
@@ -108,6 +120,7 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
                         if isinstance(v, (int, float))})
     metrics.update(rollout_metrics(shaped_all, records))
     metrics.update({f"rollout/{k}": float(v) for k, v in counters.items()})
+    metrics.update(getattr(engine, "pop_metrics", dict)())  # SGLang fleet: lag, retries
     return records, metrics
 
 
