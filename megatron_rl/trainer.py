@@ -54,6 +54,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         ref_state=reference_weights(t.output_dir, loss_cfg.use_kl_loss, init_state, resuming))
     del init_state
     start = driver.load_state_dict(actor.resume(ckpt_root)["trainer"]) if resuming else 0
+    if resuming and runtime.is_rank0():
+        print(f"[train] resumed from checkpoint at step {start}", flush=True)
     driver.start(setup.make_engine, start, resuming)
     sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb, version=start)
     driver.validate_start()
