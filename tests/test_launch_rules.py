@@ -116,7 +116,8 @@ def test_batch_script_without_srun_is_refused():
            "SLURM_JOB_NODELIST": "vm"}
     plan = launch_mode(env, expand=parse)
     assert plan.mode == "refuse"
-    assert "srun python -m megatron_rl train" in plan.message and "MRL_LOCAL_SPAWN=1" in plan.message
+    assert "srun python -m megatron_rl train" in plan.message
+    assert "MRL_LOCAL_SPAWN=1" in plan.message
     assert launch_mode({**env, "MRL_LOCAL_SPAWN": "1"}, expand=parse).mode == "local"
     assert launch_mode({"SLURM_JOB_ID": "9"}, expand=parse).mode == "refuse"
 
