@@ -161,3 +161,12 @@ def test_cli_rejects_task_count_that_is_not_the_layout(monkeypatch, capsys, tmp_
     assert rc == 2
     assert "srun started 3 task(s) but parallel.tp x pp x dp = 2 x 2 x 1 = 4" in (
         capsys.readouterr().err)
+
+
+def test_hostlist_cli(capsys):
+    from megatron_rl.parallel.hostlist import main as hostlist_main
+
+    assert hostlist_main(["n[1-2]", "gpu9"]) == 0
+    assert capsys.readouterr().out.split() == ["n1", "n2", "gpu9"]
+    assert hostlist_main(["n[2-1]"]) == 2
+    assert "descending range" in capsys.readouterr().err
