@@ -152,7 +152,7 @@ if [[ -n ${MRL_ROLLOUT_ARGS:-} ]]; then
   read -r -a ROLLOUT_ARGS <<<"$MRL_ROLLOUT_ARGS"
 else
   ROLLOUT_ARGS=(rollout.engine=sglang "rollout.sglang.servers=[${URL_LIST%,}]"
-                "rollout.sglang.router_url=$ROUTER_URL")
+                "rollout.sglang.router_url=$ROUTER_URL" rollout.sglang.weight_sync=from_distributed)
 fi
 rc=0
 run srun --het-group=0 --ntasks-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1 \

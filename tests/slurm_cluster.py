@@ -158,7 +158,8 @@ class LocalSlurm:
         mem_mb = int(int(Path("/proc/meminfo").read_text().split()[1]) / 1024 * 0.9)
         b = self.base
         # cgroup-free (containers): linuxproc tracking, no task binding, no accounting.
-        # MinJobAge=4 keeps `sbatch --wait` polling every 2 s.
+        # MinJobAge: a finished job's record is kept >= 16 s (the tests read its state and
+        # requeue it); `sbatch --wait` then polls every 8 s (every 2 s needs MinJobAge <= 4).
         self.conf.write_text(f"""\
 ClusterName=mrltest
 SlurmctldHost={self.node}(127.0.0.1)
@@ -188,7 +189,7 @@ ReturnToService=2
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
-MinJobAge=4
+MinJobAge=16
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
