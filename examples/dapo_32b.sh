@@ -6,8 +6,9 @@
 #   group 1: the SGLang fleet, 16 servers x TP4 on 8 nodes (one srun task per server), behind
 #            one sglang-router on the fleet's first node.
 #
-#   sbatch examples/dapo_32b.sh                      # from the repository on shared storage
+#   mkdir -p logs && sbatch examples/dapo_32b.sh     # from the repository on shared storage
 #   sbatch examples/dapo_32b.sh trainer.total_steps=50   # extra args: config overrides
+# (SLURM does not create the directory of --output: without logs/ the job fails silently.)
 #
 # Recipe (the run config is examples/dapo_32b.yaml): the DAPO paper (Yu et al. 2025, "DAPO: An
 # Open-Source LLM Reinforcement Learning System at Scale", arXiv:2503.14476) and verl's
@@ -122,7 +123,7 @@ ROUTER_URL="http://${FLEET_HOSTS[0]}:$ROUTER_PORT"
 SERVER_CMD='exec "$0" -m sglang.launch_server --model-path "$1" --tp-size "$2" --host 0.0.0.0'
 SERVER_CMD+=' --port $(( $3 + SLURM_LOCALID )) --context-length "$4" --mem-fraction-static 0.85'
 run_bg srun --het-group=1 --ntasks-per-node="$SERVERS_PER_NODE" --gpus-per-task="$SERVER_TP" \
-  --output="$RUN_DIR/logs/sglang-%j-%t.log" \
+  --cpus-per-task=48 --output="$RUN_DIR/logs/sglang-%j-%t.log" \
   bash -c "$SERVER_CMD" "$PYTHON" "$MODEL_PATH" "$SERVER_TP" "$SGLANG_PORT" "$MAX_LEN"
 run_bg srun --het-group=1 --nodes=1 --ntasks=1 --overlap --gres=none \
   --output="$RUN_DIR/logs/router-%j.log" \
@@ -144,6 +145,8 @@ wait_healthy() {  # every URL answers /health within 30 minutes (the 32B load ta
 wait_healthy "${URLS[@]}" "$ROUTER_URL"
 
 # ---- the actor: one srun task per GPU, every task runs its rank --------------------------------
+# Each task sees all 8 GPUs of its node and picks LOCAL_RANK (NVLink P2P between the ranks stays
+# possible); srun >= 22.05 does not inherit --cpus-per-task from sbatch, hence given again.
 # torch.distributed rendezvous on the first actor host; the port is derived from the job id by
 # the program (megatron_rl/parallel/launch.py), the same on every task.
 export MASTER_ADDR=${ACTOR_HOSTS[0]}
@@ -156,7 +159,7 @@ else
 fi
 rc=0
 run srun --het-group=0 --ntasks-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1 \
-  "$PYTHON" -m megatron_rl train "$CONFIG" \
+  --cpus-per-task=12 "$PYTHON" -m megatron_rl train "$CONFIG" \
   model.preset=null model.hf_path="$MODEL_PATH" data.path="$TRAIN_FILE" \
   parallel.tp="$ACTOR_TP" parallel.pp="$ACTOR_PP" parallel.dp="$ACTOR_DP" \
   output_dir="$RUN_DIR" trainer.resume=true "${ROLLOUT_ARGS[@]}" "$@" || rc=$?
