@@ -84,7 +84,12 @@ class LocalSlurm:
         """Environment for SLURM clients of this cluster (plus ``extra``)."""
         path = os.environ.get("PATH", "")
         path = ":".join([path, *[d for d in SBIN if d not in path.split(":")]])
-        return {**os.environ, "PATH": path, "SLURM_CONF": str(self.conf), **extra}
+        env = {**os.environ, "PATH": path, "SLURM_CONF": str(self.conf)}
+        try:
+            socket.gethostbyname(self.node)  # jobs derive MASTER_ADDR from the node's name
+        except OSError:
+            env["MASTER_ADDR"] = "127.0.0.1"
+        return {**env, **extra}
 
     def start(self) -> None:
         if os.geteuid() != 0:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from slurm_cluster import LocalSlurm, SlurmUnavailable
 
+from megatron_rl.parallel.hostlist import expand_hostlist
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +84,14 @@ def _state(slurm: LocalSlurm, job: str) -> str:
     if state is None:  # the controller purged it (MinJobAge): nothing left to check or requeue
         raise AssertionError(f"job {job} vanished from slurmctld\n{slurm.logs()}")
     return state
+
+
+def test_hostlist_parser_agrees_with_scontrol(slurm):
+    nodelist = "gpu[003-005,9],rack[1-2]-n[08-09],x"
+    ref = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                         text=True, env=slurm.env(), check=True).stdout.split()
+    assert len(ref) == 9
+    assert expand_hostlist(nodelist, use_scontrol=False) == ref
 
 
 def test_sbatch_wait_runs_tiny_job(slurm, tmp_path):
