@@ -24,7 +24,6 @@ setup(
         "math-verify",
         "matplotlib",  # plot
         "gymnasium>=1.0",  # FrozenLake (multi-turn envs)
-
         "sglang-router",  # rollout.engine=sglang: the router in front of the rollout fleet
     ],
     extras_require={

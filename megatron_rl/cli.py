@@ -50,9 +50,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 print(done, flush=True)
             return 0
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
-        _train_worker(cfg, args.command)
-        return 0
+    from megatron_rl.parallel.launch import launch_mode
+
+    plan = launch_mode(os.environ)
+    if plan.mode == "refuse":
+        print(f"[{args.command}] {plan.message}", file=sys.stderr)
+        return 2
+    if plan.mode in ("torchrun", "srun"):  # this process is one rank
+        return _run_in_place(cfg, args.command, plan, world)
     from megatron_rl.parallel.launch import WorkerError, spawn
 
     print(f"[{args.command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
@@ -73,6 +78,30 @@ def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | No
     if config is not None and "=" in config and not os.path.exists(config):
         return None, [config, *overrides]
     return config, list(overrides)
+
+
+def _run_in_place(cfg, command: str, plan, world: int) -> int:
+    """Run this process's rank (torchrun / srun task); the launcher's world must be TP x PP x DP."""
+    import os
+    import warnings
+
+    import torch
+
+    from megatron_rl.parallel.launch import threads_per_rank
+
+    if plan.world_size != world:
+        print(f"[{command}] {plan.mode} started {plan.world_size} task(s) but parallel.tp x pp x "
+              f"dp = {cfg.parallel.tp} x {cfg.parallel.pp} x {cfg.parallel.dp} = {world}; "
+              f"start {world} tasks or change the layout", file=sys.stderr)
+        return 2
+    os.environ.update(plan.env)
+    threads = threads_per_rank()
+    if threads:
+        torch.set_num_threads(threads)
+    # megatron-core warns on import that apex/Transformer Engine are absent: expected on CPU.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    _train_worker(cfg, command)
+    return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:

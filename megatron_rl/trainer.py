@@ -63,6 +63,9 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     start = driver.load_state_dict(actor.resume(ckpt_root)["trainer"]) if resuming else 0
     if critic is not None and resuming:
         critic.resume(critic_root)
+
+    if resuming and runtime.is_rank0():
+        print(f"[train] resumed from checkpoint at step {start}", flush=True)
     driver.start(setup.make_engine, start, resuming)
     sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb, version=start)
     driver.validate_start()
