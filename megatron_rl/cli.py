@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_subcommand(sub)
 
+    from megatron_rl.plan import add_plan_subcommand
+
+    add_plan_subcommand(sub)
+
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")
     ex.add_argument("run_dir")
