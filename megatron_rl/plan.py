@@ -208,9 +208,12 @@ def head_bytes(x: PlanInputs) -> dict[str, float]:
         chunk = min(rows, x.head_chunk or MAX_CHUNK_ROWS)
         return {"head: fused kernel chunk working set": hidden_rows + chunk * v_local * (a + 8)}
     chunk = min(rows, x.head_chunk or rows)
-    # logits kept for backward + their gradient (input dtype) + fp32 working buffers per chunk
+    # logits kept for backward + their gradient (input dtype) + fp32 working buffers per chunk;
+    # autograd's output-layer weight gradient [V/TP, H] exists before it is added to main_grad
+    # (the fused kernel adds straight into main_grad)
     return {"head: [tokens, V/TP] logits + grad": rows * v_local * 2 * a + 2 * chunk * v_local * 4
-            + hidden_rows}
+            + hidden_rows,
+            "head: output-layer weight gradient (transient)": v_local * m.hidden_size * a}
 
 
 def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
@@ -353,12 +356,13 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
         f"model: {m.family} {total_params(m) / 1e9:.2f}B params, {m.num_hidden_layers} layers, "
         f"hidden {m.hidden_size}, vocab {m.vocab_size}",
         f"actor: {p.layout} = {x.actor_gpus} GPUs ({x.gpu_mem_gb:g} GiB each), {x.precision}, "
-        f"recompute {x.recompute}, distributed optimizer {'on' if x.distributed_optimizer else 'off'}"
-        f", device {x.device}",
+        f"recompute {x.recompute}, distributed optimizer "
+        f"{'on' if x.distributed_optimizer else 'off'}, device {x.device}",
         f"batch: {x.responses_per_step} responses x {x.seq_len} tokens ({x.prompt_len} prompt"
         f"{'' if x.prompt_len_from_config else ' (assumed; --prompt-len)'} + "
         f"{x.response_len} response), micro-batch {x.micro_batch_size} seq, {x.n_micro} "
-        f"micro-batches per optimizer step per DP rank, head {'fused' if x.fused_head else 'unfused'}",
+        f"micro-batches per optimizer step per DP rank, head "
+        f"{'fused' if x.fused_head else 'unfused'}",
         "",
         f"actor GPU, worst pipeline stage ({p.stage}):",
     ]
@@ -376,13 +380,14 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
                              f"{'fits' if alt.actor_fits else 'DOES NOT FIT'}")
     if p.server is not None:
         s = p.server
+        kv_label = f"KV for {s['concurrency']} requests x {x.seq_len} tokens"
         lines += ["", f"rollout: {x.servers} servers x TP{x.server_tp} = "
-                      f"{x.servers * x.server_tp} GPUs, mem_fraction_static {x.server_mem_fraction}:",
+                      f"{x.servers * x.server_tp} GPUs, mem_fraction_static "
+                      f"{x.server_mem_fraction}:",
                   f"  {'weights (bf16) per GPU':<58} {_gib(s['weights (bf16)'])}",
                   f"  {'KV pool per GPU (budget - weights)':<58} {_gib(s['kv_pool'])}",
                   f"  {'KV per token per GPU':<58} {s['kv_per_token'] / 1024:8.1f} KiB",
-                  f"  {'KV for ' + str(s['concurrency']) + ' requests x ' + str(x.seq_len) + ' tokens':<58}"
-                  f" {_gib(s['kv_needed'])}",
+                  f"  {kv_label:<58} {_gib(s['kv_needed'])}",
                   f"  full-length requests in flight per server: {s['max_full_length_requests']} "
                   f"(configured {s['concurrency']})" + ("" if s["kv_fits"] else
                   " -> the server queues the rest (KV-bound; shorter responses admit more)"),
