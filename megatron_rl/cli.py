@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_subcommand(sub)
 
+    from megatron_rl.repro import add_repro_subcommand
+
+    add_repro_subcommand(sub)
+
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")
     ex.add_argument("run_dir")
