@@ -91,6 +91,9 @@ def build_optimizer(ddp_model, cfg: OptimConfig, total_steps: int):
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
+    from megatron_rl.actor.grad_norm import install as install_grad_norm
+
+    install_grad_norm()  # the clip norm is layout-invariant (megatron_rl/actor/grad_norm.py)
     optimizer = get_megatron_optimizer(ocfg, [ddp_model])
     decay_steps = cfg.lr_decay_steps or max(total_steps, cfg.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
