@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_subcommand(sub)
 
+    from megatron_rl.plan import add_plan_subcommand
+
+    add_plan_subcommand(sub)
+
+    from megatron_rl.repro import add_repro_subcommand
+
+    add_repro_subcommand(sub)
+
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")
     ex.add_argument("run_dir")
