@@ -27,11 +27,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from megatron_rl.config import ConfigError, load_config
 
+    config, overrides = split_config_arg(args.config, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(config, overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "check_only", False):
+        print(f"config ok: {config or 'built-in defaults'} + {len(overrides)} override(s)")
+        return 0
+    if args.command == "train":  # resume preflight: changed config, finished run
+        from megatron_rl.run_guard import preflight
+
+        rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+        try:
+            done = preflight(cfg, log=print if rank0 else (lambda *_: None))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if done:
+            if rank0:
+                print(done, flush=True)
+            return 0
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     from megatron_rl.parallel.launch import launch_mode
 
@@ -51,6 +68,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"[{args.command}] failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``train trainer.seed=3 ...`` (no YAML): a first positional that looks like ``key=value``
+    and is not a file is an override, and the built-in defaults are the config."""
+    import os
+
+    if config is not None and "=" in config and not os.path.exists(config):
+        return None, [config, *overrides]
+    return config, list(overrides)
 
 
 def _run_in_place(cfg, command: str, plan, world: int) -> int:
@@ -97,6 +124,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.sweep import run_sweep
+
+    try:
+        return run_sweep(args.sweep_file, args.parallel, args.report_only, args.overrides)
+    except ConfigError as exc:
+        print(f"sweep config error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m megatron_rl",
@@ -121,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
                                                 "output_dir=runs/x")
+    t.add_argument("--check", dest="check_only", action="store_true",
+                   help="only load and check the config (exit 2 on an error), start nothing")
     t.set_defaults(func=_cmd_train)
     for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
                        ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
@@ -133,6 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_subcommand(sub)
 
+    from megatron_rl.rollout.serve import add_serve_subcommand
+
+    add_serve_subcommand(sub)
+
+    from megatron_rl.plan import add_plan_subcommand
+
+    add_plan_subcommand(sub)
+
+    from megatron_rl.repro import add_repro_subcommand
+
+    add_repro_subcommand(sub)
+
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")
     ex.add_argument("run_dir")
@@ -140,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint after this many RL steps (default: the newest)")
     ex.add_argument("--out", required=True, help="output directory")
     ex.set_defaults(func=_cmd_export)
+
+    sw = sub.add_parser("sweep", help="run a sweep file (base config x one axis per sweep), "
+                        "skipping finished runs; writes report.md and plots")
+    sw.add_argument("sweep_file")
+    sw.add_argument("overrides", nargs="*", help="key=value overrides for every run (output_dir="
+                    "sets the sweep's directory), e.g. model.hf_path=/models/Qwen2.5-3B-Instruct")
+    sw.add_argument("--parallel", type=int, default=None,
+                    help="runs at the same time (default: the file's parallel_runs)")
+    sw.add_argument("--report-only", action="store_true",
+                    help="only (re)write the report and plots from the runs on disk")
+    sw.set_defaults(func=_cmd_sweep)
 
     pl = sub.add_parser("plot", help="write PNG curves of a run directory")
     pl.add_argument("run_dir")
@@ -149,8 +212,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return args.func(args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; ``key=value`` overrides of ``train``/``sft``/``eval`` may come
+    before or after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also come after options (argparse stops the positional list there)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-")
+                                                    for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 if __name__ == "__main__":
