@@ -77,8 +77,7 @@ class LocalSlurm:
         _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
              timeout=900, env=env)
         if not cls.installed():
-            raise RuntimeError("apt-get installed slurm-wlm/munge but the binaries are "
-                                   "missing")
+            raise RuntimeError("apt-get installed slurm-wlm/munge but the binaries are missing")
 
     # ---- start / stop ----------------------------------------------------------------------
     def env(self, **extra: str) -> dict[str, str]:
