@@ -4,7 +4,8 @@ ports, torn down afterwards.
 
 ``LocalSlurm.ensure_installed()`` installs the packages with ``apt-get`` when they are missing
 (root only); the ``slurm`` fixture of ``test_slurm.py`` skips when that is impossible (not root,
-or no apt-get). Clients need ``cluster.env()`` (it sets ``SLURM_CONF``).
+or no apt-get) and fails when an installed cluster does not start. Clients need
+``cluster.env()`` (it sets ``SLURM_CONF``).
 """
 
 from __future__ import annotations
@@ -76,8 +77,7 @@ class LocalSlurm:
         _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
              timeout=900, env=env)
         if not cls.installed():
-            raise SlurmUnavailable("apt-get installed slurm-wlm/munge but the binaries are "
-                                   "missing")
+            raise RuntimeError("apt-get installed slurm-wlm/munge but the binaries are missing")
 
     # ---- start / stop ----------------------------------------------------------------------
     def env(self, **extra: str) -> dict[str, str]:
@@ -92,14 +92,19 @@ class LocalSlurm:
         return {**env, **extra}
 
     def start(self) -> None:
+        """Start munged (unless one answers), slurmctld and slurmd; raises with the daemons'
+        logs when the node does not become idle."""
         if os.geteuid() != 0:
             raise SlurmUnavailable("starting munged/slurmd needs root")
         self._write_conf()
-        self._start_munge()
-        _run([_which("slurmctld"), "-f", str(self.conf), "-c"])  # daemonizes; -c: fresh state
-        _wait(lambda: "is UP" in self.scontrol("ping", check=False), 30, "slurmctld")
-        _run([_which("slurmd"), "-f", str(self.conf), "-N", self.node])
-        _wait(lambda: self._node_state() == "idle", 60, f"node {self.node} to become idle")
+        try:
+            self._start_munge()
+            _run([_which("slurmctld"), "-f", str(self.conf), "-c"])  # daemonizes; -c: fresh
+            _wait(lambda: "is UP" in self.scontrol("ping", check=False), 30, "slurmctld")
+            _run([_which("slurmd"), "-f", str(self.conf), "-N", self.node])
+            _wait(lambda: self._node_state() == "idle", 60, f"node {self.node} to become idle")
+        except (SlurmUnavailable, subprocess.SubprocessError) as exc:
+            raise RuntimeError(f"local SLURM did not start: {exc}\n{self.logs()}") from exc
 
     def stop(self) -> None:
         """Cancel every job, shut the daemons down, stop munged if this fixture started it."""

@@ -85,3 +85,24 @@ def test_dapo_32b_layout_matches_its_config():
     assert m and tuple(map(int, m.groups())) == (par["tp"], par["pp"], par["dp"])
     nodes = re.search(r"^#SBATCH --nodes=(\d+)", DAPO_SH.read_text(), re.M)
     assert int(nodes.group(1)) * 8 == par["tp"] * par["pp"] * par["dp"]
+
+
+def test_dapo_32b_overrides_are_valid_config(tmp_path):
+    """What the script passes to ``train`` loads with ``examples/dapo_32b.yaml`` (the model and
+    data paths aside: they name files of the cluster)."""
+    from megatron_rl.config import load_config
+
+    cfg_path = REPO / "examples" / "dapo_32b.yaml"
+    if not cfg_path.exists():
+        pytest.skip("examples/dapo_32b.yaml not in this checkout")
+    r = _dry_run(tmp_path, "gpu[001-008]", "gpu[101-108]")
+    assert r.returncode == 0, r.stderr
+    actor = _commands(r.stdout)[-1]
+    train = actor[actor.index("train") + 1:]
+    overrides = [a for a in train[1:] if not a.startswith(("model.", "data.path="))]
+    cfg = load_config(train[0], overrides)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == (8, 1, 8)
+    assert cfg.trainer.resume and cfg.trainer.output_dir == str(tmp_path / "run")
+    assert cfg.rollout.engine == "sglang" and len(cfg.rollout.sglang.servers) == 16
+    assert cfg.rollout.sglang.router_url == "http://gpu101:30080"
+    assert cfg.rollout.sglang.weight_sync == "from_distributed"

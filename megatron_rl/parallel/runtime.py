@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -60,22 +59,14 @@ def first_slurm_host(nodelist: str) -> str:
     Examples: ``"gpu[003-005,9]"`` -> ``"gpu003"``; ``"a1,b2"`` -> ``"a1"``; ``"n[1-2]-ib"`` ->
     ``"n1-ib"``.
     """
-    nodelist = nodelist.strip()
-    if not nodelist:
+    from megatron_rl.parallel.hostlist import expand_hostlist
+
+    if not nodelist.strip():
         raise ParallelConfigError("SLURM_JOB_NODELIST is empty")
-    depth, first = 0, nodelist
-    for i, ch in enumerate(nodelist):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            first = nodelist[:i]
-            break
-    m = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", first)
-    if not m:
-        return first
-    prefix, ranges, suffix = m.groups()
-    start = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{start}{suffix}"
+    try:
+        return expand_hostlist(nodelist, use_scontrol=False)[0]
+    except ValueError as exc:
+        raise ParallelConfigError(str(exc)) from exc
 
 
 def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
