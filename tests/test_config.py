@@ -86,6 +86,10 @@ def test_exponent_numbers_in_yaml_and_overrides(tmp_path):
     (["actor.temperature=0.5", "rollout.temperature=0.6"], "actor.temperature=0.5 differs from "
                                                            "rollout.temperature=0.6"),
     (["sft.steps=2", "sft.batch_size=5", "parallel.dp=2"], "sft.batch_size=5 must be divisible"),
+    (["model.preset=tinny"], "model preset 'tinny' is unknown; did you mean 'tiny'?"),
+    (["data.task=chain_summ"], "data.task='chain_summ' is not a reasoning-gym task; did you "
+                               "mean 'chain_sum'?"),
+    (["rollout.filter_metric=accuracy"], "rollout.filter_metric='accuracy' is not one of"),
     (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints must be >= 0"),
     (["trainer.kl_in_reward_coef=-1"], "trainer.kl_in_reward_coef must be >= 0"),
     (["trainer.kl_in_reward_coef=0.1"], "only used by trainer.advantage='reinforce_pp'"),
