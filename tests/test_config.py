@@ -152,4 +152,4 @@ def test_cli_train_without_yaml_and_overrides_after_options(capsys):
     from megatron_rl.cli import main
 
     assert main(["train", "trainer.seed=3", "--check", "optim.lr=1e-6"]) == 0
-    assert "built-in defaults + 2 override(s)" in capsys.readouterr().out
+    assert "built-in recipe + 2 override(s)" in capsys.readouterr().out
