@@ -15,13 +15,22 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.loss.build().clip_cov_ratio == 0.01
 
 
-def test_example_configs_load():
+def test_example_configs_load(tmp_path):
     import glob
+
+    import yaml
 
     paths = sorted(glob.glob("examples/*.yaml"))
     assert paths
     for path in paths:
-        load_config(path)
+        raw = yaml.safe_load(open(path))
+        extra = []
+        if raw.get("model", {}).get("hf_path"):  # the tiny HF model the example's comment makes
+            from megatron_rl.testing.tiny_hf import make_tiny_hf
+
+            made = make_tiny_hf(str(tmp_path))
+            extra = [f"model.hf_path={made['model']}", f"data.path={made['data']}"]
+        load_config(path, extra)
 
 
 @pytest.mark.parametrize("override,needle", [
