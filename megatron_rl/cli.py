@@ -26,15 +26,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import os
 
     from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.default_recipe import DEFAULT_RECIPE
 
     config, overrides = split_config_arg(args.config, args.overrides)
-    try:
-        cfg = load_config(config, overrides)
+    try:  # no YAML: the built-in recipe (a tiny DAPO demo that learns)
+        cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if getattr(args, "check_only", False):
-        print(f"config ok: {config or 'built-in defaults'} + {len(overrides)} override(s)")
+        print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
         return 0
     if args.command == "train":  # resume preflight: changed config, finished run
         from megatron_rl.run_guard import preflight
@@ -156,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_check)
 
     t = sub.add_parser("train", help="RL training (SFT warm start when sft.steps > 0)")
-    t.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in)")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML config (default: the built-in tiny DAPO recipe, "
+                        "megatron_rl/default_recipe.py)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
                                                 "output_dir=runs/x")
     t.add_argument("--check", dest="check_only", action="store_true",

@@ -318,9 +318,11 @@ def _merge(base: dict, extra: Mapping) -> dict:
 _ALIASES = {"output_dir": "trainer.output_dir"}
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML file (or defaults when ``path`` is None) and apply overrides."""
-    data: dict = {}
+def load_config(path: str | None, overrides: list[str] | None = None,
+                base: Mapping[str, Any] | None = None) -> RunConfig:
+    """Load a YAML file (or defaults when ``path`` is None; ``base``: a mapping used instead of
+    the file, e.g. :data:`megatron_rl.default_recipe.DEFAULT_RECIPE`) and apply overrides."""
+    data: dict = dict(base or {})
     if path is not None:
         try:
             with open(path) as f:

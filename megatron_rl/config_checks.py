@@ -17,6 +17,7 @@ from typing import Any, Mapping
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 RENAMED_ADVANTAGES = {"drgrpo": "dr_grpo"}
 SUM_NORM_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
+FILTER_METRICS = ("acc", "score", "reward")  # per-response record fields
 
 
 def closest(name: str, known: typing.Iterable[str]) -> str:
@@ -78,6 +79,28 @@ def normalize_loss(cfg) -> None:
         cfg.loss.build()
     except LossConfigError as exc:
         raise _error(f"loss.overrides / loss.algorithm={alg!r}: {exc}") from exc
+
+
+def check_names(cfg) -> None:
+    """``model.preset``, ``data.task`` (reasoning-gym, when no ``data.path``) and
+    ``rollout.filter_metric`` are known names (closest suggested)."""
+    from megatron_rl.models.config import PRESETS
+
+    p = cfg.model.preset
+    if p is not None and p not in PRESETS:
+        raise _error(f"model.preset: model preset {p!r} is unknown{closest(p, PRESETS)} "
+                     f"(known: {', '.join(sorted(PRESETS))})")
+    if cfg.rollout.filter_metric not in FILTER_METRICS:
+        raise _error(f"rollout.filter_metric={cfg.rollout.filter_metric!r} is not one of "
+                     f"{FILTER_METRICS}{closest(cfg.rollout.filter_metric, FILTER_METRICS)}")
+    if not cfg.data.path:
+        from megatron_rl.rewards.tasks import known_tasks
+
+        tasks = known_tasks()
+        if cfg.data.task not in tasks:
+            raise _error(f"data.task={cfg.data.task!r} is not a reasoning-gym task"
+                         f"{closest(cfg.data.task, tasks)} (or set data.path to a "
+                         "JSONL/Parquet file)")
 
 
 # ---- sampling and temperature ---
@@ -168,6 +191,7 @@ def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     from). May normalise ``cfg`` in place: the actor temperature, loss override numbers, the
     Dr.GRPO constant."""
     check_advantage(cfg.trainer.advantage)
+    check_names(cfg)
     check_sampling(cfg)
     one_temperature(cfg, raw)
     normalize_loss(cfg)

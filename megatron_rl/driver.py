@@ -5,7 +5,6 @@ other ranks need (the batch, the stop decision) are broadcast, so the loop has n
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch.distributed as dist
@@ -173,17 +172,6 @@ class RolloutDriver:
         print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
               f"wall_s={wall_s:.1f}", flush=True)
         return summary
-
-
-def write_run_config(cfg: RunConfig) -> None:
-    """``output_dir/config.json`` (rank 0)."""
-    import json
-
-    if dist.get_rank() != 0:
-        return
-    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-    with open(os.path.join(cfg.trainer.output_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
 
 
 def _early_stop_kwargs(cfg: RunConfig) -> dict:

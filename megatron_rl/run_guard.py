@@ -27,12 +27,11 @@ BREAKING = ("model.", "loss.algorithm", "trainer.advantage", "trainer.kl_in_rewa
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (dict leaves of dict-typed fields stay whole when
-    empty)."""
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping has no entries)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict):
             out.update(flatten(value, name + "."))
         else:
             out[name] = value

@@ -29,8 +29,9 @@ class Phases:
 
 
 def last_stage_metrics(history: list[dict], src: int) -> dict:
-    """The update's metrics live on the last stage (global rank ``src``); bring the final
-    mini-batch's to every rank."""
+    """The update's metrics live on the last stage (global rank ``src``); bring the last entry
+    of ``history`` to every rank (the trainer passes the step's aggregate over all mini-batches
+    and epochs, :func:`megatron_rl.update_metrics.aggregate_updates`)."""
     from megatron_rl.parallel.runtime import broadcast_object
 
     last = history[-1] if history else {}

@@ -18,16 +18,19 @@ def test_defaults_and_overrides(tmp_path):
 def test_example_configs_load(tmp_path):
     import glob
 
-    from megatron_rl.testing.tiny_hf import make_tiny_hf
+    import yaml
 
     paths = sorted(glob.glob("examples/*.yaml"))
     assert paths
-    tiny = make_tiny_hf(str(tmp_path / "tiny_hf"), rows=16)  # what examples/hf_math.yaml names
     for path in paths:
-        text = open(path).read()
-        overrides = ([f"model.hf_path={tiny['model']}", f"data.path={tiny['data']}"]
-                     if "/tmp/tiny_hf/" in text else [])
-        load_config(path, overrides)
+        raw = yaml.safe_load(open(path))
+        extra = []
+        if raw.get("model", {}).get("hf_path"):  # the tiny HF model the example's comment makes
+            from megatron_rl.testing.tiny_hf import make_tiny_hf
+
+            made = make_tiny_hf(str(tmp_path))
+            extra = [f"model.hf_path={made['model']}", f"data.path={made['data']}"]
+        load_config(path, extra)
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -92,6 +95,10 @@ def test_exponent_numbers_in_yaml_and_overrides(tmp_path):
     (["actor.temperature=0.5", "rollout.temperature=0.6"], "actor.temperature=0.5 differs from "
                                                            "rollout.temperature=0.6"),
     (["sft.steps=2", "sft.batch_size=5", "parallel.dp=2"], "sft.batch_size=5 must be divisible"),
+    (["model.preset=tinny"], "model preset 'tinny' is unknown; did you mean 'tiny'?"),
+    (["data.task=chain_summ"], "data.task='chain_summ' is not a reasoning-gym task; did you "
+                               "mean 'chain_sum'?"),
+    (["rollout.filter_metric=accuracy"], "rollout.filter_metric='accuracy' is not one of"),
     (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints must be >= 0"),
     (["trainer.kl_in_reward_coef=-1"], "trainer.kl_in_reward_coef must be >= 0"),
     (["trainer.kl_in_reward_coef=0.1"], "only used by trainer.advantage='reinforce_pp'"),
@@ -154,4 +161,4 @@ def test_cli_train_without_yaml_and_overrides_after_options(capsys):
     from megatron_rl.cli import main
 
     assert main(["train", "trainer.seed=3", "--check", "optim.lr=1e-6"]) == 0
-    assert "built-in defaults + 2 override(s)" in capsys.readouterr().out
+    assert "built-in recipe + 2 override(s)" in capsys.readouterr().out

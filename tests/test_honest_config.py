@@ -132,8 +132,9 @@ def test_clip_cov_keys_change_with_epoch_and_minibatch():
 
 
 # ---- Skywork-OR1 controller at PP2 ---------------------------------------------------------------
-def _controller_worker(root: str, phase: str):
+def _controller_worker(root: str):
     from megatron.core import parallel_state as ps
+    from test_actor_layout import make_global_batch
 
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
@@ -143,33 +144,36 @@ def _controller_worker(root: str, phase: str):
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=1, pp=2, dp=1, timeout_s=120)
-    ctrl = AdaptiveEntropyController(target=0.5, delta=1e-3)
-    actor = Actor(get_preset("tiny"), ActorConfig(), OptimConfig(lr=1e-3),
-                  LossConfig.for_algorithm("skywork_or1"), total_steps=2, seed=3,
-                  entropy_controller=ctrl)
-    if phase == "save":
-        from test_actor_layout import make_global_batch
 
-        batch = make_global_batch(seed=1)
-        batch.pop("old_noise")
-        actor.update(actor.add_old_logprobs(batch), 0)  # optimizer state exists to be saved
-        if ps.is_pipeline_last_stage():  # where the trainer measures entropy and updates it
-            for e in (0.1, 0.2, 0.3):
-                ctrl.update(e)
-        actor.save(root, 0, {"next_step": 1})
-    else:
-        actor.resume(root)
-    out = {"coeff": float(ctrl.coeff), "enabled": float(ctrl.enabled)}
+    def make():
+        ctrl = AdaptiveEntropyController(target=0.5, delta=1e-3)
+        return ctrl, Actor(get_preset("tiny"), ActorConfig(), OptimConfig(lr=1e-3),
+                           LossConfig.for_algorithm("skywork_or1"), total_steps=2, seed=3,
+                           entropy_controller=ctrl)
+
+    ctrl, actor = make()
+    batch = make_global_batch(seed=1)
+    batch.pop("old_noise")
+    actor.update(actor.add_old_logprobs(batch), 0)  # optimizer state exists to be saved
+    if ps.is_pipeline_last_stage():  # where the trainer measures entropy and updates it
+        for e in (0.1, 0.2, 0.3):
+            ctrl.update(e)
+    saved = {"coeff": float(ctrl.coeff), "enabled": float(ctrl.enabled)}
+    actor.save(root, 0, {"next_step": 1})
+    ctrl, actor = make()  # a fresh process's controller, then resume
+    actor.resume(root)
+    out = {"last": ps.is_pipeline_last_stage(), "saved": saved,
+           "resumed": {"coeff": float(ctrl.coeff), "enabled": float(ctrl.enabled)}}
     runtime.shutdown()
     return out
 
 
 def test_entropy_controller_state_survives_resume_at_pp2(tmp_path):
-    saved = spawn(_controller_worker, 2, (str(tmp_path), "save"), timeout_s=240)
-    assert saved[1]["coeff"] == pytest.approx(3e-3)  # 3 steps below target on the last stage
-    resumed = spawn(_controller_worker, 2, (str(tmp_path), "load"), timeout_s=240)
-    for r in resumed:  # every stage, in particular the last one that uses it
-        assert r == pytest.approx(saved[1])
+    outs = spawn(_controller_worker, 2, (str(tmp_path),), timeout_s=300)
+    saved = next(o["saved"] for o in outs if o["last"])
+    assert saved["coeff"] == pytest.approx(3e-3)  # 3 steps below target on the last stage
+    for o in outs:  # every stage, in particular the last one that uses it
+        assert o["resumed"] == pytest.approx(saved)
 
 
 # ---- run directory: pruning, config history, preflight -------------------------------------------

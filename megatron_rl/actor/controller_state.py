@@ -16,15 +16,17 @@ def _host(state: dict) -> dict:
 
 
 def last_stage_state(controller) -> dict:
-    """The controller's ``state_dict`` as held by this rank's last pipeline stage (host floats,
-    the same on every stage of the pipeline); the other stages load it too. Collective over
-    the pipeline group."""
+    """The controller's ``state_dict`` as held by the last pipeline stage (host floats, the same
+    on every rank afterwards; every stage's DP/TP replicas hold the same state since the entropy
+    is all-reduced over DP); the other stages load it too. Collective over all ranks (host
+    objects over the gloo host group)."""
     from megatron.core import parallel_state as ps
 
-    box = [_host(controller.state_dict()) if ps.is_pipeline_last_stage() else None]
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
+    from megatron_rl.parallel import runtime
+
+    src = runtime.last_stage_rank()
+    state = runtime.broadcast_object(
+        _host(controller.state_dict()) if dist.get_rank() == src else None, src)
     if not ps.is_pipeline_last_stage():
-        controller.load_state_dict(box[0])
-    return box[0]
+        controller.load_state_dict(state)
+    return state
