@@ -214,7 +214,7 @@ def test_recompute_and_reference_offload_give_the_same_numbers():
     (out,) = spawn(_memory_worker, 1, (), timeout_s=300)
     base = out["none"]
     assert base["granularity"] is None and base["checkpointed"] == 0
-    assert out["selective"]["checkpointed"] == 4 and out["full"]["granularity"] == "full"
+    assert out["selective"]["checkpointed"] >= 4 and out["full"]["granularity"] == "full"
     assert out["offload"]["offload"] and out["offload"]["ref_device"] == "cpu"
     for name in ("selective", "full", "offload", "resident"):
         assert out[name]["loss"] == base["loss"], name
