@@ -22,14 +22,16 @@ from megatron_rl.parallel.launch import spawn
 LR = 1e-3
 
 
-def _actor(precision: str, recompute: str = "none", loss=None, offload_ref=None):
+def _actor(precision: str, recompute: str = "none", loss=None, offload_ref=None,
+           fused: bool | None = False):
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
     from megatron_rl.models.config import get_preset
 
     return Actor(get_preset("tiny"), ActorConfig(micro_batch_size=2, precision=precision,
-                                                 recompute=recompute, offload_ref=offload_ref),
+                                                 recompute=recompute, offload_ref=offload_ref,
+                                                 fused_logprob_entropy=fused),
                  OptimConfig(lr=LR, adam_eps=1e-6, clip_grad=1.0), loss or loss_config(),
                  total_steps=2, seed=7)
 
