@@ -35,8 +35,8 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.precision import gather_main_state_dict
     from megatron_rl.loss import LossConfig
-    from megatron_rl.models.weights import gather_full_state_dict
     from megatron_rl.parallel.runtime import broadcast_object
     from megatron_rl.rollout.collect import dp_rows
 
@@ -70,6 +70,6 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
             if reporter and (step + 1) % max(1, s.steps // 5) == 0:
                 print(f"[sft] step {step + 1}/{s.steps} nll {nll:.3f} "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    state = gather_full_state_dict(actor.model)
+    state = gather_main_state_dict(actor.model, actor.optimizer)  # fp32 main weights
     del actor
     return state, log

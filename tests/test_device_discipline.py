@@ -131,3 +131,53 @@ def test_spy_catches_an_injected_cpu_tensor_in_the_loss(monkeypatch):
     with _spy() as spy:
         compute.compute_loss(inp, LossConfig(), ReductionContext.from_minibatch([m], group=None))
     assert [v.what for v in spy.violations] == ["torch.zeros"], spy.report()
+
+
+# ---- the runtime's device helpers ----------------------------------------------------------------
+def test_move_batch_moves_every_tensor_once():
+    from megatron_rl.parallel.runtime import move_batch_
+
+    batch = {"tokens": torch.zeros(2, 3, dtype=torch.long), "mask": torch.ones(2, 3).bool(),
+             "n": 7}
+    move_batch_(batch, "meta")
+    assert {v.device.type for v in batch.values() if isinstance(v, torch.Tensor)} == {"meta"}
+    assert batch["n"] == 7
+    same = dict(batch)
+    move_batch_(batch, torch.device("meta"))
+    assert all(batch[k] is same[k] for k in batch)  # already there: no copy
+
+
+def _host_worker() -> dict:
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=2, timeout_s=60)
+    obj = runtime.broadcast_object({"from": dist.get_rank()} if dist.get_rank() == 1 else None,
+                                   src=1)
+    out = {"device": str(runtime.device()), "obj": obj,
+           "world": runtime.host_group() is dist.group.WORLD,
+           "last": runtime.last_stage_rank()}
+    runtime.shutdown()
+    return out
+
+
+def test_device_and_host_collectives_on_gloo():
+    outs = spawn(_host_worker, 2, (), timeout_s=300)
+    for out in outs:
+        assert out == {"device": "cpu", "obj": {"from": 1}, "world": True, "last": 1}
+
+
+def test_weight_stream_is_cast_to_the_engine_dtype():
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.sync import as_engine_dtype
+
+    engine = EmbeddedEngine(get_preset("tiny"), eos_id=1, pad_id=0)
+    assert engine.weight_dtype == torch.float32
+    buckets = [[("a", torch.ones(2, dtype=torch.bfloat16)), ("b", torch.ones(1))]]
+    (got,) = list(as_engine_dtype(iter(buckets), engine))
+    assert [t.dtype for _, t in got] == [torch.float32, torch.float32]
+    engine.model.to(torch.bfloat16)
+    (got,) = list(as_engine_dtype(iter(buckets), engine))
+    assert [t.dtype for _, t in got] == [torch.bfloat16, torch.bfloat16]

@@ -22,14 +22,16 @@ from megatron_rl.parallel.launch import spawn
 LR = 1e-3
 
 
-def _actor(precision: str, recompute: str = "none", loss=None, offload_ref=None):
+def _actor(precision: str, recompute: str = "none", loss=None, offload_ref=None,
+           fused: bool | None = False):
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
     from megatron_rl.models.config import get_preset
 
     return Actor(get_preset("tiny"), ActorConfig(micro_batch_size=2, precision=precision,
-                                                 recompute=recompute, offload_ref=offload_ref),
+                                                 recompute=recompute, offload_ref=offload_ref,
+                                                 fused_logprob_entropy=fused),
                  OptimConfig(lr=LR, adam_eps=1e-6, clip_grad=1.0), loss or loss_config(),
                  total_steps=2, seed=7)
 
@@ -50,13 +52,13 @@ def _one_update(actor) -> list[dict]:
     return actor.update(batch, 0)
 
 
-def _update_worker(tp: int, pp: int, precision: str) -> dict | None:
+def _update_worker(tp: int, pp: int, precision: str, fused: bool = False) -> dict | None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=tp, pp=pp, timeout_s=120)
-    actor = _actor(precision)
+    actor = _actor(precision, fused=fused)
     before = main_weights(actor)
     history = _one_update(actor)
     after = main_weights(actor)
@@ -70,8 +72,9 @@ def _update_worker(tp: int, pp: int, precision: str) -> dict | None:
             "dtypes": dtypes}
 
 
-def run(tp: int, pp: int, precision: str) -> dict:
-    outs = [o for o in spawn(_update_worker, tp * pp, (tp, pp, precision), timeout_s=300) if o]
+def run(tp: int, pp: int, precision: str, fused: bool = False) -> dict:
+    outs = [o for o in spawn(_update_worker, tp * pp, (tp, pp, precision, fused),
+                             timeout_s=600) if o]
     merged = dict(outs[0])
     merged["history"] = next(o["history"] for o in outs if o["history"] is not None)
     return merged
@@ -127,6 +130,15 @@ def test_bf16_tp2pp2_matches_bf16_tp1(bf16_tp1):
     assert frac >= 0.9, frac
     assert worst <= 2.2 * LR, worst
     assert_metrics_close(bf16_tp1["history"], other["history"])
+
+
+def test_bf16_fused_head_matches_unfused(bf16_tp1):
+    """The fused head takes the bf16 hidden states and bf16 weight as they are (its GEMMs
+    accumulate in fp32, the unfused logits are rounded to bf16): same tolerance."""
+    fused = run(1, 1, "bf16", fused=True)
+    frac, worst = step_agreement(bf16_tp1, fused)
+    assert frac >= 0.9 and worst <= 2.2 * LR, (frac, worst)
+    assert_metrics_close(bf16_tp1["history"], fused["history"])
 
 
 def test_negative_control_a_wrong_batch_breaks_the_agreement(fp32_tp1, bf16_tp1):
@@ -214,7 +226,7 @@ def test_recompute_and_reference_offload_give_the_same_numbers():
     (out,) = spawn(_memory_worker, 1, (), timeout_s=300)
     base = out["none"]
     assert base["granularity"] is None and base["checkpointed"] == 0
-    assert out["selective"]["checkpointed"] == 4 and out["full"]["granularity"] == "full"
+    assert out["selective"]["checkpointed"] >= 4 and out["full"]["granularity"] == "full"
     assert out["offload"]["offload"] and out["offload"]["ref_device"] == "cpu"
     for name in ("selective", "full", "offload", "resident"):
         assert out[name]["loss"] == base["loss"], name

@@ -56,6 +56,11 @@ class EmbeddedEngine:
         self.per_request_seed = per_request_seed  # sample like a `serve` fleet (sampling.py)
 
     # ---- weights -------------------------------------------------------------------------------
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (the weight stream is cast to it)."""
+        return next(self.model.parameters()).dtype
+
     def _expected_names(self) -> set[str]:
         names = {n for n, _ in self.model.named_parameters()}
         if self.cfg.tie_word_embeddings:

@@ -26,7 +26,19 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
         return None
     buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
     if engine is not None:
-        return engine.update_weights(buckets, version)
+        return engine.update_weights(as_engine_dtype(buckets, engine), version)
     for _ in buckets:
         pass
     return None
+
+
+def as_engine_dtype(buckets, engine):
+    """The buckets with every tensor in the engine's weight dtype (``engine.weight_dtype``, when
+    it has one): a bf16 actor streams bf16 to a bf16 engine and fp32 to an fp32 one, so the
+    sender does the one cast instead of the engine receiving a wider copy."""
+    dtype = getattr(engine, "weight_dtype", None)
+    if dtype is None:
+        yield from buckets
+        return
+    for bucket in buckets:
+        yield [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in bucket]
