@@ -253,8 +253,8 @@ class ServeState:
         if name not in params:
             raise KeyError(f"no parameter named {name!r}")
         with self.lock:
-            return params[name].detach().float().cpu().tolist()[:int(req.get("truncate_size",
-                                                                               100))]
+            rows = params[name].detach()[:int(req.get("truncate_size", 100))]  # first rows only
+            return rows.float().cpu().tolist()
 
     def model_info(self) -> dict:
         conf = self.model.config

@@ -21,26 +21,28 @@ from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, post_al
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
-def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, list[list]]:
-    """``(uint8 buffer, [[name, dtype, shape, byte_offset], ...])`` on the bucket's device."""
-    parts, meta, off = [], [], 0
+def bucket_layout(bucket: Bucket) -> tuple[int, list[list]]:
+    """``(total bytes, [[name, dtype, shape, byte_offset], ...])`` of a flattened bucket."""
+    meta, off = [], 0
     for name, t in bucket:
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
         meta.append([name, str(t.dtype).replace("torch.", ""), list(t.shape), off])
-        parts.append(b)
-        off += b.numel()
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8), meta
+        off += t.numel() * t.element_size()
+    return off, meta
 
 
-def write_shm(flat: torch.Tensor, directory: str | None = None) -> str:
-    """Copy a CPU byte buffer into a new shared-memory file; returns its path."""
+def write_shm(bucket: Bucket, directory: str | None = None) -> tuple[str, int, list[list]]:
+    """Copy a CPU bucket straight into a new shared-memory file (one copy per tensor);
+    returns ``(path, nbytes, layout)``."""
     import tempfile
 
+    nbytes, meta = bucket_layout(bucket)
     path = os.path.join(directory or SHM_DIR or tempfile.gettempdir(),
                         f"megatron_rl_wsync_{uuid.uuid4().hex}.bin")
-    mm = torch.from_file(path, shared=True, size=max(1, flat.numel()), dtype=torch.uint8)
-    mm[:flat.numel()].copy_(flat)
-    return path
+    mm = torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
+    for (_, t), (_, _, _, off) in zip(bucket, meta):
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        mm[off:off + b.numel()].copy_(b)
+    return path, nbytes, meta
 
 
 class FromTensor(SyncStrategy):
@@ -50,10 +52,9 @@ class FromTensor(SyncStrategy):
         if bucket and bucket[0][1].is_cuda:
             self._send_cuda(bucket)
             return
-        flat, meta = flatten_bucket(bucket)
-        path = write_shm(flat)
+        path, nbytes, meta = write_shm(bucket)
         try:
-            blob = json.dumps({"path": path, "nbytes": int(flat.numel()), "tensors": meta})
+            blob = json.dumps({"path": path, "nbytes": nbytes, "tensors": meta})
             post_all(self.urls, "/update_weights_from_tensor",
                      {"serialized_named_tensors": [blob], "load_format": "megatron_rl_shm",
                       "flush_cache": False})
