@@ -258,7 +258,7 @@ class PolicyUpdater:
         dev = mbs[0]["tokens"].device
         loss_bad = torch.zeros((), dtype=torch.float32, device=dev)
         if last:
-            total = ctx.all_reduce(torch.stack(losses).sum().double())
+            total = ctx.all_reduce(torch.stack(losses).double().sum())
             loss_bad = (~torch.isfinite(total)).float()
             metrics = {k: float(v) for k, v in {**acc.reduce(ctx), **cov_stats}.items()}
             metrics["actor/loss"] = float(total)
