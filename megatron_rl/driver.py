@@ -14,10 +14,10 @@ from megatron_rl.config import RunConfig
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank (host objects, pickled)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    """``obj`` from rank ``src`` on every rank (host objects, pickled, over the gloo host group)."""
+    from megatron_rl.parallel.runtime import broadcast_object as host_broadcast
+
+    return host_broadcast(obj, src)
 
 
 class RolloutDriver:
@@ -164,6 +164,7 @@ class RolloutDriver:
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
                    "steps": steps}
         self.tracker.close()
+        getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
         try:
             from megatron_rl.plot import plot_run
             plot_run(self.cfg.trainer.output_dir)

@@ -199,7 +199,8 @@ class Critic:
         keys = ("tokens", "mask", "values", "returns")
         local = {k: batch[k] for k in keys if k in batch}
         if "values" not in local:  # not the last stage: only tokens travel through the pipeline
-            local["values"] = local["returns"] = torch.zeros(batch["tokens"].shape)
+            local["values"] = local["returns"] = torch.zeros(batch["tokens"].shape,
+                                                      device=batch["tokens"].device)
         plan = minibatch_slices(batch["tokens"].shape[0], self.actor_cfg,
                                 ps.get_data_parallel_world_size())
         metrics: dict[str, float] = {}

@@ -1,0 +1,149 @@
+"""The planner: parameter counts vs the real megatron model, memory vs hand-computed numbers,
+fit flags, the layout search and the CLI on examples/dapo_32b.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_config
+from megatron_rl.models.config import get_preset
+from megatron_rl.parallel.launch import spawn
+from megatron_rl.plan import (
+    GIB,
+    PlanError,
+    PlanInputs,
+    activation_bytes,
+    inputs_from_config,
+    make_plan,
+    optimizer_state_bytes,
+    search,
+    stage_params,
+    total_params,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DAPO_32B = os.path.join(ROOT, "examples", "dapo_32b.yaml")
+TINY = get_preset("tiny")  # h 128, f 256, 4 layers, 8 heads, 4 KV heads, head dim 16, V 256
+
+
+def test_tiny_param_count_by_hand():
+    # per layer: QKV 128*(128+2*64) + bias 256, proj 128*128, SwiGLU 3*128*256, 2 norms 2*128
+    layer = 128 * 256 + 256 + 128 * 128 + 3 * 128 * 256 + 2 * 128
+    assert total_params(TINY) == 4 * layer + 128 + 2 * 256 * 128  # + final norm + emb + head
+    # TP2 x PP2: stage 0 = 2 layers' TP shards + half the embedding
+    split = 128 * 256 + 256 + 128 * 128 + 3 * 128 * 256
+    assert stage_params(TINY, 2, 2, 0) == 2 * (split // 2 + 256) + 128 * 128
+    assert stage_params(TINY, 2, 2, 1) == 2 * (split // 2 + 256) + 128 + 128 * 128
+
+
+def _count_worker(tp: int, pp: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=tp, pp=pp, timeout_s=120)
+    model = build_gpt_model(get_preset("tiny"), seed=1)
+    n = sum(p.numel() for p in model.parameters())
+    stage = ps.get_pipeline_model_parallel_rank()
+    runtime.shutdown()
+    return {"stage": stage, "numel": n}
+
+
+@pytest.mark.slow
+def test_stage_params_match_real_model_tp2_pp2():
+    for r in spawn(_count_worker, 4, (2, 2), timeout_s=300):
+        assert r["numel"] == stage_params(TINY, 2, 2, r["stage"]), r
+
+
+def test_optimizer_state_by_hand():
+    n = 1000
+    fp32 = optimizer_state_bytes(n, PlanInputs(model=TINY, precision="fp32"))
+    assert sum(fp32.values()) == 16 * n  # weights 4 + grads 4 + Adam 8, no separate main copy
+    bf16 = optimizer_state_bytes(n, PlanInputs(model=TINY, precision="bf16", dp=4,
+                                               distributed_optimizer=True))
+    assert bf16 == {"weights": 2 * n, "main weights (fp32)": 4 * n / 4,
+                    "gradients (fp32)": 4 * n, "Adam moments (fp32)": 8 * n / 4}
+
+
+def test_activations_by_hand():
+    x = PlanInputs(model=TINY, precision="bf16", device="gpu", micro_batch_size=2,
+                   prompt_len=24, response_len=8, n_micro=4)
+    tokens = 2 * 32
+    per_token = 4 * 128 + (128 + 2 * 64 + 128) + 3 * 256  # norms, q k v + out, SwiGLU
+    assert sum(activation_bytes(x).values()) == 4 * tokens * per_token * 2
+    full = activation_bytes(dataclasses.replace(x, recompute="full"))
+    assert sum(full.values()) == 4 * tokens * 128 * 2 + tokens * per_token * 2
+    # pipeline: the first stage holds min(pp, n_micro) micro-batches of its layers
+    pp2 = activation_bytes(dataclasses.replace(x, pp=2))
+    assert sum(pp2.values()) == 2 * 2 * tokens * per_token * 2
+    # CPU path: unfused attention keeps the fp32 [heads, S, S] softmax per sequence
+    cpu = activation_bytes(dataclasses.replace(x, device="cpu", precision="fp32"))
+    per_token_cpu = 6 * 128 + 4 * 128 + 4 * 256
+    assert sum(cpu.values()) == 4 * (tokens * per_token_cpu * 4 + 2 * 8 * 32 * 32 * 4)
+
+
+def test_32b_layouts_flagged():
+    m = get_preset("qwen2.5-32b")
+    base = PlanInputs(model=m, tp=8, pp=1, dp=8, precision="bf16", micro_batch_size=1,
+                      prompt_len=2048, response_len=20480, n_micro=64,
+                      responses_per_step=8192, gpu_mem_gb=80)
+    good = make_plan(dataclasses.replace(base, recompute="full", distributed_optimizer=True))
+    assert good.fits and good.actor_total < 80 * GIB
+    # no recompute: 64 layers of 22.5k-token activations cannot fit
+    assert not make_plan(dataclasses.replace(base, distributed_optimizer=True)).fits
+    # TP1: 32.8B params x 18 bytes on one GPU
+    tp1 = make_plan(dataclasses.replace(base, tp=1, dp=64, recompute="full"))
+    assert not tp1.fits and tp1.actor["gradients (fp32)"] > 100 * GIB
+    with pytest.raises(PlanError, match="divisible"):
+        make_plan(dataclasses.replace(base, tp=3))
+
+
+def test_search_ranks_fitting_layouts_first():
+    m = get_preset("qwen2.5-32b")
+    x = PlanInputs(model=m, tp=8, pp=1, dp=8, precision="bf16", distributed_optimizer=True,
+                   micro_batch_size=1, prompt_len=2048, response_len=20480, n_micro=64,
+                   responses_per_step=8192)
+    plans = search(x, 64)
+    assert plans and plans[0].fits
+    assert all(p.inputs.actor_gpus == 64 and p.inputs.tp <= 8 for p in plans)
+    fits = [p.fits for p in plans]
+    assert fits == sorted(fits, reverse=True)  # every fitting layout before every other
+    assert any(not f for f in fits)
+    n_fit = sum(fits)
+    times = [sum(p.seconds.values()) for p in plans[:n_fit]]
+    assert times == sorted(times)
+    # the global mini-batch stays the same at every layout
+    assert {p.inputs.n_micro * p.inputs.dp for p in plans} == {512}
+
+
+def test_dapo_32b_yaml_loads_and_plans(capsys):
+    cfg = load_config(DAPO_32B)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == (8, 1, 8)
+    assert cfg.rollout.max_new_tokens == 20480 and cfg.rollout.overlong_buffer == 4096
+    loss = cfg.loss.build()
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.loss_agg_mode) == (
+        0.2, 0.28, "token-mean")
+    assert cfg.trainer.train_batch_size * cfg.rollout.n == 8192 and cfg.optim.lr == 1e-6
+    x = inputs_from_config(cfg, recompute="full", servers=16, server_tp=4)
+    assert x.n_micro == 64 and x.servers == 16
+    rc = main(["plan", DAPO_32B, "--recompute", "full", "--servers", "16", "--server-tp", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "verdict: TP8xPP1xDP8 FITS" in out
+    assert "rollout: 16 servers x TP4 = 64 GPUs" in out
+    # without recomputation the same layout is flagged and the command says so
+    rc = main(["plan", DAPO_32B, "--recompute", "none"])
+    assert rc == 1 and "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_plan_cli_search_and_errors(capsys):
+    rc = main(["plan", DAPO_32B, "--search", "--gpus", "64", "--recompute", "full",
+               "--top", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "rank" in out and "best: TP" in out
+    assert main(["plan", DAPO_32B, "--gpus", "60"]) == 2
+    assert "not a multiple" in capsys.readouterr().err
