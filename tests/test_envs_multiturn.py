@@ -197,3 +197,22 @@ def test_gae_needs_an_environment():
 
     with pytest.raises(ConfigError, match="needs a multi-turn environment"):
         load_config(None, ["trainer.advantage=gae"])
+
+
+def test_chat_template_turns_rebuild_the_rendered_conversation(tmp_path):
+    """With an HF chat template, prompt + reply(+EOS) + env turn == the template's rendering of
+    the whole conversation, so the model sees exactly what the chat format says."""
+    from megatron_rl.hf_tokenizer import HFTokenizer
+    from megatron_rl.rollout.multiturn import TurnRenderer
+    from megatron_rl.testing.tiny_hf import make_tokenizer
+
+    make_tokenizer(str(tmp_path), ["FrozenLake reach G avoid H Reply L D R U PFFF SFHG"])
+    tok = HFTokenizer(str(tmp_path))
+    render = TurnRenderer(tok, use_template=True)
+    assert render.template
+    ids = render.first("Reply L.\n", "PF\nFG\n") + tok.encode("R") + [tok.eos_id]
+    ids += render.next("SP\nFG\n")
+    want = tok.tok.apply_chat_template(
+        [{"role": "user", "content": "Reply L.\nPF\nFG\n"}, {"role": "assistant", "content": "R"},
+         {"role": "user", "content": "SP\nFG\n"}], add_generation_prompt=True, tokenize=False)
+    assert tok.tok.decode(ids) == want
