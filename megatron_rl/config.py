@@ -414,7 +414,7 @@ def validate_env_critic(cfg: RunConfig) -> None:
             raise ConfigError("env.invalid_penalty and env.step_penalty must be >= 0")
         if cfg.trainer.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
             raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not available "
-                              "with env.name (allowed: grpo, drgrpo, rloo, gae)")
+                              "with env.name (allowed: grpo, dr_grpo, rloo, gae)")
     elif cfg.trainer.advantage == "gae":
         raise ConfigError("trainer.advantage='gae' needs a multi-turn environment (set env.name "
                           f"to one of {('frozenlake', 'sokoban')})")

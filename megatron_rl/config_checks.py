@@ -14,7 +14,7 @@ import difflib
 import typing
 from typing import Any, Mapping
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 RENAMED_ADVANTAGES = {"drgrpo": "dr_grpo"}
 SUM_NORM_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
 FILTER_METRICS = ("acc", "score", "reward")  # per-response record fields

@@ -155,7 +155,7 @@ def episodes_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mul
     """``tokens/mask/advantages/rollout_logp/token_rewards [N, S]``, ``reward/positive [N]``.
 
     ``mask`` is true on the model's reply tokens only; ``token_rewards`` holds each turn's reward on
-    its last reply token. Outcome estimators (grpo, drgrpo, rloo) give one advantage per episode,
+    its last reply token. Outcome estimators (grpo, dr_grpo, rloo) give one advantage per episode,
     broadcast over its reply tokens; for ``gae`` the advantages are zeros here and are filled in
     by the critic (:func:`megatron_rl.critic.gae.gae_advantages`). Rows are padded with empty
     rows to a multiple of ``rows_multiple``.
