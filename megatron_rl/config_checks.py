@@ -119,6 +119,13 @@ def check_sampling(cfg) -> None:
     if r.gen_batch_size < 0:
         raise _error(f"rollout.gen_batch_size must be >= 0 (0 = trainer.train_batch_size), got "
                      f"{r.gen_batch_size}")
+    tb = cfg.trainer.train_batch_size
+    if not r.dynamic_sampling and r.gen_batch_size not in (0, tb):
+        # one round of gen_batch_size prompts would be trained on whole: more rows than the LR
+        # schedule and the mini-batch plan assume
+        raise _error(f"rollout.gen_batch_size={r.gen_batch_size} applies only with "
+                     f"rollout.dynamic_sampling=true; without it set 0 or "
+                     f"trainer.train_batch_size ({tb})")
 
 
 def one_temperature(cfg, raw: Mapping[str, Any]) -> None:

@@ -86,6 +86,8 @@ def test_exponent_numbers_in_yaml_and_overrides(tmp_path):
     (["rollout.temperature=-1"], "rollout.temperature must be > 0"),
     (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
     (["rollout.top_p=1.5"], "rollout.top_p must be in (0, 1]"),
+    (["rollout.dynamic_sampling=false", "rollout.gen_batch_size=64", "trainer.train_batch_size=8"],
+     "applies only with rollout.dynamic_sampling=true"),
     (["rollout.val_temperature=-0.1"], "rollout.val_temperature must be >= 0"),
     (["actor.mini_batch_size=24"], "= 64 responses must be divisible by actor.mini_batch_size=24"),
     (["actor.mini_batch_size=16", "actor.micro_batch_size=3"],
