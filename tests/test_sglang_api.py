@@ -218,3 +218,17 @@ def test_sglang_config_section_and_errors():
             load_config(None, ["rollout.engine=sglang", bad])
     with pytest.raises(ConfigError, match="rollout.engine"):
         load_config(None, ["rollout.engine=vllm"])
+
+
+def test_offpolicy_lag_is_measured_or_refused(server, tmp_path):
+    url, _ = server
+    http_json("POST", url + "/update_weight_version", {"new_version": "1"})
+    eng = _engine(url, tmp_path)
+    eng.weight_version = 3  # the trainer is two syncs ahead of this server
+    eng.generate([[5, 6]], SamplingParams(n=2, max_new_tokens=2), seed=1)
+    m = eng.pop_metrics()
+    assert m["rollout/offpolicy_lag"] == 2.0 and m["rollout/offpolicy_lag_max"] == 2.0
+    eng.max_offpolicy_lag, eng.max_retries = 1, 1
+    with pytest.raises(ServerError, match="weight version 1"):
+        eng.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2), seed=1)
+    assert eng.pop_metrics()["rollout/stale_refused"] == 2.0

@@ -20,8 +20,10 @@ from megatron_rl.models.config import get_preset  # noqa: E402
 from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model  # noqa: E402
 from megatron_rl.rollout.engine import SamplingParams  # noqa: E402
 from megatron_rl.rollout.fleet import Fleet  # noqa: E402
+from megatron_rl.rollout.sampling import teacher_forced_logprobs  # noqa: E402
 from megatron_rl.rollout.sglang_client import SGLangEngine  # noqa: E402
 from megatron_rl.rollout.weight_sync import make_strategy, push_single_process  # noqa: E402
+from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = 1
@@ -70,6 +72,9 @@ def test_dead_server_loses_no_sample(tmp_path):
         ref = build_hf_model(get_preset("tiny"))
         sd = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
         push_single_process(eng, [sd], version=1)  # both servers now hold ref's weights
+        ids = probe_tokens(get_preset("tiny").vocab_size, 16)
+        worst, errors = probe_check(fleet.urls, ids, teacher_forced_logprobs(ref, ids), 1e-4)
+        assert not errors and worst <= 1e-4
         emb = EmbeddedEngine(get_preset("tiny"), EOS, 0, per_request_seed=True)
         emb.model.load_state_dict(ref.state_dict())
         params = SamplingParams(n=4, max_new_tokens=12, temperature=1.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -154,6 +155,7 @@ def bench_model(name: str, args) -> list[tuple[str, float, float]]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)  # the from_disk copy is as big as the model
     return rows
 
 

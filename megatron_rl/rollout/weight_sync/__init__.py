@@ -39,8 +39,10 @@ def strategy_class(name: str) -> type[SyncStrategy]:
 
 def make_strategy(name: str, fleet, sync_dir: str, sender: int = 0) -> SyncStrategy:
     """Strategy ``name`` pushing to ``fleet``'s current servers."""
+    s = getattr(fleet, "s", None)
+    tp = s.tp_size if s is not None and s.launcher == "sglang" else 1
     return strategy_class(name)(list(fleet.urls), sync_dir, sender,
-                                model_path=getattr(fleet, "model_path", None))
+                                model_path=getattr(fleet, "model_path", None), server_tp=tp)
 
 
 def push_single_process(engine, buckets: Iterable[Bucket], version: int) -> str:

@@ -43,8 +43,10 @@ class SyncStrategy:
     name = "base"
 
     def __init__(self, urls: list[str], sync_dir: str, sender: int = 0,
-                 model_path: str | None = None, spots_per_send: int = 2) -> None:
+                 model_path: str | None = None, spots_per_send: int = 2,
+                 server_tp: int = 1) -> None:
         self.urls, self.sync_dir, self.sender = list(urls), sync_dir, sender
+        self.server_tp = server_tp  # ranks per server (SGLang --tp-size) in a weight group
         self.model_path, self.spots_per_send = model_path, spots_per_send
         self.spots: list[tuple[str, list]] = []
 

@@ -36,7 +36,6 @@ def sender_address(urls: list[str]) -> str:
 
 class FromDistributed(SyncStrategy):
     name = "from_distributed"
-    tp_size = 1  # ranks per server
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -52,7 +51,7 @@ class FromDistributed(SyncStrategy):
         if self.pg is not None and self.group_urls == self.urls and self.backend == backend:
             return
         self.close()
-        world = 1 + len(self.urls) * self.tp_size
+        world = 1 + len(self.urls) * self.server_tp
         port, addr = free_port(), sender_address(self.urls)
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timedelta(seconds=120),
                               wait_for_workers=False)
@@ -62,7 +61,7 @@ class FromDistributed(SyncStrategy):
             try:
                 post_all([u], "/init_weights_update_group",
                          {"master_address": addr, "master_port": port,
-                          "rank_offset": 1 + i * self.tp_size, "world_size": world,
+                          "rank_offset": 1 + i * self.server_tp, "world_size": world,
                           "group_name": self.group_name, "backend": backend})
             except Exception as exc:  # noqa: BLE001 - reported below
                 errs.append(exc)

@@ -74,5 +74,6 @@ class FromTensor(SyncStrategy):
             {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()},
             output_str=True)
         post_all(self.urls, "/update_weights_from_tensor",
-                 {"serialized_named_tensors": [data], "load_format": "flattened_bucket",
+                 {"serialized_named_tensors": [data] * self.server_tp,  # one per server TP rank
+                  "load_format": "flattened_bucket",
                   "flush_cache": False})

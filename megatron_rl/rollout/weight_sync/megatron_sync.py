@@ -39,7 +39,7 @@ def fleet_plan(engine) -> dict | None:
     engine.fleet.check_health()
     s = engine.sync
     return {"strategy": s.name, "urls": list(engine.fleet.urls), "sync_dir": s.sync_dir,
-            "model_path": s.model_path, "spots": s.spots_per_send,
+            "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
             "probe_length": engine.probe_length, "probe_tolerance": engine.probe_tolerance}
 
 
@@ -58,7 +58,7 @@ def _sender(plan: dict, stage: int, coordinator: SyncStrategy | None) -> SyncStr
         if key not in _SENDERS:
             _SENDERS[key] = strategy_class(plan["strategy"])(
                 plan["urls"], plan["sync_dir"], stage, model_path=plan["model_path"],
-                spots_per_send=plan["spots"])
+                spots_per_send=plan["spots"], server_tp=plan["server_tp"])
         s = _SENDERS[key]
     s.urls, s.sender, s.spots_per_send = list(plan["urls"]), stage, plan["spots"]
     return s
