@@ -147,3 +147,17 @@ def test_plan_cli_search_and_errors(capsys):
     assert rc == 0 and "rank" in out and "best: TP" in out
     assert main(["plan", DAPO_32B, "--gpus", "60"]) == 2
     assert "not a multiple" in capsys.readouterr().err
+
+
+def test_dapo_32b_after_merge_lines_are_valid_yaml_in_their_sections():
+    import yaml
+
+    text = open(DAPO_32B).read()
+    assert text.count("# after-merge: ") == 5
+    enabled = yaml.safe_load(text.replace("# after-merge: ", ""))
+    assert enabled["rollout"]["engine"] == "sglang"
+    assert enabled["rollout"]["sglang"] == {"servers": 16, "tp_size": 4,
+                                            "mem_fraction_static": 0.85}
+    assert (enabled["actor"]["precision"], enabled["actor"]["recompute"],
+            enabled["actor"]["offload_ref"]) == ("bf16", "full", True)
+    assert enabled["rollout"]["n"] == 16  # the rest of the section is kept
