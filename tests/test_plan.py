@@ -152,9 +152,12 @@ def test_plan_cli_search_and_errors(capsys):
 def test_dapo_32b_after_merge_lines_are_valid_yaml_in_their_sections():
     import yaml
 
-    text = open(DAPO_32B).read()
-    assert text.count("# after-merge: ") == 5
-    enabled = yaml.safe_load(text.replace("# after-merge: ", ""))
+    lines = open(DAPO_32B).read().splitlines()
+    marked = [i for i, line in enumerate(lines) if line.lstrip().startswith("# after-merge: ")]
+    assert len(marked) == 5
+    for i in marked:
+        lines[i] = lines[i].replace("# after-merge: ", "", 1)
+    enabled = yaml.safe_load("\n".join(lines))
     assert enabled["rollout"]["engine"] == "sglang"
     assert enabled["rollout"]["sglang"] == {"servers": 16, "tp_size": 4,
                                             "mem_fraction_static": 0.85}
