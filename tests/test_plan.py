@@ -147,3 +147,15 @@ def test_plan_cli_search_and_errors(capsys):
     assert rc == 0 and "rank" in out and "best: TP" in out
     assert main(["plan", DAPO_32B, "--gpus", "60"]) == 2
     assert "not a multiple" in capsys.readouterr().err
+
+
+def test_dapo_32b_config_has_the_fleet_and_the_memory_settings():
+    from megatron_rl.config import load_config
+
+    cfg = load_config(DAPO_32B)
+    assert cfg.rollout.engine == "sglang"
+    sg = cfg.rollout.sglang
+    assert (sg.num_servers, sg.tp_size, sg.mem_fraction_static) == (16, 4, 0.85)
+    assert (cfg.actor.precision, cfg.actor.recompute, cfg.actor.offload_ref) == ("bf16", "full",
+                                                                                 True)
+    assert cfg.rollout.n == 16 and cfg.parallel.tp == 8
