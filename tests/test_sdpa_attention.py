@@ -30,17 +30,21 @@ def _attention_worker() -> dict:
         tcfg = make_transformer_config(cfg)
         ref = DotProductAttention(tcfg, 1, AttnMaskType.causal, "self")
         new = SDPAttention(tcfg, 1, AttnMaskType.causal, "self")
+        new.use_sdpa_on_cpu = True  # the SDPA kernel itself (GPU path), here on CPU
+        cpu_order = SDPAttention(tcfg, 1, AttnMaskType.causal, "self")
         g = torch.Generator().manual_seed(0)
         s, b, d = 12, 3, 16
         q = torch.randn(s, b, heads, d, generator=g, requires_grad=True)
         k = torch.randn(s, b, groups, d, generator=g, requires_grad=True)
         v = torch.randn(s, b, groups, d, generator=g, requires_grad=True)
         grads = {}
-        for label, mod in (("ref", ref), ("sdpa", new)):
+        for label, mod in (("ref", ref), ("sdpa", new), ("cpu_order", cpu_order)):
             o = mod(q, k, v, None)
             (gq, gk, gv) = torch.autograd.grad((o * o).sum(), (q, k, v))
             grads[label] = (o.detach(), gq, gk, gv)
         out[name] = max(float((x - y).abs().max()) for x, y in zip(grads["ref"], grads["sdpa"]))
+        out[name + "_cpu_order_equal"] = all(torch.equal(x, y) for x, y in
+                                             zip(grads["ref"], grads["cpu_order"]))
         out[name + "_shape"] = tuple(grads["sdpa"][0].shape)
         with torch.no_grad():  # bf16 inputs: same kernel contract, bf16 rounding
             o16 = new(q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
@@ -62,6 +66,7 @@ def result():
 @pytest.mark.parametrize("kind", ["gqa", "mha"])
 def test_sdpa_matches_megatron_dot_product_attention(result, kind):
     assert result[kind] < 1e-5, result
+    assert result[kind + "_cpu_order_equal"], "the CPU path must be bit-identical to megatron's"
     heads = 8 if kind == "gqa" else 4
     assert result[kind + "_shape"] == (12, 3, heads * 16)
     assert result[kind + "_bf16_dtype"] == "torch.bfloat16"

@@ -5,9 +5,13 @@ Megatron's local ``DotProductAttention`` materialises ``[B, heads, S, S]`` score
 ``masked_softmax_fusion``, needs a compiled extension the megatron-core wheel does not ship.
 :class:`SDPAttention` takes the same constructor and ``forward`` arguments and calls PyTorch SDPA
 instead: FlashAttention / memory-efficient kernels on GPU (O(S) memory, fp32 softmax statistics
-inside the kernel), the fused CPU or math kernel on CPU. Causal masking comes from
-``is_causal``; grouped-query attention from ``enable_gqa`` (no repeated K/V copies). Attention
-dropout follows the config (0 for the actor).
+inside the kernel). Causal masking comes from ``is_causal``; grouped-query attention from
+``enable_gqa`` (no repeated K/V copies). Attention dropout follows the config (0 for the actor).
+
+On CPU tensors (tests, tiny CPU runs) the module computes attention in megatron's own operation
+order (``baddbmm`` scores, fp32 softmax, ``bmm``), bit-identical to ``DotProductAttention``, so
+CPU results and seeded CPU training trajectories do not depend on which attention is built;
+``use_sdpa_on_cpu = True`` runs the SDPA kernel there too (the tests compare the two).
 
 Shapes: ``query [Sq, B, heads/TP, D]``, ``key``/``value [Sk, B, groups/TP, D]`` ->
 ``context [Sq, B, heads/TP * D]``, all on the inputs' device and dtype.
@@ -50,6 +54,7 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = scale  # query-key layer scaling cancels out when softmax is fp32
         self.dropout = config.attention_dropout if attention_dropout is None else \
             attention_dropout
+        self.use_sdpa_on_cpu = False
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None
@@ -67,10 +72,40 @@ class SDPAttention(MegatronModule):
         if attention_mask is not None:
             attn_mask, causal = ~attention_mask.bool(), False
         gqa = self.heads != self.groups
+        if not q.is_cuda and not self.use_sdpa_on_cpu:
+            return self._megatron_order(q, k, v, attn_mask, causal)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+
+    def _megatron_order(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        keep: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """``[B, h|g, S, D]`` inputs -> ``[Sq, B, h*D]``, computed as megatron's local
+        ``DotProductAttention`` does (``[B, h, Sq, Sk]`` scores; CPU only)."""
+        b, _, sq, d = q.shape
+        sk, rep = k.shape[2], self.heads // self.groups
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        qf = q.reshape(b * self.heads, sq, d)
+        kf = k.reshape(b * self.heads, sk, d)
+        scores = torch.baddbmm(torch.empty(b * self.heads, sq, sk, dtype=q.dtype,
+                                           device=q.device), qf, kf.transpose(1, 2), beta=0.0,
+                               alpha=self.softmax_scale).view(b, self.heads, sq, sk)
+        dtype = scores.dtype
+        scores = scores.float()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, -10000.0)
+        elif causal:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(mask, -10000.0)
+        probs = torch.softmax(scores, dim=-1).to(dtype)
+        if self.training and self.dropout > 0:
+            probs = F.dropout(probs, self.dropout)
+        ctx = torch.bmm(probs.view(b * self.heads, sq, sk), v.reshape(b * self.heads, sk, d))
+        return ctx.view(b, self.heads, sq, d).permute(2, 0, 1, 3).reshape(
+            sq, b, self.heads * d)
 
 
 def masked_softmax_extension_available() -> bool:
