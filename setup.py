@@ -23,6 +23,8 @@ setup(
         "reasoning-gym",  # verifiable tasks
         "math-verify",
         "matplotlib",  # plot
+        "gymnasium>=1.0",  # FrozenLake (multi-turn envs)
+        "sglang-router",  # rollout.engine=sglang: the router in front of the rollout fleet
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "ruff", "pyarrow", "triton"],
@@ -30,7 +32,7 @@ setup(
         # NVIDIA's apex is optional and never installed from PyPI (the PyPI package of that name
         # is an unrelated project).
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
-        "sglang": ["sglang", "sglang-router"],
+        "sglang": ["sglang"],  # real SGLang servers (GPU); CPU runs use our `serve`
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

@@ -46,7 +46,7 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, eps: float = 1e-6,
     return adv.float()
 
 
-def drgrpo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
+def dr_grpo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
     """§3.2 Dr.GRPO: ``R - mean_g`` (no std); pair with ``seq-mean-token-sum-norm``."""
     return grpo_advantages(scores, group_ids, norm_by_std=False)
 

@@ -26,16 +26,39 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import os
 
     from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.default_recipe import DEFAULT_RECIPE
 
-    try:
-        cfg = load_config(args.config, args.overrides)
+    config, overrides = split_config_arg(args.config, args.overrides)
+    try:  # no YAML: the built-in recipe (a tiny DAPO demo that learns)
+        cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    if "RANK" in os.environ or "SLURM_PROCID" in os.environ:  # launched by torchrun / srun
-        _train_worker(cfg, args.command)
+    if getattr(args, "check_only", False):
+        print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
         return 0
+    if args.command == "train":  # resume preflight: changed config, finished run
+        from megatron_rl.run_guard import preflight
+
+        rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+        try:
+            done = preflight(cfg, log=print if rank0 else (lambda *_: None))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if done:
+            if rank0:
+                print(done, flush=True)
+            return 0
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    from megatron_rl.parallel.launch import launch_mode
+
+    plan = launch_mode(os.environ)
+    if plan.mode == "refuse":
+        print(f"[{args.command}] {plan.message}", file=sys.stderr)
+        return 2
+    if plan.mode in ("torchrun", "srun"):  # this process is one rank
+        return _run_in_place(cfg, args.command, plan, world)
     from megatron_rl.parallel.launch import WorkerError, spawn
 
     print(f"[{args.command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
@@ -45,6 +68,40 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"[{args.command}] failed: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``train trainer.seed=3 ...`` (no YAML): a first positional that looks like ``key=value``
+    and is not a file is an override, and the built-in defaults are the config."""
+    import os
+
+    if config is not None and "=" in config and not os.path.exists(config):
+        return None, [config, *overrides]
+    return config, list(overrides)
+
+
+def _run_in_place(cfg, command: str, plan, world: int) -> int:
+    """Run this process's rank (torchrun / srun task); the launcher's world must be TP x PP x DP."""
+    import os
+    import warnings
+
+    import torch
+
+    from megatron_rl.parallel.launch import threads_per_rank
+
+    if plan.world_size != world:
+        print(f"[{command}] {plan.mode} started {plan.world_size} task(s) but parallel.tp x pp x "
+              f"dp = {cfg.parallel.tp} x {cfg.parallel.pp} x {cfg.parallel.dp} = {world}; "
+              f"start {world} tasks or change the layout", file=sys.stderr)
+        return 2
+    os.environ.update(plan.env)
+    threads = threads_per_rank()
+    if threads:
+        torch.set_num_threads(threads)
+    # megatron-core warns on import that apex/Transformer Engine are absent: expected on CPU.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    _train_worker(cfg, command)
     return 0
 
 
@@ -68,6 +125,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.sweep import run_sweep
+
+    try:
+        return run_sweep(args.sweep_file, args.parallel, args.report_only, args.overrides)
+    except ConfigError as exc:
+        print(f"sweep config error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="python -m megatron_rl",
@@ -89,9 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_check)
 
     t = sub.add_parser("train", help="RL training (SFT warm start when sft.steps > 0)")
-    t.add_argument("config", nargs="?", default=None, help="YAML config (default: built-in)")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML config (default: the built-in tiny DAPO recipe, "
+                        "megatron_rl/default_recipe.py)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
                                                 "output_dir=runs/x")
+    t.add_argument("--check", dest="check_only", action="store_true",
+                   help="only load and check the config (exit 2 on an error), start nothing")
     t.set_defaults(func=_cmd_train)
     for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
                        ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
@@ -103,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_rl.convert.cli import add_convert_subcommand
 
     add_convert_subcommand(sub)
+
+    from megatron_rl.rollout.serve import add_serve_subcommand
+
+    add_serve_subcommand(sub)
 
     from megatron_rl.plan import add_plan_subcommand
 
@@ -120,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="output directory")
     ex.set_defaults(func=_cmd_export)
 
+    sw = sub.add_parser("sweep", help="run a sweep file (base config x one axis per sweep), "
+                        "skipping finished runs; writes report.md and plots")
+    sw.add_argument("sweep_file")
+    sw.add_argument("overrides", nargs="*", help="key=value overrides for every run (output_dir="
+                    "sets the sweep's directory), e.g. model.hf_path=/models/Qwen2.5-3B-Instruct")
+    sw.add_argument("--parallel", type=int, default=None,
+                    help="runs at the same time (default: the file's parallel_runs)")
+    sw.add_argument("--report-only", action="store_true",
+                    help="only (re)write the report and plots from the runs on disk")
+    sw.set_defaults(func=_cmd_sweep)
+
     pl = sub.add_parser("plot", help="write PNG curves of a run directory")
     pl.add_argument("run_dir")
     pl.set_defaults(func=_cmd_plot)
@@ -128,8 +215,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return args.func(args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; ``key=value`` overrides of ``train``/``sft``/``eval`` may come
+    before or after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also come after options (argparse stops the positional list there)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-")
+                                                    for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 if __name__ == "__main__":

@@ -58,8 +58,35 @@ class DataSection:
 
 
 @dataclass
+class SGLangSection:
+    """The SGLang rollout fleet (``rollout.engine: sglang``; README "SGLang rollout fleet")."""
+
+    servers: list = field(default_factory=list)  # URLs of running servers; empty: start some
+    num_servers: int = 2  # servers to start when ``servers`` is empty
+    launcher: str = "serve"  # "serve" (ours, CPU/tests) | "sglang" (python -m sglang.launch_server)
+    router_url: str | None = None  # a running sglang-router; None: start one on router_port
+    host: str = "127.0.0.1"
+    router_port: int = 30000  # servers started here listen on router_port + 1 + i
+    tp_size: int = 1  # --tp-size of each started SGLang server
+    mem_fraction_static: float = 0.8  # --mem-fraction-static of each started SGLang server
+    gpus: list = field(default_factory=list)  # CUDA ids for started servers (tp_size per server)
+    concurrency: int = 32  # requests in flight
+    request_timeout_s: float = 600.0
+    max_retries: int = 3  # per request, on another server
+    max_offpolicy_lag: int = -1  # -1: only measure rollout/offpolicy_lag; >= 0: refuse staler
+    weight_sync: str = "from_disk"  # from_disk | from_tensor | from_distributed
+    sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
+    probe_tolerance: float = 1e-4  # max |engine - actor| probe log-prob (fp32; ~0.05 for bf16)
+    probe_length: int = 16  # tokens of the probe sequence (0: no probe)
+    spot_checks: int = 2  # /get_weights_by_name checks per sender per sync
+    server_threads: int = 1  # torch threads of each started `serve`
+
+
+@dataclass
 class RolloutSection:
     engine: str = "embedded"
+    per_request_seed: bool = False  # seed each sample by itself (always on for engine=sglang)
+    sglang: SGLangSection = field(default_factory=SGLangSection)
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -91,6 +118,8 @@ class TrainerSection:
     seed: int = 1234
     resume: bool = True
     export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
+    keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
+    kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
 
 
 @dataclass
@@ -121,11 +150,46 @@ class LoggingSection:
 class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
+    rollout_correction: str = "none"  # training/inference mismatch: none | tis | mis
+    rollout_correction_threshold: float = 2.0  # C (README "SGLang rollout fleet")
 
     def build(self):
         from megatron_rl.loss import LossConfig
 
-        return LossConfig.for_algorithm(self.algorithm, **self.overrides)
+        extra = {"rollout_correction": self.rollout_correction,
+                 "rollout_correction_threshold": self.rollout_correction_threshold}
+        return LossConfig.for_algorithm(self.algorithm, **{**extra, **self.overrides})
+
+
+@dataclass
+class EnvSection:
+    # Multi-turn environment (megatron_rl.envs); None: single-turn prompts from the data section.
+    name: str | None = None  # "frozenlake" | "sokoban"
+    size: int = 4  # grid side (frozenlake >= 2; sokoban 5..20)
+    max_turns: int = 5  # replies per episode
+    success_rate: float = 0.8  # frozenlake: probability the intended move happens (1.0 = no slip)
+    frozen_p: float = 0.8  # frozenlake: probability a generated cell is ice
+    boxes: int = 1  # sokoban
+    invalid_penalty: float = 0.1  # reward of an unparsable reply (as a penalty, >= 0)
+    step_penalty: float = 0.0  # sokoban: per-move penalty
+    val_size: int = 64  # validation environments
+    max_total_tokens: int = 512  # an episode ends before its next turn would exceed this
+    seed: int = 0
+
+
+@dataclass
+class CriticSection:
+    # The PPO value model (trainer.advantage: gae): same architecture and TP/PP as the actor.
+    gamma: float = 1.0
+    lam: float = 1.0
+    cliprange_value: float = 0.5
+    warmup_steps: int = 0  # RL steps that train only the critic (verl's critic_warmup)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # 0: actor.mini_batch_size
+    whiten_advantages: bool = True  # verl's masked_whiten over the batch's reply tokens
 
 
 @dataclass
@@ -141,6 +205,8 @@ class RunConfig:
     sft: SFTSection = field(default_factory=SFTSection)
     early_stop: EarlyStopSection = field(default_factory=EarlyStopSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    critic: CriticSection = field(default_factory=CriticSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -168,6 +234,9 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return value
     if tp is float:
+        from megatron_rl.config_checks import as_float
+
+        value = as_float(value)  # "1e-6": PyYAML 1.1 reads exponents without a dot as str
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
         return float(value)
@@ -175,6 +244,12 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{path} must be a string, got {value!r}")
         return value
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        return list(value)
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
@@ -220,8 +295,16 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.seed=3)")
         key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        _set_path(tree, key.strip(), _yaml_value(item, raw) if raw != "" else "")
     return tree
+
+
+def _yaml_value(item: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        msg = str(exc).splitlines()[0]
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({msg})") from None
 
 
 def _merge(base: dict, extra: Mapping) -> dict:
@@ -235,26 +318,36 @@ def _merge(base: dict, extra: Mapping) -> dict:
 _ALIASES = {"output_dir": "trainer.output_dir"}
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML file (or defaults when ``path`` is None) and apply overrides."""
-    data: dict = {}
+def load_config(path: str | None, overrides: list[str] | None = None,
+                base: Mapping[str, Any] | None = None) -> RunConfig:
+    """Load a YAML file (or defaults when ``path`` is None; ``base``: a mapping used instead of
+    the file, e.g. :data:`megatron_rl.default_recipe.DEFAULT_RECIPE`) and apply overrides."""
+    data: dict = dict(base or {})
     if path is not None:
         try:
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise ConfigError(f"{path}: malformed YAML{at}: "
+                              f"{getattr(exc, 'problem', None) or exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     items = [(_ALIASES.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1])
              if "=" in o else o for o in (overrides or [])]
     data = _merge(data, parse_overrides(items))
     cfg = _build(RunConfig, data, "")
+    from megatron_rl.config_checks import check_run_config
+
+    check_run_config(cfg, data)
     validate_run_config(cfg)
     return cfg
 
 
-ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -277,9 +370,13 @@ def validate_run_config(cfg: RunConfig) -> None:
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "
                           f"{ADVANTAGES}")
-    if cfg.rollout.engine != "embedded":
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not available here "
-                          "(allowed: 'embedded')")
+    if cfg.rollout.engine not in ("embedded", "sglang"):
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not one of "
+                          "('embedded', 'sglang')")
+    if cfg.rollout.engine == "sglang":
+        from megatron_rl.rollout.fleet import validate_sglang_section
+
+        validate_sglang_section(cfg.rollout.sglang)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
         if getattr(cfg.trainer, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1")
@@ -289,7 +386,47 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"data.split_by={cfg.data.split_by!r} is not one of ('prompt', 'row')")
     if not 0 < cfg.rollout.rv_filter_p <= 1:
         raise ConfigError(f"rollout.rv_filter_p must be in (0, 1], got {cfg.rollout.rv_filter_p}")
+    validate_env_critic(cfg)
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
     if rows % cfg.parallel.dp:
         raise ConfigError(f"trainer.train_batch_size x rollout.n = {rows} responses must be "
                           f"divisible by parallel.dp={cfg.parallel.dp}")
+
+
+def validate_env_critic(cfg: RunConfig) -> None:
+    """Checks of the ``env`` and ``critic`` sections (multi-turn runs, GAE)."""
+    from megatron_rl.envs import ENVS
+
+    e, c = cfg.env, cfg.critic
+    if e.name is not None:
+        if e.name not in ENVS:
+            raise ConfigError(f"env.name={e.name!r} is not one of {ENVS} (or null)")
+        lo = 2 if e.name == "frozenlake" else 5
+        hi = 20 if e.name == "sokoban" else 64
+        if not lo <= e.size <= hi:
+            raise ConfigError(f"env.size={e.size} is out of range for {e.name}: [{lo}, {hi}]")
+        if not 0 < e.success_rate <= 1:
+            raise ConfigError(f"env.success_rate must be in (0, 1], got {e.success_rate}")
+        for name in ("max_turns", "val_size", "boxes", "max_total_tokens"):
+            if getattr(e, name) < 1:
+                raise ConfigError(f"env.{name} must be >= 1, got {getattr(e, name)}")
+        if e.invalid_penalty < 0 or e.step_penalty < 0:
+            raise ConfigError("env.invalid_penalty and env.step_penalty must be >= 0")
+        if cfg.trainer.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+            raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not available "
+                              "with env.name (allowed: grpo, dr_grpo, rloo, gae)")
+    elif cfg.trainer.advantage == "gae":
+        raise ConfigError("trainer.advantage='gae' needs a multi-turn environment (set env.name "
+                          f"to one of {('frozenlake', 'sokoban')})")
+    if not (0 <= c.gamma <= 1 and 0 <= c.lam <= 1):
+        raise ConfigError(f"critic.gamma and critic.lam must be in [0, 1], got {c.gamma}, {c.lam}")
+    if not c.cliprange_value > 0 or not c.lr > 0:
+        raise ConfigError("critic.cliprange_value and critic.lr must be > 0")
+    am = cfg.actor.mini_batch_size
+    if c.mini_batch_size and (not am or am % c.mini_batch_size):
+        raise ConfigError(f"critic.mini_batch_size={c.mini_batch_size} must divide "
+                          f"actor.mini_batch_size={am} (rows are padded to the actor's "
+                          "mini-batch); 0 = the actor's")
+    if c.warmup_steps < 0 or c.ppo_epochs < 1 or c.mini_batch_size < 0:
+        raise ConfigError("critic.warmup_steps >= 0, critic.ppo_epochs >= 1 and "
+                          "critic.mini_batch_size >= 0 are required")

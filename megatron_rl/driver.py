@@ -5,7 +5,6 @@ other ranks need (the batch, the stop decision) are broadcast, so the loop has n
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch.distributed as dist
@@ -14,10 +13,10 @@ from megatron_rl.config import RunConfig
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank (host objects, pickled)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    """``obj`` from rank ``src`` on every rank (host objects, pickled, over the gloo host group)."""
+    from megatron_rl.parallel.runtime import broadcast_object as host_broadcast
+
+    return host_broadcast(obj, src)
 
 
 class RolloutDriver:
@@ -31,7 +30,12 @@ class RolloutDriver:
         self.cfg, self.tok, self.score_fn = cfg, tokenizer, score_fn
         self.rank0 = dist.get_rank() == 0
         self.train_rows = self.val_rows = self.loader = None
-        if self.rank0:  # only rank 0 reads prompts
+        if self.rank0 and cfg.env.name:  # multi-turn envs: seeds instead of prompts
+            from megatron_rl.rollout.multiturn import EnvSeedLoader, env_sft_rows
+
+            self.train_rows = env_sft_rows(cfg, tokenizer, 256) if cfg.sft.steps else None
+            self.loader = EnvSeedLoader(cfg.trainer.train_batch_size, cfg.env.seed)
+        elif self.rank0:  # only rank 0 reads prompts
             train_set, val_set = build_datasets(cfg)
             self.train_rows, self.val_rows = train_set.rows, val_set.rows
             self.loader = PromptLoader(train_set, cfg.rollout.gen_batch_size or
@@ -63,7 +67,14 @@ class RolloutDriver:
         from megatron_rl.rollout.collect import collect_step, records_to_batch
 
         batch = metrics = None
-        if self.rank0:
+        if self.rank0 and self.cfg.env.name:
+            from megatron_rl.rollout.multiturn import collect_env_step, episodes_to_batch
+
+            records, metrics = collect_env_step(self.engine, self.tok, self.loader, self.cfg, step)
+            if records:
+                batch = episodes_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
+                                          rows_multiple)
+        elif self.rank0:
             records, metrics = collect_step(self.engine, self.tok, self.loader, self.cfg,
                                             self.score_fn, step)
             if records:
@@ -75,6 +86,10 @@ class RolloutDriver:
         """Validation accuracy on rank 0 (greedy unless ``rollout.val_temperature > 0``)."""
         if self.engine is None:
             return None
+        if self.cfg.env.name:
+            from megatron_rl.rollout.multiturn import validate_envs
+
+            return validate_envs(self.engine, self.tok, self.cfg)
         from megatron_rl.rollout.collect import generate_records
         from megatron_rl.rollout.engine import SamplingParams
 
@@ -148,6 +163,7 @@ class RolloutDriver:
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
                    "steps": steps}
         self.tracker.close()
+        getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
         try:
             from megatron_rl.plot import plot_run
             plot_run(self.cfg.trainer.output_dir)
@@ -156,17 +172,6 @@ class RolloutDriver:
         print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
               f"wall_s={wall_s:.1f}", flush=True)
         return summary
-
-
-def write_run_config(cfg: RunConfig) -> None:
-    """``output_dir/config.json`` (rank 0)."""
-    import json
-
-    if dist.get_rank() != 0:
-        return
-    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-    with open(os.path.join(cfg.trainer.output_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
 
 
 def _early_stop_kwargs(cfg: RunConfig) -> dict:

@@ -469,6 +469,7 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
     mini = a.mini_batch_size or responses
     servers = _sglang_field(cfg, "servers", 0)
     servers = len(servers) if isinstance(servers, (list, tuple)) else int(servers or 0)
+    servers = servers or int(_sglang_field(cfg, "num_servers", 0))  # the fleet it would start
     fused = a.fused_logprob_entropy
     recompute = getattr(a, "recompute", "none")
     vals: dict[str, Any] = dict(

@@ -78,7 +78,12 @@ def make_engine(cfg: RunConfig, tokenizer):
     architecture (its weights come from the actor by weight sync)."""
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id)
+    if cfg.rollout.engine == "sglang":  # a fleet behind sglang-router (rollout/sglang_client.py)
+        from megatron_rl.rollout.sglang_client import make_sglang_engine
+
+        return make_sglang_engine(cfg, tokenizer)
+    return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
+                          per_request_seed=cfg.rollout.per_request_seed)
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
@@ -98,13 +103,28 @@ def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
 
 
 def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state=None,
-               entropy_controller=None, actor_cfg=None, ref_state=None):
+               entropy_controller=None, actor_cfg=None, ref_state=None,
+               use_reference: bool = False):
     """This rank's :class:`~megatron_rl.actor.actor.Actor` for the run's model and layout."""
     from megatron_rl.export import actor_class
 
     return actor_class(cfg)(model_config(cfg), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
                             total_steps, seed=cfg.trainer.seed, full_state=full_state,
-                            entropy_controller=entropy_controller, ref_state=ref_state)
+                            entropy_controller=entropy_controller, ref_state=ref_state,
+                            use_reference=use_reference)
+
+
+def make_critic(cfg: RunConfig, full_state=None):
+    """This rank's :class:`~megatron_rl.critic.critic.Critic` (value model) for ``trainer.advantage:
+    gae``: the actor's architecture and layout, initialised from the actor's initial weights."""
+    from megatron_rl.critic.critic import Critic
+
+    c = cfg.critic
+    rows = cfg.trainer.train_batch_size * cfg.rollout.n
+    per_step = c.ppo_epochs * max(1, rows // (c.mini_batch_size or cfg.actor.mini_batch_size
+                                              or rows))
+    return Critic(model_config(cfg), c, cfg.actor, cfg.trainer.total_steps * per_step,
+                  seed=cfg.trainer.seed, full_state=full_state)
 
 
 def entropy_controller(cfg: RunConfig) -> Any:

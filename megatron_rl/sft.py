@@ -11,7 +11,6 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 
 
 def sft_batch(tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -36,8 +35,9 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.precision import gather_main_state_dict
     from megatron_rl.loss import LossConfig
-    from megatron_rl.models.weights import gather_full_state_dict
+    from megatron_rl.parallel.runtime import broadcast_object
     from megatron_rl.rollout.collect import dp_rows
 
     s = cfg.sft
@@ -50,16 +50,15 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
     actor = make_actor(cfg, OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
                        LossConfig(policy_loss="nll"),
                        s.steps, actor_cfg=dataclasses.replace(
-                           cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1))
+                           cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1,
+                           temperature=1.0))  # supervised NLL of the model itself (T = 1)
     rng = random.Random(cfg.trainer.seed)
     dp_rank = ps.get_data_parallel_rank()
     log = []
     t0 = time.perf_counter()
     for step in range(s.steps):
         rows = [rng.choice(train_rows) for _ in range(s.batch_size)] if train_rows else None
-        box = [sft_batch(tokenizer, rows) if rows is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        batch = box[0]
+        batch = broadcast_object(sft_batch(tokenizer, rows) if rows is not None else None)
         local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, 0)]
                  for k, v in batch.items()}
         metrics = actor.update(local, step)[-1]
@@ -71,6 +70,6 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
             if reporter and (step + 1) % max(1, s.steps // 5) == 0:
                 print(f"[sft] step {step + 1}/{s.steps} nll {nll:.3f} "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    state = gather_full_state_dict(actor.model)
+    state = gather_main_state_dict(actor.model, actor.optimizer)  # fp32 main weights
     del actor
     return state, log

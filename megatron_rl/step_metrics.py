@@ -29,19 +29,20 @@ class Phases:
 
 
 def last_stage_metrics(history: list[dict], src: int) -> dict:
-    """The update's metrics live on the last stage (global rank ``src``); bring the final
-    mini-batch's to every rank."""
+    """The update's metrics live on the last stage (global rank ``src``); bring the last entry
+    of ``history`` to every rank (the trainer passes the step's aggregate over all mini-batches
+    and epochs, :func:`megatron_rl.update_metrics.aggregate_updates`)."""
+    from megatron_rl.parallel.runtime import broadcast_object
+
     last = history[-1] if history else {}
-    box = [last if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return dict(box[0] or {})
+    return dict(broadcast_object(last if dist.get_rank() == src else None, src) or {})
 
 
 def measured_entropy(local: dict) -> float:
     """-mean(old_logp) over the step's valid tokens, all DP ranks (ALGORITHMS.md §10.1)."""
     from megatron.core import parallel_state as ps
 
-    m = local["mask"]
+    m = local["mask"]  # on the actor's device (the trainer moved the batch there)
     sums = torch.stack([(-(local["old_logp"] * m).sum()).double(), m.sum().double()])
     dist.all_reduce(sums, group=ps.get_data_parallel_group())
     return float(sums[0] / sums[1].clamp_min(1))

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from megatron_rl.config import RunConfig
-from megatron_rl.driver import RolloutDriver, broadcast_object, write_run_config
+from megatron_rl.driver import RolloutDriver, broadcast_object
 from megatron_rl.rollout.sync import sync_weights
 from megatron_rl.step_metrics import Phases, last_stage_metrics, measured_entropy
 
@@ -29,7 +29,10 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     from megatron_rl.actor.checkpoint import latest_checkpoint
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.collect import dp_rows
+    from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
+    from megatron_rl.run_guard import prune_checkpoints, write_config
     from megatron_rl.tracking import gpu_stats
+    from megatron_rl.update_metrics import aggregate_updates, logp_mismatch
     from megatron_rl.warm_start import initial_weights, reference_weights
 
     t_start = time.perf_counter()
@@ -37,7 +40,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=t.seed, timeout_s=900)
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     loss_cfg = cfg.loss.build()
-    write_run_config(cfg)
+    if runtime.is_rank0():
+        write_config(cfg)  # keeps a changed predecessor as config.<n>.json
     tok = setup.make_tokenizer(cfg)
     driver = RolloutDriver(cfg, tok, setup.score_fn(cfg))
 
@@ -50,10 +54,18 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     controller = setup.entropy_controller(cfg)
     actor = setup.make_actor(
         cfg, cfg.optim, loss_cfg, t.total_steps * setup.opt_steps_per_rl_step(cfg),
-        full_state=init_state, entropy_controller=controller,
-        ref_state=reference_weights(t.output_dir, loss_cfg.use_kl_loss, init_state, resuming))
+        full_state=init_state, entropy_controller=controller, use_reference=needs_reference(cfg),
+        ref_state=reference_weights(t.output_dir, loss_cfg.use_kl_loss or needs_reference(cfg),
+                                    init_state, resuming))
+    critic = setup.make_critic(cfg, init_state) if t.advantage == "gae" else None
+    critic_root = os.path.join(t.output_dir, "critic_checkpoints")
     del init_state
     start = driver.load_state_dict(actor.resume(ckpt_root)["trainer"]) if resuming else 0
+    if critic is not None and resuming:
+        critic.resume(critic_root)
+
+    if resuming and runtime.is_rank0():
+        print(f"[train] resumed from checkpoint at step {start}", flush=True)
     driver.start(setup.make_engine, start, resuming)
     sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb, version=start)
     driver.validate_start()
@@ -73,12 +85,20 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             continue
         local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, mini)]
                  for k, v in batch.items()}
+        runtime.move_batch_(local, runtime.device())  # once: every pass below reads it there
         with ph("old_logp"):
             actor.add_old_logprobs(local)
         with ph("ref_logp"):
             actor.add_ref_logprobs(local)
+        # last stage: REINFORCE++ advantages (KL in the reward), rollout-vs-actor log-prob gap
+        extra = {**add_late_advantages(local, t.advantage, t.kl_in_reward_coef),
+                 **logp_mismatch(local)}
+        if critic is not None:
+            with ph("values"):
+                critic.add_advantages(local)  # values -> GAE advantages and returns
         with ph("update"):
-            upd = actor.update(local, step)
+            upd = actor.update(local, step) if critic is None or critic.actor_trains(step) else []
+            upd = critic.update(local, step, upd) if critic is not None else upd
         with ph("weight_sync"):
             sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
                          version=step + 1)
@@ -88,11 +108,18 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         if do_val:
             with ph("validation"):
                 val_acc = driver.validate()
-        metrics = {**metrics, **last_stage_metrics(upd, reporter), **ph.times,
+        step_upd = {**aggregate_updates(upd), **extra}  # all mini-batches and epochs
+        metrics = {**metrics, **last_stage_metrics([step_upd], reporter), **ph.times,
                    **gpu_stats()}
         decision = driver.finish_step(step, metrics, val_acc if do_val else None)
         if (step + 1) % t.save_freq == 0 or step + 1 == t.total_steps or decision.stop:
             actor.save(ckpt_root, step, driver.state_dict(step + 1))
+            if critic is not None:
+                critic.save(critic_root, step)
+            if runtime.is_rank0():
+                prune_checkpoints(ckpt_root, t.keep_checkpoints)
+                if critic is not None:
+                    prune_checkpoints(critic_root, t.keep_checkpoints)
         if decision.stop:
             if runtime.is_rank0():
                 print(f"[train] early stop at step {step + 1}: {decision.reason}", flush=True)

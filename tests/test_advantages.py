@@ -9,7 +9,7 @@ from megatron_rl.advantages import (
     advantage_metrics,
     broadcast_to_tokens,
     discounted_returns,
-    drgrpo_advantages,
+    dr_grpo_advantages,
     gae_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
@@ -32,9 +32,9 @@ def test_A1_grpo_unbiased_std():
     assert abs(float(adv[0]) - 0.999998) > 0.1  # not the biased-std convention
 
 
-def test_A1_drgrpo_and_rloo():
+def test_A1_dr_grpo_and_rloo():
     r = torch.tensor([1.0, 0, 0, 1])
-    close(drgrpo_advantages(r, ONE_GROUP), [0.5, -0.5, -0.5, 0.5])
+    close(dr_grpo_advantages(r, ONE_GROUP), [0.5, -0.5, -0.5, 0.5])
     close(rloo_advantages(r, ONE_GROUP), [0.666667, -0.666667, -0.666667, 0.666667])
 
 
@@ -47,7 +47,7 @@ def test_A3_constant_group_and_singleton():
     close(grpo_advantages(torch.ones(4), ONE_GROUP), [0, 0, 0, 0])
     close(grpo_advantages(torch.tensor([0.7]), torch.tensor([3])), [0.7 / (1 + 1e-6)])
     close(rloo_advantages(torch.tensor([0.7]), torch.tensor([3])), [0.7])
-    close(drgrpo_advantages(torch.tensor([0.7]), torch.tensor([3])), [0.7])
+    close(dr_grpo_advantages(torch.tensor([0.7]), torch.tensor([3])), [0.7])
 
 
 def test_groups_are_independent_and_ids_arbitrary():

@@ -58,6 +58,15 @@ def _scenario(name: str, model, batch, ddp, optimizer, root: str) -> None:
         from megatron_rl.models.config import get_preset
 
         build_gpt_model(get_preset("tiny-llama"), seed=0)
+    elif name == "half_optimizer_type_check":  # the bf16 actor's mixed-precision optimizer
+        from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
+        from megatron_rl.actor.precision import set_precision, wrap_precision
+        from megatron_rl.models.builder import build_gpt_model
+        from megatron_rl.models.config import get_preset
+
+        half = build_gpt_model(get_preset("tiny"), seed=0)
+        set_precision(half, "bf16")
+        build_optimizer(wrap_ddp(wrap_precision(half)), OptimConfig(lr=1e-3), total_steps=1)
     else:  # current_device (rotary, P2P shapes), cuda_factories (schedule counters, causal mask)
         forward_logprob_entropy(model, batch)
 

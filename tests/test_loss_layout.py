@@ -34,7 +34,7 @@ CASES: dict[str, dict] = {
     "dapo_seq_mean_token_mean": dict(policy_loss="dapo", clip_ratio_high=0.28,
                                      loss_agg_mode="seq-mean-token-mean"),
     "ppo_seq_mean_token_sum": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum"),
-    "ppo_drgrpo_norm": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm",
+    "ppo_dr_grpo_norm": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm",
                             loss_scale_factor=16.0),
     "ppo_verl_sum_norm": dict(policy_loss="ppo", loss_agg_mode="token-sum-norm",
                               loss_scale_factor=16.0),

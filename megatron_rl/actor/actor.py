@@ -14,6 +14,13 @@ import torch
 from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_rl.actor.precision import (
+    apply_recompute,
+    move_module_,
+    resolve_offload_ref,
+    set_precision,
+    wrap_precision,
+)
 from megatron_rl.actor.train_step import ActorConfig, PolicyUpdater, split_rows
 from megatron_rl.loss import LossConfig
 from megatron_rl.models.builder import build_gpt_model
@@ -41,18 +48,32 @@ class Actor:
                  loss_cfg: LossConfig, total_steps: int, seed: int = 1234,
                  full_state: Mapping[str, torch.Tensor] | None = None,
                  entropy_controller=None,
-                 ref_state: Mapping[str, torch.Tensor] | None = None) -> None:
+                 ref_state: Mapping[str, torch.Tensor] | None = None,
+                 use_reference: bool = False) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
-        self.model = _build_model(model_cfg, seed, full_state)
-        # Frozen reference policy, only when a KL term needs it: the initial weights
+        self.model = _build_model(model_cfg, seed, full_state)  # fp32 weights, then cast
+        set_precision(self.model, actor_cfg.precision)
+        apply_recompute(self.model, actor_cfg.recompute)
+        # ``self.model`` stays the bare GPTModel (half-precision weights when bf16/fp16);
+        # ``self.net`` is what runs: ``Float16Module(self.model)`` in half precision.
+        self.net = wrap_precision(self.model)
+        # Frozen reference policy, only when a KL term needs it (KL loss, or KL in the reward:
+        # ``use_reference``): the initial weights
         # (``ref_state``, else ``full_state``, else the seeded init).
         self.ref_model = None
-        if self.loss_cfg.use_kl_loss:
+        if self.loss_cfg.use_kl_loss or use_reference:
             ref = ref_state if ref_state is not None else full_state
-            self.ref_model = _build_model(model_cfg, seed, ref)
-            self.ref_model.eval().requires_grad_(False)
-        self.ddp = wrap_ddp(self.model, optim_cfg.use_distributed_optimizer)
+            ref_model = _build_model(model_cfg, seed, ref)
+            set_precision(ref_model, actor_cfg.precision)
+            self.ref_model = wrap_precision(ref_model).eval().requires_grad_(False)
+        self.offload_ref = resolve_offload_ref(actor_cfg.offload_ref)
+        if self.ref_model is not None and self.offload_ref:
+            move_module_(self.ref_model, "cpu")  # resident on the host between passes
+        self.ddp = wrap_ddp(self.net, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
+        # megatron's schedule multiplies each loss by this before backward (the fp16 loss scale;
+        # 1 for bf16/fp32), as Megatron-LM's training loop does.
+        self.model.config.grad_scale_func = getattr(self.optimizer, "scale_loss", None)
         self.updater = PolicyUpdater(self.ddp, self.optimizer, self.scheduler, actor_cfg,
                                      self.loss_cfg, entropy_controller)
 
@@ -66,7 +87,7 @@ class Actor:
     def logprobs(self, batch: Mapping[str, Any], compute_entropy: bool = True,
                  model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
         """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; else None)."""
-        outs = forward_logprob_entropy(model or self.model, self.micro_batches(batch),
+        outs = forward_logprob_entropy(model or self.net, self.micro_batches(batch),
                                        temperature=self.cfg.temperature,
                                        compute_entropy=compute_entropy,
                                        chunk_size=self.cfg.logprob_chunk_size,
@@ -88,7 +109,15 @@ class Actor:
     def add_ref_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The reference pass: adds ``ref_logp`` (no-op when no KL term is configured)."""
         if self.ref_model is not None:
-            out = self.logprobs(batch, compute_entropy=False, model=self.ref_model)
+            from megatron_rl.parallel.runtime import device
+
+            if self.offload_ref:
+                move_module_(self.ref_model, device())
+            try:
+                out = self.logprobs(batch, compute_entropy=False, model=self.ref_model)
+            finally:
+                if self.offload_ref:
+                    move_module_(self.ref_model, "cpu")
             if out is not None:
                 batch["ref_logp"] = out["logp"]
         return batch
@@ -101,7 +130,10 @@ class Actor:
         """Atomic checkpoint of model, optimizer, scheduler, RNG and ``trainer_state``."""
         state = dict(trainer_state or {})
         if self.updater.entropy_controller is not None:
-            state["entropy_controller"] = self.updater.entropy_controller.state_dict()
+            from megatron_rl.actor.controller_state import last_stage_state
+
+            # updated on the last stage, saved by rank 0: bring the last stage's state here
+            state["entropy_controller"] = last_stage_state(self.updater.entropy_controller)
         state["optimizer_steps"] = self.updater.optimizer_steps
         return save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, state)
 

@@ -75,12 +75,18 @@ def _layout_key() -> tuple[int, int, int]:
             ps.get_data_parallel_world_size())
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+def _sharded_state(model, optimizer, is_loading: bool, main_from=None) -> dict:
+    """The model (its fp32 main weights when ``main_from`` is a mixed-precision optimizer) and
+    the optimizer state, as megatron sharded state dicts."""
+    from megatron_rl.actor.precision import point_sharded_at_main
+
     module = getattr(model, "module", model)
     model_sd = module.sharded_state_dict(prefix="model.")
     sd = {"model": model_sd}
     if optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    if main_from is not None:
+        point_sharded_at_main(model_sd, main_from)  # after the optimizer mapped the params
     return sd
 
 
@@ -99,11 +105,15 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp)
+    from megatron_rl.actor.precision import precision_of
+
+    # The model part holds the fp32 main weights whatever the precision.
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False,
+                                           main_from=optimizer), tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
-        torch.save({"step": step, "layout": _layout_key(),
+        torch.save({"step": step, "layout": _layout_key(), "precision": precision_of(model),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "trainer": trainer_state or {}}, os.path.join(tmp, "trainer.pt"))
     dist.barrier()
@@ -134,11 +144,29 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{path} is not a megatron_rl checkpoint (no trainer.pt)")
     meta = torch.load(meta_path, weights_only=False)
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
+    from megatron_rl.actor.precision import copy_main_to_model, precision_of
+
+    saved_precision = meta.get("precision", "fp32")
+    same_precision = saved_precision == precision_of(model)
+    if optimizer is not None and not same_precision and dist.get_rank() == 0:
+        print(f"[checkpoint] {path} was saved in {saved_precision}, this actor runs in "
+              f"{precision_of(model)}: loading the fp32 weights; the optimizer moments restart",
+              flush=True)
+    load_opt = optimizer if same_precision else None
+    # fp32 weights are read into the main params (mixed precision), then re-rounded.
+    sd = _sharded_state(model, load_opt, is_loading=True, main_from=optimizer)
+    targets = {k: v.data for k, v in sd["model"].items()
+               if isinstance(getattr(v, "data", None), torch.Tensor)}
+    state = dist_checkpointing.load(sd, path)
     module = getattr(model, "module", model)
     module.load_state_dict(_strip_prefix(state["model"], "model."), strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the main params themselves (no-op when loaded in place)
+        for k, t in targets.items():
+            if k in state["model"] and t is not state["model"][k] and t.dtype == torch.float32:
+                t.copy_(state["model"][k])
+    if load_opt is not None:
+        load_opt.load_state_dict(state["optimizer"])
+    copy_main_to_model(optimizer)
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng_ok = False

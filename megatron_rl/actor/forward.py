@@ -49,17 +49,21 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     bsz, seq = validate_micro_batches(micro_batches)
+    from megatron_rl.actor.precision import bare_model, model_call_kwargs
+
     device = next(model.parameters()).device
+    call_kwargs = model_call_kwargs(model)  # half precision: keep the hidden states as they are
+    head = bare_model(model)
 
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         mask = mb["mask"].to(device)
-        hidden = model_chunk(tokens, _position_ids(tokens), None)
+        hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs)
 
         def collect(hidden_states, non_loss_data=True):
             logp, ent = response_logprob_entropy(
-                model_chunk, hidden_states, tokens, mask, temperature=temperature,
+                head, hidden_states, tokens, mask, temperature=temperature,
                 compute_entropy=compute_entropy, entropy_grad=False, chunk_size=chunk_size,
                 fused=fused)
             return {"logp": logp, "entropy": ent}

@@ -90,7 +90,10 @@ def build_optimizer(ddp_model, cfg: OptimConfig, total_steps: int):
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer)
+        params_dtype=dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        # fp16: dynamic loss scale from 2**16 (megatron's default 2**32 overflows for the first
+        # steps, which the numerical guard would count as failures).
+        initial_loss_scale=2.0**16 if dtype == torch.float16 else 2.0**32)
     from megatron_rl.actor.grad_norm import install as install_grad_norm
 
     install_grad_norm()  # the clip norm is layout-invariant (megatron_rl/actor/grad_norm.py)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.forward import forward_logprob_entropy
+from megatron_rl.actor.precision import bare_model, model_call_kwargs
 from megatron_rl.loss import (
     LossConfig,
     LossInputs,
@@ -62,6 +63,9 @@ class ActorConfig:
     logprob_chunk_size: int | None = None
     max_consecutive_skips: int = 3
     fused_logprob_entropy: bool | None = None  # None: on when CUDA is available
+    precision: str | None = None  # bf16 | fp16 | fp32; None: bf16 with CUDA, fp32 on CPU
+    recompute: str = "none"  # none | selective | full (megatron activation recomputation)
+    offload_ref: bool | None = None  # reference weights on CPU between passes; None: on with CUDA
 
     @property
     def use_fused_head(self) -> bool:
@@ -78,6 +82,9 @@ class ActorConfig:
             raise ActorConfigError("actor.mini_batch_size must be >= 0 (0 = whole batch)")
         if not self.temperature > 0:
             raise ActorConfigError(f"actor.temperature must be > 0, got {self.temperature}")
+        from megatron_rl.actor.precision import validate_memory_fields
+
+        validate_memory_fields(self.precision, self.recompute, self.offload_ref, ActorConfigError)
 
 
 @dataclass
@@ -165,7 +172,7 @@ class PolicyUpdater:
         return [_take(batch, s) for s in slices]
 
     def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, first_update: bool,
-                       step: int):
+                       step: int, salt: int = 0):
         cfg = self.loss_cfg
         if cfg.policy_loss not in COV_LOSSES:
             return None, {}
@@ -179,12 +186,15 @@ class PolicyUpdater:
                                            fused=self.cfg.use_fused_head)
             stat = [o["logp"] for o in outs]
         sel = select_cov_tokens(ctx, cfg, stat, olds, [mb["advantages"] for mb in mbs],
-                                [mb["mask"] for mb in mbs], step)
+                                [mb["mask"] for mb in mbs], step, salt=salt)
         return sel.selected, sel.stats
 
-    def train_minibatch(self, mbs: list[dict], step: int, first_update: bool) -> dict[str, float]:
+    def train_minibatch(self, mbs: list[dict], step: int, first_update: bool,
+                        diagnose: bool | None = None, salt: int = 0) -> dict[str, float]:
         """Forward/backward all micro-batches of one mini-batch, then one guarded optimizer step.
 
+        ``diagnose``: run the §12 entropy-dynamics diagnostic (default: ``first_update``);
+        ``salt``: mixed into Clip-Cov's random keys (epoch and mini-batch, see :meth:`update`).
         Metrics are returned on the last pipeline stage (empty dict elsewhere).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -202,20 +212,22 @@ class PolicyUpdater:
                 extra = {"positive": [mb["mask"].bool() & mb["positive"].bool()[:, None]
                                       for mb in mbs]}
             ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], extra_masks=extra)
-            selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step)
-            if first_update and cfg.policy_loss != "nll":  # §12 diagnostic, once per RL step
+            selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step, salt)
+            diagnose = first_update if diagnose is None else diagnose
+            if diagnose and cfg.policy_loss != "nll":  # §12 diagnostic, every epoch-0 mini-batch
                 cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
                     ctx, [mb["old_logp"] for mb in mbs], [mb["advantages"] for mb in mbs],
                     [mb["mask"] for mb in mbs], cfg.diagnostic_top_frac)}
         alpha = None if self.entropy_controller is None else self.entropy_controller.alpha
         compute_ent, ent_grad = needs_entropy(cfg, self.entropy_controller is not None)
-        module = self.module
+        module = bare_model(self.model)  # the GPTModel under DDP / Float16Module (the head)
+        half_kwargs = model_call_kwargs(self.model)
 
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
             tokens, mask = mb["tokens"], mb["mask"]
-            pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-            hidden = model_chunk(tokens, pos, None)
+            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            hidden = model_chunk(tokens, pos, None, **half_kwargs)
 
             def loss_func(hidden_states):
                 logp, ent = response_logprob_entropy(
@@ -226,7 +238,8 @@ class PolicyUpdater:
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
                     cov_selected=None if selected is None else selected[i],
-                    positive=mb.get("positive")), cfg, ctx, entropy_coeff=alpha)
+                    positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp")), cfg, ctx,
+                    entropy_coeff=alpha)
                 acc.update(out.stats)
                 losses.append(out.loss.detach())
                 # The schedule divides by n_micro and DDP averages over DP: undo both.
@@ -242,13 +255,15 @@ class PolicyUpdater:
             forward_only=False)
 
         metrics: dict[str, float] = {}
-        loss_bad = torch.zeros((), dtype=torch.float32)
+        dev = mbs[0]["tokens"].device
+        loss_bad = torch.zeros((), dtype=torch.float32, device=dev)
         if last:
             total = ctx.all_reduce(torch.stack(losses).double().sum())
             loss_bad = (~torch.isfinite(total)).float()
             metrics = {k: float(v) for k, v in {**acc.reduce(ctx), **cov_stats}.items()}
             metrics["actor/loss"] = float(total)
-        grad_bad = self._nonfinite_grads()
+            metrics["actor/tokens"] = float(ctx.num_tokens)  # weight of the step's aggregation
+        grad_bad = self._nonfinite_grads(dev)
         flag = torch.stack([loss_bad, grad_bad])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one host-visible decision per mini-batch
         ok = not bool(flag.any())
@@ -269,8 +284,9 @@ class PolicyUpdater:
                         "actor/skipped": 0.0 if ok else 1.0})
         return metrics
 
-    def _nonfinite_grads(self) -> torch.Tensor:
-        bad = torch.zeros((), dtype=torch.float32)
+    def _nonfinite_grads(self, device: torch.device) -> torch.Tensor:
+        """0-dim fp32 on ``device``: 1 when any local gradient has a NaN/inf."""
+        bad = torch.zeros((), dtype=torch.float32, device=device)
         for p in self.module.parameters():
             g = getattr(p, "main_grad", None)
             if g is None:
@@ -284,12 +300,16 @@ class PolicyUpdater:
         """All epochs and mini-batches of one RL step over this DP rank's ``batch`` rows."""
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.parallel.runtime import device, move_batch_
+
+        move_batch_(batch, device())  # once per RL step; no-op when already there
         n_local = batch["tokens"].shape[0]
         plan = minibatch_slices(n_local, self.cfg, ps.get_data_parallel_world_size())
         history = []
         for epoch in range(self.cfg.ppo_epochs):
             for j, slices in enumerate(plan):
                 mbs = self._micro_batches(batch, slices)
-                history.append(self.train_minibatch(mbs, step, first_update=(epoch == 0 and
-                                                                             j == 0)))
+                history.append(self.train_minibatch(
+                    mbs, step, first_update=(epoch == 0 and j == 0), diagnose=epoch == 0,
+                    salt=epoch * 65536 + j))  # Clip-Cov draws new tokens per epoch/mini-batch
         return history

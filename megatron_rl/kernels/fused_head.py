@@ -208,7 +208,7 @@ def _validate(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if labels.numel() and not labels.is_cuda:   # no host sync on GPU
-        lo, hi = int(labels.min()), int(labels.max())
+        lo, hi = int(labels.min()), int(labels.max())  # device-spy: ok (CPU labels only)
         if lo < 0 or hi >= vocab_global:
             raise ValueError(f"labels out of range [0, {vocab_global}): min {lo}, max {hi}")
 

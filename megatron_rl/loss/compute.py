@@ -16,6 +16,7 @@ from megatron_rl.loss.gppo import positive_token_mask
 from megatron_rl.loss.kl import kl_penalty
 from megatron_rl.loss.metrics import TokenStat, mean_stat
 from megatron_rl.loss.registry import get_policy_loss
+from megatron_rl.loss.rollout_correction import apply_rollout_correction
 from megatron_rl.loss.types import LossInputs, LossOutput
 
 Tensor = torch.Tensor
@@ -44,6 +45,14 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         keep = erc_keep_mask(inp.entropy, inp.old_entropy, mask, cfg.erc_low, cfg.erc_high)
         per_token = erc_gate(per_token, keep)
         stats.update(erc_stats(inp.entropy, inp.old_entropy, keep, mask))
+    if inp.rollout_logp is not None:
+        per_token, corr = apply_rollout_correction(
+            per_token, inp.old_logp, inp.rollout_logp, mask, cfg.rollout_correction,
+            cfg.rollout_correction_threshold)
+        stats.update(corr)
+    elif cfg.rollout_correction != "none":
+        raise ValueError(f"rollout_correction={cfg.rollout_correction!r} needs "
+                         "LossInputs.rollout_logp")
     mode = spec.forced_agg or cfg.loss_agg_mode
     pg_loss = aggregate(per_token, mask, mode, ctx, cfg.loss_scale_factor)
     total = pg_loss
@@ -67,7 +76,8 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         if not (isinstance(coeff, (int, float)) and coeff == 0):
             ent = aggregate(inp.entropy, mask, mode, ctx, cfg.loss_scale_factor)
             total = total - torch.as_tensor(coeff, dtype=ent.dtype, device=ent.device) * ent
-    stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64).reshape(()),
+    stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64,
+                                                       device=mask.device).reshape(()),
                                        None, "max")
     return LossOutput(loss=total, loss_for_backward=total * ctx.grad_scale, pg_loss=pg_loss,
                       stats=stats)

@@ -71,6 +71,9 @@ class LossConfig:
     entropy_coeff: float = 0.0
     # entropy-dynamics diagnostic [12]
     diagnostic_top_frac: float = 2e-4
+    # training/inference mismatch correction (loss/rollout_correction.py): none | tis | mis
+    rollout_correction: str = "none"
+    rollout_correction_threshold: float = 2.0  # C of TIS min(rho, C) / MIS 1[1/C <= rho <= C]
 
     def validate(self) -> LossConfig:
         """Raise :class:`LossConfigError` for any out-of-range value; return ``self``."""
@@ -80,6 +83,9 @@ class LossConfig:
         _choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
         _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
         _choice("cov_stat_source", self.cov_stat_source, COV_STAT_SOURCES)
+        _choice("rollout_correction", self.rollout_correction, ("none", "tis", "mis"))
+        _open_low("rollout_correction_threshold", self.rollout_correction_threshold, 1.0,
+                  "(1, inf)")
         max_low = math.inf if spec.name == "cispo" else 1.0
         _range("clip_ratio_low", self.clip_ratio_low, 0.0, max_low, "[0, 1] ([0, inf) for cispo)")
         _range("clip_ratio_high", self.clip_ratio_high, 0.0, math.inf, "[0, inf)")
@@ -129,6 +135,7 @@ class LossConfig:
 PRESETS: dict[str, dict] = {
     "ppo": dict(policy_loss="ppo"),
     "grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-mean", use_kl_loss=True),
+    # C = the max response length: a run config sets loss_scale_factor=rollout.max_new_tokens
     "dr_grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm"),
     "dapo": dict(policy_loss="ppo", clip_ratio_high=0.28, clip_ratio_c=10.0),
     "gspo": dict(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4,

@@ -108,10 +108,13 @@ def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> Tensor:
 
 def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorList,
                       old_logp: TensorList, advantages: TensorList, masks: TensorList,
-                      step: int | Tensor = 0) -> CovSelection:
+                      step: int | Tensor = 0, salt: int = 0) -> CovSelection:
     """Global Clip-Cov / KL-Cov token selection for this rank's micro-batches (``cfg.policy_loss``
     picks the rule). Inputs are per-micro-batch ``[B_m, T_m]`` lists (or one tensor) in the
-    order used by ``ctx``. Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k), no host sync.
+    order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
+    sequence index, position)``, never on the layout; the trainer's ``salt`` is
+    ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
+    Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k), no host sync.
     """
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
@@ -127,7 +130,8 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
         ratio = [torch.exp(log_ratio(x, o.detach(), None)) for x, o in zip(lp, old, strict=True)]
         clipped = _flat([ppo_clipped(r, a, cfg) for r, a in zip(ratio, adv, strict=True)])
         active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
-        rand = [token_hash32(cfg.cov_seed, step, ctx.seq_index(i, m.shape[0], device),
+        seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
+        rand = [token_hash32(seed, step, ctx.seq_index(i, m.shape[0], device),
                              torch.arange(m.shape[1], device=device)) for i, m in enumerate(ms)]
         keys = composite_key(_flat(rand), idx)
         k = _count_k(cfg.clip_cov_ratio, ctx.num_tokens)

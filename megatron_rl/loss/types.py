@@ -31,6 +31,7 @@ class LossInputs:
     ref_logp: Tensor | None = None
     cov_selected: Tensor | None = None
     positive: Tensor | None = None
+    rollout_logp: Tensor | None = None  # the rollout engine's log-probs (mismatch correction)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Build megatron-core ``GPTModel`` actors for the current parallel layout.
 
-The local layer spec is used on CPU (and wherever Transformer Engine is missing); the Transformer
+The local layer spec (with PyTorch SDPA core attention, :mod:`megatron_rl.models.attention`) is
+used on CPU (and wherever Transformer Engine is missing); the Transformer
 Engine spec is used when TE imports on a CUDA machine. Parameter names differ between the two specs;
 :mod:`megatron_rl.models.weights` maps both to one canonical naming.
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.models.attention import masked_softmax_extension_available
 from megatron_rl.models.config import ModelConfig, validate_for_layout
 
 
@@ -55,7 +57,10 @@ def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.
         # Full weights are built on CPU then sliced: every layout starts from identical weights.
         use_cpu_initialization=True,
         # Fusions need CUDA kernels; keep the plain paths on CPU.
-        bias_activation_fusion=on_gpu, masked_softmax_fusion=on_gpu, bias_dropout_fusion=on_gpu,
+        bias_activation_fusion=on_gpu, bias_dropout_fusion=on_gpu,
+        # The fused softmax needs megatron's compiled extension (not in the wheel); the local
+        # spec uses SDPA anyway (models/attention.py).
+        masked_softmax_fusion=masked_softmax_extension_available(),
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         # p2p_communication.py calls torch.cuda.synchronize() after batched P2P when this is on;
@@ -106,6 +111,9 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+        from megatron_rl.models.attention import use_sdpa_core_attention
+
+        use_sdpa_core_attention(spec)  # O(S) attention memory, no fused-softmax extension
     model = _actor_class()(
         config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,

@@ -103,8 +103,13 @@ def iter_local_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.
         yield local, name, param
 
 
-def gather_stage_state_dict(model: torch.nn.Module, tp_group=None) -> dict[str, torch.Tensor]:
-    """Canonical full tensors of this pipeline stage (all-gathered over TP). Collective over TP."""
+def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
+                            main: Mapping[int, torch.Tensor] | None = None
+                            ) -> dict[str, torch.Tensor]:
+    """Canonical full tensors of this pipeline stage (all-gathered over TP). Collective over TP.
+
+    ``main`` maps ``id(param)`` to a tensor read instead of the parameter (the fp32 main weights
+    of a bf16/fp16 actor, :func:`megatron_rl.actor.precision.main_param_map`)."""
     from megatron.core import parallel_state as ps
 
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
@@ -112,7 +117,7 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     for _, name, param in iter_local_params(model):
         partitioned, dim = tp_info(param)
-        data = param.detach()
+        data = (main.get(id(param), param) if main else param).detach()
         if partitioned and tp > 1:
             parts = [torch.empty_like(data) for _ in range(tp)]
             dist.all_gather(parts, data.contiguous(), group=tp_group)
@@ -122,7 +127,8 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None) -> dict[str, 
     return out
 
 
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(model: torch.nn.Module, main: Mapping[int, torch.Tensor] | None = None
+                           ) -> dict[str, torch.Tensor]:
     """The whole model's canonical state dict, on every rank of the model-parallel group.
 
     Small-model helper (tests, the ``check`` command): stages exchange their tensors with
@@ -130,7 +136,7 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     from megatron.core import parallel_state as ps
 
-    stage = gather_stage_state_dict(model)
+    stage = gather_stage_state_dict(model, main=main)
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
         return stage

@@ -300,7 +300,7 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
         torch._assert_async(((labels >= 0) & (labels < vocab_global)).all(),
                             f"labels out of range [0, {vocab_global})")
     else:
-        lo, hi = int(labels.min()), int(labels.max())
+        lo, hi = int(labels.min()), int(labels.max())  # device-spy: ok (CPU labels only)
         if lo < 0 or hi >= vocab_global:
             raise ValueError(f"labels out of range [0, {vocab_global}) (V_global = V_local x TP): "
                              f"min {lo}, max {hi}")

@@ -111,7 +111,7 @@ def _patch_cuda_factories() -> Callable[[], None]:
 
 # megatron-core modules whose ``torch.<factory>(..., device="cuda")`` calls we redirect.
 _FACTORY_MODULES = ("transformer.utils", "pipeline_parallel.schedules", "optimizer.optimizer",
-                    "optimizer.clip_grads", "utils")
+                    "optimizer.clip_grads", "utils", "optimizer.grad_scaler")
 
 
 class _TorchProxy:
@@ -134,12 +134,15 @@ def _patch_tensor_cuda() -> Callable[[], None]:
 # --- patch 5: the fp32 grad-clipping type check -----------------------------------------------
 @contextlib.contextmanager
 def _cuda_float_type_names():
-    """While active, ``t.type()`` of a float32 CPU tensor reads ``torch.cuda.FloatTensor``."""
+    """While active, ``t.type()`` of a float32/bf16/fp16 CPU tensor reads
+    ``torch.cuda.FloatTensor`` / ``BFloat16Tensor`` / ``HalfTensor``."""
     orig = torch.Tensor.type
+    names = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+             torch.float16: "torch.cuda.HalfTensor"}
 
     def type_(self, *args, **kwargs):
-        if not args and not kwargs and self.dtype == torch.float32 and not self.is_cuda:
-            return "torch.cuda.FloatTensor"
+        if not args and not kwargs and self.dtype in names and not self.is_cuda:
+            return names[self.dtype]
         return orig(self, *args, **kwargs)
 
     torch.Tensor.type = type_
@@ -160,6 +163,21 @@ def _patch_clip_type_check() -> Callable[[], None]:
             return orig(*args, **kwargs)
 
     return _set_attr(mopt, "clip_grad_by_total_norm_fp32", clip)
+
+
+# --- patch 7: the mixed-precision optimizer's parameter type check ----------------------------
+def _patch_half_optimizer_type_check() -> Callable[[], None]:
+    import megatron.core.optimizer.optimizer as mopt
+
+    cls = mopt.Float16OptimizerWithFloat16Params
+    orig = cls.__init__
+
+    @functools.wraps(orig)
+    def init(self, *args, **kwargs):
+        with _cuda_float_type_names():  # scoped to the constructor only
+            orig(self, *args, **kwargs)
+
+    return _set_attr(cls, "__init__", init)
 
 
 # --- patch 6: torch.cuda.synchronize() is a no-op ----------------------------------------------
@@ -187,6 +205,9 @@ PATCHES: tuple[Patch, ...] = (
           _patch_clip_type_check),
     Patch("synchronize", "dist_checkpointing/strategies/filesystem_async.py: preload_tensors "
           "calls torch.cuda.synchronize() before writing a checkpoint", _patch_synchronize),
+    Patch("half_optimizer_type_check", "optimizer/optimizer.py: Float16OptimizerWithFloat16Params "
+          "(bf16/fp16 actor) only accepts params whose .type() is torch.cuda.{Half,BFloat16,"
+          "Float}Tensor", _patch_half_optimizer_type_check),
 )
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 

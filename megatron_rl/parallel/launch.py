@@ -19,10 +19,13 @@ import socket
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.multiprocessing as mp
+
+from megatron_rl.parallel.hostlist import expand_hostlist, tasks_per_node
 
 
 class WorkerError(RuntimeError):
@@ -144,3 +147,89 @@ def _kill_group(pgid: int | None) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---- launch rules: torchrun / srun / inside an allocation / local spawn -------------------------
+
+LOCAL_SPAWN_VAR = "MRL_LOCAL_SPAWN"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How ``train``/``eval``/``sft`` start their ranks, decided from the environment.
+
+    ``mode`` is ``"torchrun"`` (run this process's rank in place), ``"srun"`` (the same, with the
+    torchrun variables in ``env`` derived from SLURM's), ``"refuse"`` (inside a SLURM allocation
+    without per-task ``srun``: ``message`` says what to run instead) or ``"local"`` (spawn the
+    ranks on this machine). ``world_size`` is the number of ranks the launcher started (0 for
+    ``refuse``/``local``: the config decides)."""
+
+    mode: str
+    env: dict[str, str] = field(default_factory=dict)
+    world_size: int = 0
+    message: str = ""
+
+
+def slurm_master_port(job_id: int, step_id: int = 0, restart: int = 0) -> int:
+    """Rendezvous port of one ``srun`` step, the same on every task of it: derived from the job
+    id (and the step id and restart count, so that a second step or a requeued run does not meet
+    the sockets of the previous one), in 20000..39999."""
+    return 20000 + (job_id * 97 + step_id * 13 + restart * 7) % 20000
+
+
+def launch_mode(environ: Mapping[str, str] | None = None,
+                expand: Callable[[str], list[str]] = expand_hostlist) -> LaunchPlan:
+    """Decide how to start the ranks (see :class:`LaunchPlan`). Rules, first match wins:
+
+    1. torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``): run in place;
+    2. a task of an ``srun`` step (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_ID``): run
+       rank ``SLURM_PROCID`` in place; ``MASTER_ADDR`` is the first host of the step's node list
+       (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``), ``MASTER_PORT`` comes from the job
+       id, unless either is already set;
+    3. inside an allocation (``SLURM_JOB_ID``) but not in an ``srun`` step, e.g. the batch script
+       itself: refuse (``srun`` must start one task per rank), unless ``MRL_LOCAL_SPAWN=1``;
+    4. otherwise: spawn the ranks locally.
+    """
+    env = os.environ if environ is None else environ
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return LaunchPlan("torchrun", world_size=int(env["WORLD_SIZE"]))
+    if all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")):
+        return _srun_plan(env, expand)
+    if env.get("SLURM_JOB_ID") and env.get(LOCAL_SPAWN_VAR) != "1":
+        return LaunchPlan("refuse", message=(
+            f"inside SLURM allocation {env['SLURM_JOB_ID']} but not in an srun step: start one "
+            "task per rank with `srun python -m megatron_rl train CONFIG ...` (tasks = TP x PP x "
+            f"DP), or set {LOCAL_SPAWN_VAR}=1 to spawn all ranks on this node"))
+    return LaunchPlan("local")
+
+
+def _srun_plan(env: Mapping[str, str], expand: Callable[[str], list[str]]) -> LaunchPlan:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    world = int(env["SLURM_NTASKS"])
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world),
+           "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+           "MASTER_ADDR": env.get("MASTER_ADDR") or (expand(nodelist)[0] if nodelist
+                                                     else "127.0.0.1"),
+           "MASTER_PORT": env.get("MASTER_PORT") or str(slurm_master_port(
+               _int(env.get("SLURM_JOB_ID")), _int(env.get("SLURM_STEP_ID")),
+               _int(env.get("SLURM_RESTART_COUNT"))))}
+    per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE")
+                              or env.get("SLURM_TASKS_PER_NODE") or "")
+    node = _int(env.get("SLURM_NODEID"))
+    if node < len(per_node):
+        out["LOCAL_WORLD_SIZE"] = str(per_node[node])
+    return LaunchPlan("srun", env=out, world_size=world)
+
+
+def _int(value: str | None) -> int:
+    return int(value) if value and value.isdigit() else 0
+
+
+def threads_per_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """CPU threads for one rank started in place: ``MRL_THREADS_PER_RANK``, else SLURM's
+    ``SLURM_CPUS_PER_TASK``; None leaves torch's default."""
+    env = os.environ if environ is None else environ
+    for key in ("MRL_THREADS_PER_RANK", "SLURM_CPUS_PER_TASK"):
+        if _int(env.get(key)) > 0:
+            return _int(env[key])
+    return None

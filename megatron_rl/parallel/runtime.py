@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -60,22 +59,14 @@ def first_slurm_host(nodelist: str) -> str:
     Examples: ``"gpu[003-005,9]"`` -> ``"gpu003"``; ``"a1,b2"`` -> ``"a1"``; ``"n[1-2]-ib"`` ->
     ``"n1-ib"``.
     """
-    nodelist = nodelist.strip()
-    if not nodelist:
+    from megatron_rl.parallel.hostlist import expand_hostlist
+
+    if not nodelist.strip():
         raise ParallelConfigError("SLURM_JOB_NODELIST is empty")
-    depth, first = 0, nodelist
-    for i, ch in enumerate(nodelist):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            first = nodelist[:i]
-            break
-    m = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", first)
-    if not m:
-        return first
-    prefix, ranges, suffix = m.groups()
-    start = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{start}{suffix}"
+    try:
+        return expand_hostlist(nodelist, use_scontrol=False)[0]
+    except ValueError as exc:
+        raise ParallelConfigError(str(exc)) from exc
 
 
 def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -138,6 +129,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
         backend=backend, init_method=f"tcp://{denv.master_addr}:{denv.master_port}",
         rank=denv.rank, world_size=denv.world_size,
         timeout=datetime.timedelta(seconds=timeout_s))
+    _make_host_group(timeout_s)
     return denv
 
 
@@ -194,8 +186,9 @@ def last_stage_rank() -> int:
 
     mine = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0)
-    t = torch.tensor([dist.get_rank() if mine else dist.get_world_size()], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    t = torch.tensor([dist.get_rank() if mine else dist.get_world_size()], dtype=torch.int64,
+                     device="cpu")  # a host int: over the gloo host group
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=host_group())
     return int(t.item())
 
 
@@ -203,7 +196,79 @@ def shutdown() -> None:
     """Tear down megatron parallel_state and torch.distributed (safe to call twice)."""
     from megatron.core import parallel_state as ps
 
+    global _HOST_GROUP
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    _HOST_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---- device and host collectives ---------------------------------------------------------------
+# ``None`` until torch.distributed is initialised; then the gloo group every host-object
+# collective uses (WORLD itself when the default backend is already gloo).
+_HOST_GROUP: Any = None
+
+
+def backend_is_nccl() -> bool:
+    """True when the default process group's backend includes NCCL (CUDA tensor collectives)."""
+    return dist.is_available() and dist.is_initialized() and "nccl" in str(
+        dist.get_backend()).lower()
+
+
+def device() -> torch.device:
+    """The one place that decides where the actor's tensors live.
+
+    CUDA (the current device) when the default process group is NCCL, or when no process group
+    exists and CUDA is usable; CPU otherwise (gloo means every collective takes CPU tensors).
+    """
+    if dist.is_available() and dist.is_initialized():
+        if backend_is_nccl():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _make_host_group(timeout_s: float = 600.0) -> None:
+    """Create the gloo host group (collective: every rank calls it, right after init)."""
+    global _HOST_GROUP
+    if not backend_is_nccl():
+        _HOST_GROUP = dist.group.WORLD
+        return
+    _HOST_GROUP = dist.new_group(backend="gloo",
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def host_group():
+    """The gloo process group over all ranks for host objects and host (CPU) tensors.
+
+    WORLD when the default backend is gloo; a separate gloo group (made by
+    :func:`init_distributed`) when it is NCCL, so pickled objects and CPU scalars never go
+    through NCCL (which only moves CUDA tensors).
+    """
+    if _HOST_GROUP is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("host_group() needs torch.distributed to be initialised")
+        _make_host_group()  # process group made outside init_distributed: every rank gets here
+    return _HOST_GROUP
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` (any picklable host object) from global rank ``src`` on every rank, over gloo."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=host_group())
+    return box[0]
+
+
+def move_batch_(batch: dict[str, Any], dev: torch.device | str | None = None) -> dict[str, Any]:
+    """Move every tensor of ``batch`` to ``dev`` (default :func:`device`) in place; returns it.
+
+    Tensors already there are kept as they are (no copy), so calling it twice costs nothing.
+    """
+    dev = torch.device(dev) if dev is not None else device()
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.device != dev:
+            batch[k] = v.to(dev, non_blocking=dev.type == "cuda")
+    return batch

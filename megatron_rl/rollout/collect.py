@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.advantages import (
     broadcast_to_tokens,
-    drgrpo_advantages,
+    dr_grpo_advantages,
     grpo_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
@@ -34,14 +34,18 @@ _uid = itertools.count()
 
 def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingParams,
                      score_fn: Callable[[dict, str], float], seed: int,
-                     timeout_s: float = 5.0, counters: dict | None = None) -> list[dict]:
+                     timeout_s: float = 5.0, counters: dict | None = None,
+                     stop_when=None) -> list[dict]:
     """Generate ``params.n`` responses per row and score them (one record per response).
 
     Each sample is scored in isolation: a reward function that raises or hangs gives 0 for that
     sample (counted in ``counters["reward_failed"/"reward_timeout"]``), never a crashed run.
     """
     prompts = [tokenizer.encode(r["prompt"]) for r in rows]
-    groups = engine.generate(prompts, params, seed=seed)
+    if stop_when is not None:  # an SGLang fleet aborts leftovers (rollout/early_abort.py)
+        groups = engine.generate(prompts, params, seed=seed, stop_when=stop_when)
+    else:
+        groups = engine.generate(prompts, params, seed=seed)
     flat = [(row, c, tokenizer.decode(c.response_ids)) for row, comps in zip(rows, groups)
             for c in comps]
     scores, n_failed, n_timeout = score_batch(score_fn, [f[0] for f in flat],
@@ -77,9 +81,17 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
     shaped_all: list[dict] = []
 
     def one_round(i: int) -> list[dict]:
-        recs = generate_records(engine, tokenizer, loader.next_batch(), params, score_fn,
+        rows = loader.next_batch()
+        stop = None
+        if r.dynamic_sampling and getattr(engine, "supports_stop_when", False):
+            from megatron_rl.rollout.early_abort import prefix_stop_rule
+
+            stop = prefix_stop_rule(rows, tokenizer, score_fn, r.filter_metric,
+                                    t.train_batch_size - sampler.kept_prompts)
+        recs = generate_records(engine, tokenizer, rows, params, score_fn,
                                 seed=t.seed * 100003 + step * 101 + i,
-                                timeout_s=r.reward_timeout_s, counters=counters)
+                                timeout_s=r.reward_timeout_s, counters=counters,
+                                stop_when=stop)
         if r.overlong_buffer > 0 or r.overlong_filter:
             recs, om = apply_overlong(recs, r.max_new_tokens,
                                       r.overlong_buffer if r.overlong_buffer > 0 else None,
@@ -101,13 +113,14 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
         records = one_round(0)
         _, counts = filter_groups_by_std(records, r.filter_metric)
         metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
-    if r.rv_filter_p < 1.0:
+    if r.rv_filter_p < 1.0 or not r.rv_include_zero:  # p=1 still drops zero-variance groups
         kept, rv = reward_variance_top_p(records, r.rv_filter_p, r.rv_include_zero)
         records = select_uids(records, kept)
         metrics.update({f"rollout/rv_{k}": float(v) for k, v in rv.items()
                         if isinstance(v, (int, float))})
     metrics.update(rollout_metrics(shaped_all, records))
     metrics.update({f"rollout/{k}": float(v) for k, v in counters.items()})
+    metrics.update(getattr(engine, "pop_metrics", dict)())  # SGLang fleet: lag, retries
     return records, metrics
 
 
@@ -130,8 +143,8 @@ def compute_advantages(records: list[dict], estimator: str) -> torch.Tensor:
     groups = torch.tensor([x["uid"] for x in records])
     if estimator == "grpo":
         return grpo_advantages(scores, groups).float()
-    if estimator == "drgrpo":
-        return drgrpo_advantages(scores, groups).float()
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(scores, groups).float()
     if estimator == "rloo":
         return rloo_advantages(scores, groups).float()
     raise ValueError(f"trainer.advantage={estimator!r} is not an outcome estimator here")
@@ -157,6 +170,8 @@ def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mult
         scores = torch.tensor([x["reward"] for x in records] + [0.0] * (n_pad - n))
         groups = torch.tensor([x["uid"] for x in records] + [-1 - i for i in range(n_pad - n)])
         adv = reinforce_pp_baseline_advantages(scores, groups, mask)
+    elif estimator == "reinforce_pp":  # needs old/ref log-probs: rollout/late_advantages.py
+        adv = torch.zeros((n_pad, seq))
     else:
         seq_adv = torch.zeros(n_pad)
         seq_adv[:n] = compute_advantages(records, estimator)

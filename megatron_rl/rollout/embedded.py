@@ -47,13 +47,20 @@ def _digest(items: Iterable[tuple[str, torch.Tensor]]) -> str:
 class EmbeddedEngine:
     """A ``transformers`` model held by one process (rank 0 of the trainer)."""
 
-    def __init__(self, cfg: ModelConfig, eos_id: int, pad_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, eos_id: int, pad_id: int,
+                 per_request_seed: bool = False) -> None:
         self.cfg = cfg
         self.model = build_hf_model(cfg)
         self.eos_id, self.pad_id = eos_id, pad_id
         self.weight_version = -1
+        self.per_request_seed = per_request_seed  # sample like a `serve` fleet (sampling.py)
 
     # ---- weights -------------------------------------------------------------------------------
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the engine holds its weights in (the weight stream is cast to it)."""
+        return next(self.model.parameters()).dtype
+
     def _expected_names(self) -> set[str]:
         names = {n for n, _ in self.model.named_parameters()}
         if self.cfg.tie_word_embeddings:
@@ -91,7 +98,10 @@ class EmbeddedEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seed: int | None = None) -> list[list[Completion]]:
-        """``params.n`` completions per prompt (left-padded batch, KV cache)."""
+        """``params.n`` completions per prompt (left-padded batch, KV cache; one request at a
+        time with its own seed when ``per_request_seed``)."""
+        if self.per_request_seed:
+            return self._generate_per_request(prompts, params, seed or 0)
         if seed is not None:
             torch.manual_seed(seed)
         rows = [p for p in prompts for _ in range(params.n)]
@@ -121,3 +131,21 @@ class EmbeddedEngine:
                 prompt_ids=list(p), response_ids=resp[:end],
                 logprobs=tok_logp[i, :end].tolist(), finished=finished))
         return results
+
+    def _generate_per_request(self, prompts: list[list[int]], params: SamplingParams,
+                              seed: int) -> list[list[Completion]]:
+        """Each sample seeded by ``request_seed(seed, prompt, sample)``, as a fleet samples."""
+        from megatron_rl.rollout.sampling import request_seed, sample_completion
+
+        greedy = params.greedy or params.temperature <= 0
+        out: list[list[Completion]] = []
+        for i, p in enumerate(prompts):
+            group = []
+            for j in range(params.n):
+                r = sample_completion(self.model, p, params.max_new_tokens,
+                                      0.0 if greedy else params.temperature, params.top_p,
+                                      greedy, {self.eos_id}, request_seed(seed, i, j))
+                group.append(Completion(prompt_ids=list(p), response_ids=r.ids,
+                                        logprobs=r.logprobs, finished=r.finish == "stop"))
+            out.append(group)
+        return out

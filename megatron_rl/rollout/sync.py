@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch.distributed
+
 
 def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     """Stream HF-named buckets out of the Megatron actor into the engine.
@@ -13,12 +15,30 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets
+    from megatron_rl.driver import broadcast_object
+    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
 
+    # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
+    plan = broadcast_object(fleet_plan(engine) if torch.distributed.get_rank() == 0 else None)
+    if plan is not None:
+        return sync_fleet(actor, engine, plan, bucket_mb, version)
     if ps.get_data_parallel_rank() != 0:
         return None
     buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
     if engine is not None:
-        return engine.update_weights(buckets, version)
+        return engine.update_weights(as_engine_dtype(buckets, engine), version)
     for _ in buckets:
         pass
     return None
+
+
+def as_engine_dtype(buckets, engine):
+    """The buckets with every tensor in the engine's weight dtype (``engine.weight_dtype``, when
+    it has one): a bf16 actor streams bf16 to a bf16 engine and fp32 to an fp32 one, so the
+    sender does the one cast instead of the engine receiving a wider copy."""
+    dtype = getattr(engine, "weight_dtype", None)
+    if dtype is None:
+        yield from buckets
+        return
+    for bucket in buckets:
+        yield [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in bucket]

@@ -1,0 +1,240 @@
+"""The rollout fleet: SGLang servers (or our ``serve``) behind the real ``sglang-router``.
+
+:class:`Fleet` starts ``num_servers`` servers (``python -m sglang.launch_server --tp-size
+--port --mem-fraction-static`` on their GPUs, or ``python -m megatron_rl serve`` on CPU) unless
+``servers`` lists running ones, starts ``python -m sglang_router.launch_router`` (unless
+``router_url`` is given) and registers every server through the router's worker API (router 0.3:
+``POST /workers {"url"}`` -> ``worker_id``, ``GET /workers``, ``DELETE /workers/<worker_id>``).
+:meth:`Fleet.check_health` probes each server's ``/health_generate`` and removes a dead one from
+the router (its requests are retried elsewhere by the client).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+WEIGHT_SYNCS = ("from_disk", "from_tensor", "from_distributed")
+LAUNCHERS = ("serve", "sglang")
+
+
+class FleetError(RuntimeError):
+    """A server or the router could not be started, reached or registered."""
+
+
+class ServerError(RuntimeError):
+    """A request to a server failed (connection error, timeout or non-2xx status)."""
+
+
+def validate_sglang_section(s) -> None:
+    """Load-time checks of ``rollout.sglang``; messages name the field and the allowed values."""
+    from megatron_rl.config import ConfigError
+
+    if s.launcher not in LAUNCHERS:
+        raise ConfigError(f"rollout.sglang.launcher={s.launcher!r} is not one of {LAUNCHERS}")
+    if s.weight_sync not in WEIGHT_SYNCS:
+        raise ConfigError(f"rollout.sglang.weight_sync={s.weight_sync!r} is not one of "
+                          f"{WEIGHT_SYNCS}")
+    for u in s.servers:
+        if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.sglang.servers: {u!r} is not an http(s):// URL")
+    if not s.servers and s.num_servers < 1:
+        raise ConfigError("rollout.sglang.num_servers must be >= 1 when rollout.sglang.servers "
+                          "is empty")
+    for name in ("tp_size", "concurrency", "server_threads"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"rollout.sglang.{name} must be >= 1, got {getattr(s, name)}")
+    if s.max_retries < 0 or s.max_offpolicy_lag < -1 or s.probe_length < 0 or s.spot_checks < 0:
+        raise ConfigError("rollout.sglang: max_retries, probe_length, spot_checks must be >= 0 "
+                          "and max_offpolicy_lag >= -1")
+    if not 0 < s.mem_fraction_static <= 1:
+        raise ConfigError(f"rollout.sglang.mem_fraction_static must be in (0, 1], got "
+                          f"{s.mem_fraction_static}")
+    if not s.probe_tolerance > 0:
+        raise ConfigError("rollout.sglang.probe_tolerance must be > 0")
+    if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
+        raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
+                          f"= {s.num_servers * s.tp_size} are needed")
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:
+    """One HTTP request; the decoded JSON (or text) reply. Raises :class:`ServerError`."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise ServerError(f"{method} {url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        raise ServerError(f"{method} {url}: {exc}") from None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except json.JSONDecodeError:
+        return raw
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 path: str = "/health") -> None:
+    """Poll ``url + path`` until it answers 200; :class:`FleetError` on timeout or exit."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise FleetError(f"{url}: process exited with code {proc.returncode} before it "
+                             "became healthy")
+        try:
+            http_json("GET", url + path, timeout=5.0)
+            return
+        except ServerError:
+            time.sleep(0.3)
+    raise FleetError(f"{url}{path} did not answer within {timeout_s:.0f}s")
+
+
+def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[str]:
+    """The command line of one server started by the fleet."""
+    if s.launcher == "sglang":
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                "--host", s.host, "--port", str(port), "--tp-size", str(s.tp_size),
+                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init"]
+    cmd = [sys.executable, "-m", "megatron_rl", "serve", "--model-path", model_path,
+           "--host", s.host, "--port", str(port), "--threads", str(s.server_threads)]
+    return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)])
+
+
+def router_command(host: str, port: int) -> list[str]:
+    """``sglang-router`` with no workers yet (they are added through its API); round robin."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
+            str(port), "--policy", "round_robin", "--worker-startup-timeout-secs", "120",
+            "--log-level", "warn"]
+
+
+class Fleet:
+    """Servers + router. ``workers`` maps a server URL to its router ``worker_id``."""
+
+    def __init__(self, s, model_path: str, eos_id: int | None, log_dir: str,
+                 startup_timeout_s: float = 300.0) -> None:
+        self.s, self.model_path, self.eos_id, self.log_dir = s, model_path, eos_id, log_dir
+        self.timeout = startup_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.router_proc: subprocess.Popen | None = None
+        self.router_url = s.router_url or f"http://{s.host}:{s.router_port}"
+        self.workers: dict[str, str] = {}
+        self.dead: list[str] = []
+        self._health_lock = threading.Lock()
+        atexit.register(self.stop)
+
+    # ---- processes -----------------------------------------------------------------------
+    def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+        """Start ``cmd`` under :mod:`megatron_rl.rollout.guard` (ends with this process)."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        env = dict(env or os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p)
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "w")
+        guard = [sys.executable, "-m", "megatron_rl.rollout.guard", str(os.getpid())]
+        return subprocess.Popen(guard + cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+    def start_server(self, i: int) -> str:
+        """Start server ``i`` (port ``router_port + 1 + i``, GPUs ``gpus[i*tp:(i+1)*tp]``)."""
+        s = self.s
+        port = s.router_port + 1 + i
+        url = f"http://{s.host}:{port}"
+        env = dict(os.environ)
+        if s.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in
+                                                   s.gpus[i * s.tp_size:(i + 1) * s.tp_size])
+        self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
+                                                                   self.eos_id), env)
+        return url
+
+    def start(self) -> Fleet:
+        """Start what is missing, wait until healthy, register every server with the router."""
+        urls = list(self.s.servers) or [self.start_server(i) for i in range(self.s.num_servers)]
+        if self.s.router_url is None:
+            self.router_proc = self._spawn("router", router_command(self.s.host,
+                                                                    self.s.router_port))
+        for u in urls:
+            wait_healthy(u, self.timeout, self.procs.get(u))
+        wait_healthy(self.router_url, self.timeout, self.router_proc)
+        for u in urls:
+            self.add_worker(u)
+        return self
+
+    def stop(self) -> None:
+        """Terminate every process this fleet started."""
+        for p in [*self.procs.values(), self.router_proc]:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for p in [*self.procs.values(), self.router_proc]:
+            if p is not None:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.procs.clear()
+        self.router_proc = None
+
+    # ---- router worker API ---------------------------------------------------------------------
+    def router_workers(self) -> list[dict]:
+        """``GET /workers`` of the router."""
+        return http_json("GET", self.router_url + "/workers").get("workers", [])
+
+    def add_worker(self, url: str, timeout_s: float = 60.0) -> str:
+        """Register ``url`` with the router and wait until it is listed; returns its id."""
+        reply = http_json("POST", self.router_url + "/workers", {"url": url})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for w in self.router_workers():
+                if w.get("url") == url:
+                    self.workers[url] = w.get("id", reply.get("worker_id"))
+                    return self.workers[url]
+            time.sleep(0.2)
+        raise FleetError(f"router {self.router_url} did not list worker {url}: {reply}")
+
+    def remove_worker(self, url: str) -> None:
+        """``DELETE /workers/<worker_id>`` and forget ``url``."""
+        wid = self.workers.pop(url, None)
+        if wid is not None:
+            try:
+                http_json("DELETE", f"{self.router_url}/workers/{wid}")
+            except ServerError:
+                pass
+
+    @property
+    def urls(self) -> list[str]:
+        """Servers currently registered."""
+        return list(self.workers)
+
+    def check_health(self, timeout_s: float = 10.0) -> list[str]:
+        """Probe ``/health_generate`` of every server; remove the dead ones. Returns them."""
+        with self._health_lock:
+            return self._check_health(timeout_s)
+
+    def _check_health(self, timeout_s: float) -> list[str]:
+        dead = []
+        for u in self.urls:
+            proc = self.procs.get(u)
+            alive = proc is None or proc.poll() is None
+            if alive:
+                try:
+                    http_json("GET", u + "/health_generate", timeout=timeout_s)
+                except ServerError:
+                    alive = False
+            if not alive:
+                self.remove_worker(u)
+                self.dead.append(u)
+                dead.append(u)
+        if not self.workers:
+            raise FleetError(f"every rollout server is dead ({self.dead})")
+        return dead

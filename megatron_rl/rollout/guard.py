@@ -1,0 +1,48 @@
+"""``python -m megatron_rl.rollout.guard PARENT_PID CMD...``: run CMD and end it when the
+parent process is gone or this guard is terminated, so a crashed trainer leaves no orphan
+rollout server or router behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str]) -> int:
+    parent, cmd = int(argv[0]), argv[1:]
+    child = subprocess.Popen(cmd)
+
+    def stop(*_args) -> None:
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while child.poll() is None:
+        if not alive(parent):
+            stop()
+        time.sleep(1.0)
+    return child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,382 @@
+"""``python -m megatron_rl serve``: OUR rollout server speaking the subset of SGLang's HTTP API
+that the trainer uses. It is not SGLang and not a mock of it: a real server (stdlib
+``ThreadingHTTPServer``) around a ``transformers`` model that generates with per-request seeds
+(:mod:`megatron_rl.rollout.sampling`). It lets the SGLang client, ``sglang-router`` and the weight
+sync strategies run end to end on machines where SGLang cannot (CPU); the request and response
+JSON follow SGLang's (``sglang/srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``).
+
+Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/abort_request``,
+``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/update_weights_from_disk``,
+``/update_weights_from_tensor`` (CPU shared-memory buckets, ``load_format="megatron_rl_shm"``),
+``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
+``/destroy_weights_update_group`` (a gloo/NCCL group with the trainer's senders),
+``/update_weight_version``, ``/get_weights_by_name``, ``/get_model_info``, ``/server_info``
+(alias ``/get_server_info``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from megatron_rl.rollout.sampling import sample_completion, teacher_forced_logprobs
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "torch.float32": torch.float32, "torch.float16": torch.float16,
+           "torch.bfloat16": torch.bfloat16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16`` (clear error otherwise)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``path`` (HF names)."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path!r}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def build_model(preset: str | None, model_path: str | None) -> tuple[torch.nn.Module, str]:
+    """The served fp32 model: a preset's architecture (random weights, filled by weight sync) or
+    an HF directory (``config.json``, weights loaded when present). Returns (model, path)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_path:
+        conf = AutoConfig.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_config(conf).float().eval()
+        if glob.glob(os.path.join(model_path, "*.safetensors")):
+            load_named(model, load_safetensors_dir(model_path).items())
+        return model, model_path
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import build_hf_model
+
+    return build_hf_model(get_preset(preset or "tiny")), f"preset:{preset or 'tiny'}"
+
+
+def load_named(model: torch.nn.Module, items) -> int:
+    """Copy HF-named tensors into ``model``; unknown names or shapes raise. Returns the count."""
+    params = dict(model.named_parameters())
+    n = 0
+    with torch.no_grad():
+        for name, t in items:
+            if name not in params:
+                raise KeyError(f"weight {name!r} is not a parameter of the served model")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)} != "
+                                 f"{tuple(params[name].shape)}")
+            params[name].copy_(t)
+            n += 1
+    return n
+
+
+def read_shm_bucket(meta: dict) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of one flattened CPU bucket in a shared-memory file (``from_tensor`` on CPU):
+    ``meta = {"path", "nbytes", "tensors": [[name, dtype, shape, byte_offset], ...]}``."""
+    flat = torch.from_file(meta["path"], shared=False, size=int(meta["nbytes"]),
+                           dtype=torch.uint8)
+    out = []
+    for name, dt, shape, off in meta["tensors"]:
+        dtype = dtype_of(dt)
+        n = 1
+        for s in shape:
+            n *= int(s)
+        nb = n * torch.empty((), dtype=dtype).element_size()
+        out.append((name, flat[off:off + nb].view(dtype).reshape(shape)))
+    return out
+
+
+class ServeState:
+    """Model, weight version, pause state and in-flight requests of one server."""
+
+    def __init__(self, model: torch.nn.Module, model_path: str, eos_id: int | None,
+                 port: int) -> None:
+        self.model, self.model_path, self.eos_id, self.port = model, model_path, eos_id, port
+        self.lock = threading.Lock()  # held per forward and for a whole weight update
+        self.weight_version = "default"
+        self.running = threading.Event()
+        self.running.set()  # cleared while paused
+        self.inflight: dict[str, threading.Event] = {}
+        self.inflight_lock = threading.Lock()
+        self.groups: dict[str, Any] = {}
+        self.started = time.time()
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate_one(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
+                     logprob_start_len: int) -> dict:
+        """One SGLang-shaped response dict for one prompt."""
+        self.running.wait()
+        abort = threading.Event()
+        with self.inflight_lock:
+            self.inflight[rid] = abort
+        try:
+            stop = set(int(s) for s in (sp.get("stop_token_ids") or []))
+            if self.eos_id is not None and not sp.get("ignore_eos", False):
+                stop.add(self.eos_id)
+            temp = float(sp.get("temperature", 1.0))
+            seed = sp.get("sampling_seed")
+            seed = int(seed) if seed is not None else uuid.uuid4().int & ((1 << 63) - 1)
+            version = self.weight_version
+            res = sample_completion(self.model, ids, int(sp.get("max_new_tokens", 128)), temp,
+                                    float(sp.get("top_p", 1.0)), temp == 0.0, stop, seed,
+                                    lock=self.lock, abort=abort)
+        finally:
+            with self.inflight_lock:
+                self.inflight.pop(rid, None)
+        finish: dict[str, Any] = {"type": res.finish}
+        if res.finish == "stop":
+            finish["matched"] = res.matched
+        elif res.finish == "length":
+            finish["length"] = len(res.ids)
+        else:
+            finish["message"] = "aborted"
+        meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                                "completion_tokens": len(res.ids), "cached_tokens": 0,
+                                "weight_version": version}
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs,
+                                                                              res.ids)]
+            if logprob_start_len >= 0:
+                lps = teacher_forced_logprobs(self.model, ids, self.lock)
+                start = min(logprob_start_len, len(ids) - 1)
+                meta["input_token_logprobs"] = [
+                    [None if i == 0 else lps[i - 1], ids[i], None] for i in range(start, len(ids))]
+        return {"text": "", "output_ids": res.ids, "meta_info": meta}
+
+    def generate(self, req: dict) -> Any:
+        """``/generate``: ``input_ids`` is one prompt (list of ints) or a batch (list of lists)."""
+        ids = req.get("input_ids")
+        if ids is None:
+            raise ValueError("this server needs input_ids (it has no tokenizer for text)")
+        single = not ids or isinstance(ids[0], int)
+        batch = [ids] if single else ids
+        sps = req.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(batch)
+        rids = req.get("rid") or [uuid.uuid4().hex for _ in batch]
+        rids = [rids] if isinstance(rids, str) else rids
+        out = [self.generate_one(list(map(int, b)), sp, r, bool(req.get("return_logprob")),
+                                 int(req.get("logprob_start_len", -1)))
+               for b, sp, r in zip(batch, sps, rids)]
+        return out[0] if single else out
+
+    def abort(self, req: dict) -> None:
+        """``/abort_request``: ``rid`` or ``abort_all``."""
+        with self.inflight_lock:
+            for rid, ev in self.inflight.items():
+                if req.get("abort_all") or rid == req.get("rid"):
+                    ev.set()
+
+    def pause(self, req: dict) -> None:
+        """``/pause_generation``: new requests wait; ``mode="abort"`` (default) also aborts
+        the running ones, the other modes let them wait between tokens (weights may change)."""
+        self.running.clear()
+        if req.get("mode", "abort") == "abort":
+            self.abort({"abort_all": True})
+
+    # ---- weights --------------------------------------------------------------------------------
+    def set_version(self, version: Any) -> None:
+        if version is not None:
+            self.weight_version = str(version)
+
+    def update_from_disk(self, req: dict) -> dict:
+        tensors = load_safetensors_dir(req["model_path"])
+        with self.lock:
+            n = load_named(self.model, tensors.items())
+            self.set_version(req.get("weight_version"))
+        return {"success": True, "message": f"loaded {n} tensors from {req['model_path']}",
+                "num_paused_requests": 0}
+
+    def update_from_tensor(self, req: dict) -> dict:
+        fmt = req.get("load_format")
+        if fmt != "megatron_rl_shm":
+            raise ValueError(f"load_format={fmt!r}: this CPU server reads shared-memory buckets "
+                             "(load_format='megatron_rl_shm'); CUDA IPC needs real SGLang")
+        n = 0
+        with self.lock:
+            for blob in req["serialized_named_tensors"]:
+                n += load_named(self.model, read_shm_bucket(json.loads(blob)))
+            self.set_version(req.get("weight_version"))
+        return {"success": True, "message": f"loaded {n} tensors"}
+
+    def init_group(self, req: dict) -> dict:
+        """``/init_weights_update_group``: join the trainer's group as rank ``rank_offset``."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(req["master_address"], int(req["master_port"]),
+                              int(req["world_size"]), is_master=False,
+                              timeout=timedelta(seconds=120))
+        backend = req.get("backend", "gloo")
+        rank, world = int(req["rank_offset"]), int(req["world_size"])
+        if backend == "nccl":
+            pg = dist.ProcessGroupNCCL(store, rank, world)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, world)
+        self.groups[req.get("group_name", "weight_update_group")] = pg
+        return {"success": True, "message": f"joined as rank {rank} of {world} ({backend})"}
+
+    def update_from_distributed(self, req: dict) -> dict:
+        pg = self.groups[req.get("group_name", "weight_update_group")]
+        device = next(self.model.parameters()).device
+        recv = []
+        for name, dt, shape in zip(req["names"], req["dtypes"], req["shapes"]):
+            t = torch.empty(shape, dtype=dtype_of(dt), device=device)
+            pg.broadcast(t, 0).wait()
+            recv.append((name, t))
+        with self.lock:
+            n = load_named(self.model, recv)
+            self.set_version(req.get("weight_version"))
+        return {"success": True, "message": f"received {n} tensors"}
+
+    def weights_by_name(self, req: dict) -> list:
+        params = dict(self.model.named_parameters())
+        name = req["name"]
+        if name not in params:
+            raise KeyError(f"no parameter named {name!r}")
+        with self.lock:
+            rows = params[name].detach()[:int(req.get("truncate_size", 100))]  # first rows only
+            return rows.float().cpu().tolist()
+
+    def model_info(self) -> dict:
+        conf = self.model.config
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.weight_version, "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": conf.model_type,
+                "architectures": list(getattr(conf, "architectures", None) or [])}
+
+    def server_info(self) -> dict:
+        return {"model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
+                "version": "megatron_rl-serve", "weight_version": self.weight_version,
+                "internal_states": [{"paused": not self.running.is_set(),
+                                     "num_running_reqs": len(self.inflight)}],
+                "max_total_num_tokens": 1 << 20}
+
+
+def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
+    """The request handler class bound to ``state``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet
+            return
+
+        def _send(self, code: int, body: Any, text: bool = False) -> None:
+            data = (body if text else json.dumps(body)).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self) -> dict:
+            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(n) if n else b""
+            return json.loads(raw) if raw.strip() else {}
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._route(self.path.split("?")[0], {})
+
+        def do_POST(self) -> None:  # noqa: N802
+            try:
+                body = self._body()
+            except json.JSONDecodeError as exc:
+                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"bad JSON: {exc}"}})
+                return
+            self._route(self.path.split("?")[0], body)
+
+        def _route(self, path: str, req: dict) -> None:
+            s = state
+            ok = {"success": True, "message": ""}
+            routes = {
+                "/health": lambda: ("", True),
+                "/health_generate": lambda: (s.generate_one([0], {"max_new_tokens": 1},
+                                                            uuid.uuid4().hex, False, -1) and "",
+                                             True),
+                "/generate": lambda: (s.generate(req), False),
+                "/abort_request": lambda: (s.abort(req) or "", True),
+                "/pause_generation": lambda: (s.pause(req) or ok, False),
+                "/continue_generation": lambda: (s.running.set() or ok, False),
+                "/flush_cache": lambda: ("Cache flushed.\n", True),
+                "/update_weights_from_disk": lambda: (s.update_from_disk(req), False),
+                "/update_weights_from_tensor": lambda: (s.update_from_tensor(req), False),
+                "/init_weights_update_group": lambda: (s.init_group(req), False),
+                "/update_weights_from_distributed": lambda: (s.update_from_distributed(req),
+                                                             False),
+                "/destroy_weights_update_group": lambda: (
+                    s.groups.pop(req.get("group_name", "weight_update_group"), None) and ok or ok,
+                    False),
+                "/update_weight_version": lambda: (s.set_version(req.get("new_version")) or ok,
+                                                   False),
+                "/get_weights_by_name": lambda: (s.weights_by_name(req), False),
+                "/get_model_info": lambda: (s.model_info(), False),
+                "/model_info": lambda: (s.model_info(), False),
+                "/server_info": lambda: (s.server_info(), False),
+                "/get_server_info": lambda: (s.server_info(), False),
+            }
+            if path not in routes:
+                self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {path}"}})
+                return
+            try:
+                body, text = routes[path]()
+            except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
+                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": repr(exc)},
+                                                    "success": False, "message": repr(exc)})
+                return
+            self._send(HTTPStatus.OK, body, text=text)
+
+    return Handler
+
+
+def make_server(state: ServeState, host: str, port: int) -> ThreadingHTTPServer:
+    """A bound (not yet serving) threaded HTTP server; ``port=0`` picks a free port."""
+    srv = ThreadingHTTPServer((host, port), make_handler(state))
+    srv.daemon_threads = True
+    state.port = srv.server_address[1]
+    return srv
+
+
+def add_serve_subcommand(sub) -> None:
+    """``serve`` on the CLI's subparsers."""
+    p = sub.add_parser("serve", help="OUR rollout server with SGLang's HTTP API subset "
+                       "(CPU/tests; not SGLang)")
+    p.add_argument("--preset", default=None, help="model preset (random weights; default tiny)")
+    p.add_argument("--model-path", default=None, help="HF dir (config.json [+ safetensors])")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--eos-id", type=int, default=None, help="stop token added to every request")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    model, path = build_model(args.preset, args.model_path)
+    state = ServeState(model, path, args.eos_id, args.port)
+    srv = make_server(state, args.host, args.port)
+    print(f"[serve] {path} on http://{args.host}:{state.port}", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,233 @@
+"""``rollout.engine: sglang``: the :class:`~megatron_rl.rollout.engine.RolloutEngine` interface
+over SGLang's HTTP API, through ``sglang-router``.
+
+Every sample is one ``/generate`` request (``input_ids``, ``sampling_params`` with temperature,
+top_p, max_new_tokens, stop_token_ids and a per-request ``sampling_seed``, ``return_logprob``);
+its per-token log-probs come from ``meta_info.output_token_logprobs`` and its weight version from
+``meta_info.weight_version``. At most ``concurrency`` requests are in flight (thread pool). A
+request that fails (dead server, timeout, unexpected abort) is retried through the router after
+the fleet's health check removed the dead server, so no sample is lost and no group is shortened;
+its per-request seed makes the retry produce what the first server would have. ``stop_when``
+lets a caller (dynamic sampling) stop early: queued requests are cancelled and in-flight ones
+aborted (``/abort_request``), and only complete groups are returned.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Callable, Iterable
+
+from megatron_rl.rollout.engine import Bucket, Completion, SamplingParams
+from megatron_rl.rollout.fleet import Fleet, ServerError, http_json
+from megatron_rl.rollout.sampling import request_seed
+
+
+class StaleResponseError(RuntimeError):
+    """A response's weight version is older than ``max_offpolicy_lag`` allows."""
+
+
+def parse_version(v) -> int:
+    """SGLang's weight_version string -> int (-1 for ``"default"`` / unparsable)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+def sampling_params_json(params: SamplingParams, stop_ids: list[int], seed: int) -> dict:
+    """SGLang ``sampling_params`` of one request."""
+    greedy = params.greedy or params.temperature <= 0
+    return {"temperature": 0.0 if greedy else params.temperature, "top_p": params.top_p,
+            "max_new_tokens": params.max_new_tokens, "stop_token_ids": stop_ids,
+            "sampling_seed": seed, "skip_special_tokens": False}
+
+
+def generate_request(prompt: list[int], params: SamplingParams, stop_ids: list[int], seed: int,
+                     rid: str) -> dict:
+    """The ``/generate`` body of one sample (SGLang ``GenerateReqInput`` fields)."""
+    return {"input_ids": list(prompt), "sampling_params": sampling_params_json(params, stop_ids,
+                                                                               seed),
+            "return_logprob": True, "rid": rid, "stream": False}
+
+
+def completion_from_response(prompt: list[int], resp: dict) -> tuple[Completion, int]:
+    """``(Completion, weight_version)`` of one ``/generate`` reply."""
+    meta = resp["meta_info"]
+    lps = meta.get("output_token_logprobs") or []
+    ids = [int(t) for _, t, *_ in lps] if lps else list(resp.get("output_ids") or [])
+    finished = (meta.get("finish_reason") or {}).get("type") == "stop"
+    return (Completion(prompt_ids=list(prompt), response_ids=ids,
+                       logprobs=[float(lp) for lp, *_ in lps], finished=finished),
+            parse_version(meta.get("weight_version")))
+
+
+class SGLangEngine:
+    """Rollouts from a :class:`~megatron_rl.rollout.fleet.Fleet`; weights are pushed by
+    :mod:`megatron_rl.rollout.weight_sync` (see :func:`megatron_rl.rollout.sync.sync_weights`)."""
+
+    supports_stop_when = True  # generate(..., stop_when=) aborts leftovers
+
+    def __init__(self, fleet: Fleet, eos_id: int, concurrency: int = 32,
+                 max_retries: int = 3, max_offpolicy_lag: int = -1,
+                 request_timeout_s: float = 600.0, sync=None) -> None:
+        self.fleet, self.eos_id = fleet, eos_id
+        self.concurrency, self.max_retries = concurrency, max_retries
+        self.max_offpolicy_lag, self.timeout = max_offpolicy_lag, request_timeout_s
+        self.sync = sync  # a weight_sync strategy (set by make_sglang_engine)
+        self.probe_length, self.probe_tolerance = 16, 1e-4
+        self.weight_version = -1
+        self._lock = threading.Lock()
+        self._metrics: dict[str, float] = {}
+        self._lags: list[int] = []
+        self._inflight: dict[str, bool] = {}
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def _count(self, key: str, n: float = 1.0) -> None:
+        with self._lock:
+            self._metrics[key] = self._metrics.get(key, 0.0) + n
+
+    def note_sync(self, values: dict[str, float]) -> None:
+        """Metrics of the last weight sync (reported with the next rollout)."""
+        with self._lock:
+            self._metrics.update(values)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Counters and off-policy lag since the last call (``rollout/`` keys)."""
+        with self._lock:
+            out = {f"rollout/{k}": v for k, v in self._metrics.items()}
+            if self._lags:
+                out["rollout/offpolicy_lag"] = sum(self._lags) / len(self._lags)
+                out["rollout/offpolicy_lag_max"] = float(max(self._lags))
+            self._metrics, self._lags = {}, []
+        return out
+
+    # ---- one request -----------------------------------------------------------------------------
+    def _one(self, prompt: list[int], params: SamplingParams, seed: int,
+             cancel: threading.Event) -> Completion | None:
+        """One sample, retried on failure; None when cancelled."""
+        last = None
+        for _attempt in range(self.max_retries + 1):
+            if cancel.is_set():
+                return None
+            rid = uuid.uuid4().hex
+            with self._lock:
+                self._inflight[rid] = True
+            try:
+                resp = http_json("POST", self.fleet.router_url + "/generate",
+                                 generate_request(prompt, params, [self.eos_id], seed, rid),
+                                 timeout=self.timeout)
+            except ServerError as exc:
+                last = exc
+                resp = None
+            finally:
+                with self._lock:
+                    self._inflight.pop(rid, None)
+            if cancel.is_set():
+                return None
+            if resp is not None:
+                finish = (resp.get("meta_info", {}).get("finish_reason") or {}).get("type")
+                if finish != "abort":
+                    comp, version = completion_from_response(prompt, resp)
+                    lag = max(0, self.weight_version - version)
+                    if 0 <= self.max_offpolicy_lag < lag:
+                        self._count("stale_refused")
+                        last = StaleResponseError(f"weight version {version}, engine at "
+                                                  f"{self.weight_version}")
+                        continue
+                    with self._lock:
+                        self._lags.append(lag)
+                    return comp
+                last = ServerError(f"request {rid} was aborted by the server")
+            self._count("request_retries")
+            self.fleet.check_health()
+        raise ServerError(f"a rollout request failed {self.max_retries + 1} times: {last}")
+
+    def abort_inflight(self) -> None:
+        """``/abort_request`` for every in-flight request, on every server."""
+        with self._lock:
+            rids = list(self._inflight)
+        for url in self.fleet.urls:
+            for rid in rids:
+                try:
+                    http_json("POST", url + "/abort_request", {"rid": rid}, timeout=5.0)
+                except ServerError:
+                    pass
+
+    # ---- RolloutEngine ------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 stop_when: Callable[[int, list[Completion]], bool] | None = None
+                 ) -> list[list[Completion]]:
+        """``params.n`` completions per prompt, in prompt order. ``stop_when(i, group)`` is called
+        as each group completes; once it returns True the rest is cancelled/aborted and the
+        unfinished groups come back empty (never shortened)."""
+        seed = 0 if seed is None else seed
+        cancel = threading.Event()
+        groups: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
+        left = [params.n] * len(prompts)
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            futs = {pool.submit(self._one, p, params, request_seed(seed, i, j), cancel): (i, j)
+                    for i, p in enumerate(prompts) for j in range(params.n)}
+            pending = set(futs)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    i, j = futs[f]
+                    comp = None if f.cancelled() else f.result()
+                    if comp is None:
+                        continue
+                    groups[i][j] = comp
+                    left[i] -= 1
+                    if left[i] == 0 and stop_when is not None and not cancel.is_set() and \
+                            stop_when(i, groups[i]):
+                        cancel.set()
+                        for g in pending:
+                            g.cancel()
+                        self.abort_inflight()
+                        self._count("aborted_requests", sum(1 for g in pending
+                                                            if not g.cancelled()))
+        return [list(g) if k == 0 else [] for g, k in zip(groups, left)]
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
+        """Single-process push of HF-named buckets through the configured strategy."""
+        from megatron_rl.rollout.weight_sync import push_single_process
+
+        return push_single_process(self, buckets, version)
+
+    def close(self) -> None:
+        self.fleet.stop()
+
+
+def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
+    """Start (or attach to) the fleet of ``rollout.sglang`` and return the engine."""
+    import os
+
+    from megatron_rl.rollout.fleet import Fleet
+    from megatron_rl.rollout.weight_sync import make_strategy
+
+    s = cfg.rollout.sglang
+    root = os.path.join(cfg.trainer.output_dir, "sglang")
+    model_path = cfg.model.hf_path or write_model_config(cfg, os.path.join(root, "model"))
+    fleet = Fleet(s, model_path, tokenizer.eos_id, os.path.join(root, "logs")).start()
+    engine = SGLangEngine(fleet, tokenizer.eos_id, s.concurrency, s.max_retries,
+                          s.max_offpolicy_lag, s.request_timeout_s)
+    engine.sync = make_strategy(s.weight_sync, fleet, s.sync_dir or
+                                os.path.join(cfg.trainer.output_dir, "weight_sync"))
+    engine.sync.spots_per_send = s.spot_checks
+    engine.probe_length, engine.probe_tolerance = s.probe_length, s.probe_tolerance
+    return engine
+
+
+def write_model_config(cfg, out_dir: str) -> str:
+    """``out_dir/config.json`` of the run's architecture (servers start with random weights and
+    get the actor's by weight sync)."""
+    from transformers import AutoConfig
+
+    from megatron_rl.convert.registry import hf_config_dict
+    from megatron_rl.run_setup import model_config
+
+    fields = hf_config_dict(model_config(cfg))
+    model_type = fields.pop("model_type")
+    AutoConfig.for_model(model_type, **fields).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,173 @@
+"""One verified weight sync from the live Megatron actor to an SGLang fleet.
+
+Collective over the model-parallel group of DP replica 0 (other replicas hold the same weights
+and return at once). Phases, each ending with an all-gather of errors so every rank raises
+together instead of hanging:
+
+1. coordinator (global rank 0): health check, ``begin`` (pause + flush on every server);
+2. every rank streams its stage's HF buckets (``iter_hf_weight_buckets(broadcast_pp=False)``:
+   gathered once per TP group); TP rank 0 of each stage sends them, stages in parallel;
+3. coordinator: ``commit`` (load / set version / flush), then ``resume`` (continue generation:
+   a paused server answers no probe; the synchronous trainer sends no rollout meanwhile);
+4. every sender spot-checks its tensors with ``/get_weights_by_name``; the probe sequence's
+   actor log-probs (last stage) are compared with every server's within ``probe_tolerance``;
+   any failure raises on every rank; the engine's weight version is set.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.weight_sync import strategy_class
+from megatron_rl.rollout.weight_sync.common import (
+    SyncStrategy,
+    WeightSyncError,
+    probe_check,
+    probe_tokens,
+)
+
+_SENDERS: dict[tuple, SyncStrategy] = {}
+
+
+def fleet_plan(engine) -> dict | None:
+    """What every rank needs to know about the fleet (rank 0), None for other engines."""
+    if engine is None or getattr(engine, "sync", None) is None:
+        return None
+    engine.fleet.check_health()
+    s = engine.sync
+    return {"strategy": s.name, "urls": list(engine.fleet.urls), "sync_dir": s.sync_dir,
+            "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
+            "probe_length": engine.probe_length, "probe_tolerance": engine.probe_tolerance}
+
+
+def _agree(err: str | None, group) -> list[str]:
+    """Every rank's error of this phase, on every rank (also a barrier)."""
+    box: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(box, err, group=group)
+    return [e for e in box if e]
+
+
+def _sender(plan: dict, stage: int, coordinator: SyncStrategy | None) -> SyncStrategy:
+    if coordinator is not None:
+        s = coordinator
+    else:
+        key = (plan["strategy"], stage, plan["sync_dir"])
+        if key not in _SENDERS:
+            _SENDERS[key] = strategy_class(plan["strategy"])(
+                plan["urls"], plan["sync_dir"], stage, model_path=plan["model_path"],
+                spots_per_send=plan["spots"], server_tp=plan["server_tp"])
+        s = _SENDERS[key]
+    s.urls, s.sender, s.spots_per_send = list(plan["urls"]), stage, plan["spots"]
+    return s
+
+
+def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, str | None]:
+    """Drain ``buckets`` (collective) while the sender pushes them; (bytes, error)."""
+    total, err = 0, None
+    if sender is not None:
+        sender.spots = []
+        try:
+            sender.start_send(version)
+        except Exception as exc:  # noqa: BLE001
+            err = f"stage {sender.sender}: {exc!r}"
+    for bucket in buckets:
+        if sender is None or err is not None:
+            continue
+        try:
+            sender._remember_spots(bucket)
+            sender.send_bucket(bucket, version)
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+        except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
+            err = f"stage {sender.sender}: {exc!r}"
+    if sender is not None and err is None:
+        try:
+            sender.finish_send(version)
+        except Exception as exc:  # noqa: BLE001
+            err = f"stage {sender.sender}: {exc!r}"
+    return total, err
+
+
+def _probe(actor, plan: dict, last_sender: bool) -> tuple[float, str | None]:
+    """Actor log-probs of the probe (collective forward) vs every server's (last stage)."""
+    n = plan["probe_length"]
+    if n <= 1 or getattr(actor.cfg, "temperature", 1.0) != 1.0:
+        return 0.0, None
+    ids = probe_tokens(actor.model_cfg.vocab_size, n)
+    rows = max(1, actor.cfg.micro_batch_size)
+    tokens = torch.tensor([ids] * rows, dtype=torch.long)
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[:, 0] = False
+    out = actor.logprobs({"tokens": tokens, "mask": mask}, compute_entropy=False)
+    if out is None or not last_sender:
+        return 0.0, None
+    ref = out["logp"][0, 1:].detach().float().cpu().tolist()
+    worst, errors = probe_check(plan["urls"], ids, ref, plan["probe_tolerance"])
+    return worst, "; ".join(errors) or None
+
+
+def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str | None:
+    """The verified sync (module docstring); a summary on rank 0, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.convert.stream import iter_hf_weight_buckets
+
+    if ps.get_data_parallel_rank() != 0:
+        return None
+    mp = ps.get_model_parallel_group()
+    coord = engine.sync if dist.get_rank() == 0 else None
+    t0 = time.perf_counter()
+    err = None
+    if coord is not None:
+        coord.urls = list(plan["urls"])
+        try:
+            coord.begin(version)
+        except Exception as exc:  # noqa: BLE001
+            err = f"begin: {exc!r}"
+    if errs := _agree(err, mp):
+        raise WeightSyncError(f"weight sync v{version}: {errs}")
+    stage = ps.get_pipeline_model_parallel_rank()
+    tp0 = ps.get_tensor_model_parallel_rank() == 0
+    sender = _sender(plan, stage, coord if stage == 0 else None) if tp0 else None
+    buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False)
+    sent, err = _send_all(sender, buckets, version)
+    errs = _agree(err, mp)
+    if not errs and coord is not None:
+        try:
+            coord.commit(version)
+        except Exception as exc:  # noqa: BLE001
+            errs = [f"commit: {exc!r}"]
+    # generation continues before the checks: a paused server answers no probe (as SGLang)
+    if coord is not None:
+        try:
+            coord.resume()
+        except Exception as exc:  # noqa: BLE001
+            errs.append(f"resume: {exc!r}")
+    errs = errs + _agree(errs[0] if errs and coord is not None else None, mp)
+    dt = time.perf_counter() - t0
+    diffs: list = [0.0] * dist.get_world_size(mp)
+    if not errs:
+        try:
+            spot = "; ".join(sender.spot_check()) if sender is not None else ""
+        except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
+            spot = f"spot check on stage {stage}: {exc!r}"
+        try:
+            worst, perr = _probe(actor, plan, tp0 and ps.is_pipeline_last_stage())
+        except Exception as exc:  # noqa: BLE001
+            worst, perr = float("inf"), f"probe on stage {stage}: {exc!r}"
+        errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
+        dist.all_gather_object(diffs, worst, group=mp)
+    byte_list: list = [None] * dist.get_world_size(mp)
+    dist.all_gather_object(byte_list, sent, group=mp)
+    if errs:
+        raise WeightSyncError(f"weight sync v{version} ({plan['strategy']}) failed: {errs}")
+    if coord is None:
+        return None
+    total = sum(byte_list)
+    engine.weight_version = version
+    engine.note_sync({"weight_sync_probe_max_diff": max(diffs), "weight_sync_s": dt,
+                      "weight_sync_gbps": total / dt / 1e9})
+    return f"{plan['strategy']} v{version}: {total} bytes in {dt:.2f}s, probe max diff " \
+           f"{max(diffs):.2e}"

@@ -1,0 +1,151 @@
+"""The GPU test tier (issue 10): ``pytest -m gpu`` on a CUDA machine; skipped without CUDA
+(tests/conftest.py). One GPU means NCCL world size 1, so every test here runs TP1xPP1; the
+multi-rank layouts stay covered by the gloo tests.
+
+* a bf16 actor update on CUDA vs the fp32 update on CPU of the same weights and batch. Tolerance
+  (as in tests/test_precision.py, and why): one Adam step moves each weight by ~``±lr``; bf16
+  rounds the starting weights and perturbs the gradient, which flips the step's sign only where
+  the gradient is ~0, so the steps of the fp32 main weights agree to ``0.1*lr`` on >= 90% of the
+  elements and never differ by more than ``2*lr`` (+ weight decay); loss and gradient norm agree
+  to 2e-2 relative. The update runs under the device spy (tests/test_device_discipline.py) with
+  the batch on CUDA: any project-code tensor left on the CPU fails the test;
+* the fused head on vs off on CUDA inside a real bf16 update (same tolerance: the fused GEMM
+  accumulates in fp32 before rounding, the unfused logits are rounded to bf16);
+* a checkpoint saved on the GPU loads on the CPU (fp32) and back, with the fp32 main weights
+  restored exactly;
+* the tiny main job at TP1xPP1 on one GPU finishes and its training reward goes up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_precision import (
+    LR,
+    _actor,
+    _one_update,
+    assert_metrics_close,
+    main_weights,
+    step_agreement,
+)
+
+from megatron_rl.parallel.launch import spawn
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _update_worker(precision: str, fused: bool | None, spy: bool) -> dict:
+    from megatron_rl.parallel import runtime
+    from megatron_rl.testing.device_spy import DeviceSpy
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=300)
+    dev = runtime.device()
+    actor = _actor(precision, fused=fused)
+    before = main_weights(actor)
+    violations = ""
+    if spy:
+        with DeviceSpy(device=dev) as s:
+            history = _one_update(actor)
+        violations = s.report()
+    else:
+        history = _one_update(actor)
+    after = main_weights(actor)
+    out = {"before": before, "after": after, "history": history, "device": str(dev),
+           "violations": violations,
+           "param_device": str(next(actor.model.parameters()).device)}
+    runtime.shutdown()
+    return out
+
+
+def _run(precision: str, fused: bool | None = None, cpu: bool = False, spy: bool = False) -> dict:
+    (out,) = spawn(_update_worker, 1, (precision, fused, spy), timeout_s=600,
+                   env=CPU_ONLY if cpu else None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp32_cpu():
+    out = _run("fp32", fused=False, cpu=True)
+    assert out["device"] == "cpu" and out["param_device"] == "cpu"
+    return out
+
+
+def test_bf16_cuda_update_matches_fp32_cpu_update(fp32_cpu):
+    gpu = _run("bf16", fused=False, spy=True)
+    assert gpu["device"].startswith("cuda") and gpu["param_device"].startswith("cuda")
+    assert gpu["violations"] == "", gpu["violations"]
+    for k, w in fp32_cpu["before"].items():
+        assert torch.equal(gpu["before"][k], w.bfloat16().float()), k
+    frac, worst = step_agreement(fp32_cpu, gpu)
+    assert frac >= 0.9 and worst <= 2.2 * LR, (frac, worst)
+    assert_metrics_close(fp32_cpu["history"], gpu["history"])
+
+
+def test_fused_head_on_vs_off_on_cuda():
+    on, off = _run("bf16", fused=True, spy=True), _run("bf16", fused=False)
+    assert on["violations"] == "", on["violations"]
+    for k, w in off["before"].items():
+        assert torch.equal(on["before"][k], w), k
+    frac, worst = step_agreement(off, on)
+    assert frac >= 0.9 and worst <= 2.2 * LR, (frac, worst)
+    assert_metrics_close(off["history"], on["history"])
+
+
+def _save_worker(root: str, precision: str) -> dict:
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=300)
+    actor = _actor(precision)
+    _one_update(actor)
+    actor.save(root, 0)
+    out = {"weights": main_weights(actor), "device": str(runtime.device())}
+    runtime.shutdown()
+    return out
+
+
+def _load_worker(root: str, precision: str) -> dict:
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=300)
+    actor = _actor(precision)
+    actor.resume(root)
+    out = {"weights": main_weights(actor), "device": str(runtime.device())}
+    runtime.shutdown()
+    return out
+
+
+def test_checkpoint_saved_on_gpu_loads_on_cpu_and_back(tmp_path):
+    (saved,) = spawn(_save_worker, 1, (str(tmp_path / "gpu"), "bf16"), timeout_s=600)
+    (on_cpu,) = spawn(_load_worker, 1, (str(tmp_path / "gpu"), "fp32"), timeout_s=600,
+                      env=CPU_ONLY)
+    assert saved["device"].startswith("cuda") and on_cpu["device"] == "cpu"
+    for k, w in saved["weights"].items():
+        assert torch.equal(on_cpu["weights"][k], w), k
+    (cpu_saved,) = spawn(_save_worker, 1, (str(tmp_path / "cpu"), "fp32"), timeout_s=600,
+                         env=CPU_ONLY)
+    (on_gpu,) = spawn(_load_worker, 1, (str(tmp_path / "cpu"), "bf16"), timeout_s=600)
+    assert on_gpu["device"].startswith("cuda")
+    for k, w in cpu_saved["weights"].items():
+        assert torch.equal(on_gpu["weights"][k], w), k
+
+
+@pytest.mark.timeout(1800)
+def test_tiny_main_job_learns_on_one_gpu(tmp_path):
+    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+           f"output_dir={tmp_path}", "parallel.tp=1", "parallel.pp=1",
+           "trainer.total_steps=30", "trainer.test_freq=10", "trainer.save_freq=10",
+           "data.val_size=16"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1700)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    acc = [r["rollout/acc"] for r in rows if "rollout/acc" in r]
+    assert len(acc) == 30
+    assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.05, acc
+    assert all(r.get("actor/skipped", 0.0) == 0.0 for r in rows)

@@ -1,0 +1,234 @@
+"""Our ``serve`` (SGLang's HTTP subset around a transformers model, in-process on loopback), the
+SGLang client against it, and the weight sync strategies into it. Quick: no router, one server.
+The fleet with the real ``sglang-router`` is in ``test_sglang_fleet.py``."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_rl.config import SGLangSection
+from megatron_rl.models.config import get_preset
+from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.fleet import Fleet, ServerError, http_json
+from megatron_rl.rollout.sampling import teacher_forced_logprobs
+from megatron_rl.rollout.serve import ServeState, make_server
+from megatron_rl.rollout.sglang_client import SGLangEngine, generate_request
+from megatron_rl.rollout.weight_sync import make_strategy, push_single_process
+from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens
+
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def server():
+    torch.manual_seed(0)
+    model = build_hf_model(get_preset("tiny"))
+    state = ServeState(model, "preset:tiny", EOS, 0)
+    srv = make_server(state, "127.0.0.1", 0)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{state.port}", state
+    srv.shutdown()
+
+
+def _engine(url, tmp_path, strategy="from_disk") -> SGLangEngine:
+    s = SGLangSection(servers=[url], router_url=url)
+    fleet = Fleet(s, "preset:tiny", EOS, str(tmp_path / "logs"))
+    fleet.workers = {url: "direct"}  # no router in this quick test: requests go to the server
+    eng = SGLangEngine(fleet, EOS, concurrency=4)
+    eng.sync = make_strategy(strategy, fleet, str(tmp_path / "sync"))
+    return eng
+
+
+def test_generate_shapes_seed_and_logprobs(server):
+    url, state = server
+    req = generate_request([5, 6, 7], SamplingParams(max_new_tokens=6, temperature=0.9),
+                           [EOS], seed=11, rid="r1")
+    a = http_json("POST", url + "/generate", req)
+    b = http_json("POST", url + "/generate", {**req, "rid": "r2"})
+    assert a["output_ids"] == b["output_ids"] and a["meta_info"]["id"] == "r1"
+    meta = a["meta_info"]
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert meta["completion_tokens"] == len(a["output_ids"]) == len(meta["output_token_logprobs"])
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == a["output_ids"]
+    # log-probs are those of the temperature-scaled distribution at each step (teacher forced)
+    with torch.no_grad():
+        logits = state.model(input_ids=torch.tensor([[5, 6, 7] + a["output_ids"]])).logits[0]
+    lp = torch.log_softmax(logits[2:-1].float() / 0.9, -1)
+    want = lp.gather(-1, torch.tensor(a["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([x for x, _, _ in meta["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4)
+    batch = http_json("POST", url + "/generate", {"input_ids": [[5, 6], [7, 8, 9]],
+                                                  "sampling_params": {"max_new_tokens": 2}})
+    assert isinstance(batch, list) and len(batch) == 2
+    with pytest.raises(ServerError, match="400"):
+        http_json("POST", url + "/generate", {"text": "hi"})
+
+
+def test_info_endpoints(server):
+    url, _ = server
+    assert http_json("GET", url + "/health") is None
+    http_json("GET", url + "/health_generate")
+    info = http_json("GET", url + "/get_model_info")
+    assert info["is_generation"] and info["model_type"] == "qwen2"
+    assert "weight_version" in http_json("GET", url + "/server_info")
+    assert http_json("POST", url + "/flush_cache").startswith("Cache flushed")
+    w = http_json("POST", url + "/get_weights_by_name", {"name": "model.norm.weight",
+                                                         "truncate_size": 3})
+    assert len(w) == 3
+
+
+def test_pause_blocks_and_abort_ends_requests(server):
+    url, _ = server
+    http_json("POST", url + "/pause_generation", {"mode": "abort"})
+    box = {}
+    th = threading.Thread(target=lambda: box.update(r=http_json("POST", url + "/generate", {
+        "input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})))
+    th.start()
+    time.sleep(0.5)
+    assert "r" not in box  # waits while paused
+    http_json("POST", url + "/continue_generation")
+    th.join(30)
+    assert box["r"]["meta_info"]["completion_tokens"] == 2
+    th = threading.Thread(target=lambda: box.update(a=http_json("POST", url + "/generate", {
+        "input_ids": [3, 4], "rid": "long", "sampling_params": {"max_new_tokens": 100000,
+                                                                "ignore_eos": True}})))
+    th.start()
+    time.sleep(0.5)
+    http_json("POST", url + "/abort_request", {"rid": "long"})
+    th.join(30)
+    assert box["a"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_client_matches_embedded_per_request_seed(server, tmp_path):
+    """The same (weights, prompts, seed) give the same samples through HTTP as in process."""
+    url, state = server
+    emb = EmbeddedEngine(get_preset("tiny"), EOS, 0, per_request_seed=True)
+    emb.model.load_state_dict(state.model.state_dict())
+    eng = _engine(url, tmp_path)
+    params = SamplingParams(n=3, max_new_tokens=5, temperature=1.0, top_p=0.9)
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    got = eng.generate(prompts, params, seed=42)
+    want = emb.generate(prompts, params, seed=42)
+    for g, w in zip(got, want):
+        assert [c.response_ids for c in g] == [c.response_ids for c in w]
+        for c, d in zip(g, w):
+            assert c.finished == d.finished
+            assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5)
+    assert eng.pop_metrics()["rollout/offpolicy_lag"] == 0.0
+
+
+def test_stop_when_aborts_leftovers_and_drops_partial_groups(server, tmp_path):
+    url, _ = server
+    eng = _engine(url, tmp_path)
+    eng.concurrency = 2
+    params = SamplingParams(n=2, max_new_tokens=4)
+    out = eng.generate([[5], [6], [7], [8], [9], [10]], params, seed=1,
+                       stop_when=lambda i, g: True)  # the first complete group is enough
+    sizes = [len(g) for g in out]
+    assert sizes.count(2) >= 1 and set(sizes) <= {0, 2} and sizes.count(0) >= 3
+
+
+def _random_buckets(seed: int):
+    torch.manual_seed(seed)
+    other = build_hf_model(get_preset("tiny"))
+    sd = [(n, p.detach().clone()) for n, p in other.named_parameters()]
+    return other, [sd[i:i + 5] for i in range(0, len(sd), 5)]
+
+
+@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor", "from_distributed"])
+def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy):
+    url, state = server
+    eng = _engine(url, tmp_path, strategy)
+    other, buckets = _random_buckets({"from_disk": 1, "from_tensor": 2,
+                                      "from_distributed": 3}[strategy])
+    push_single_process(eng, buckets, version=7)
+    for (n, p), (n2, q) in zip(other.named_parameters(), state.model.named_parameters()):
+        assert n == n2 and torch.equal(p, q), n
+    assert http_json("GET", url + "/get_model_info")["weight_version"] == "7"
+    ids = probe_tokens(get_preset("tiny").vocab_size, 12)
+    worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-4)
+    assert not errors and worst <= 1e-4
+    _, bad = probe_check([url], ids, [x + 1e-2 for x in teacher_forced_logprobs(other, ids)], 1e-4)
+    assert bad  # the probe does catch a mismatch
+    if strategy == "from_distributed":
+        eng.sync.close()
+
+
+def test_spot_check_catches_wrong_weights(server, tmp_path):
+    url, state = server
+    eng = _engine(url, tmp_path, "from_disk")
+    _, buckets = _random_buckets(4)
+    push_single_process(eng, buckets, version=8)
+    with torch.no_grad():
+        dict(state.model.named_parameters())[eng.sync.spots[0][0]].add_(1.0)
+    assert eng.sync.spot_check()
+
+
+def test_requests_validate_against_sglang_io_struct():
+    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
+    req = generate_request([1, 2, 3], SamplingParams(max_new_tokens=4), [EOS], 5, "rid")
+    io_struct.GenerateReqInput(**req)
+    io_struct.UpdateWeightFromDiskReqInput(model_path="/x", weight_version="1",
+                                           flush_cache=True, abort_all_requests=False)
+    io_struct.UpdateWeightsFromDistributedReqInput(names=["a"], dtypes=["float32"],
+                                                   shapes=[[2]], group_name="g",
+                                                   flush_cache=False)
+
+
+def test_prefix_stop_rule_waits_for_the_complete_prefix():
+    from megatron_rl.rewards.tokenizer import ByteTokenizer
+    from megatron_rl.rollout.early_abort import prefix_stop_rule
+    from megatron_rl.rollout.engine import Completion
+
+    tok = ByteTokenizer()
+    rows = [{"answer": str(i % 2)} for i in range(4)]
+
+    def score(row, text):
+        return float(text == row["answer"])
+
+    def group(*texts):
+        return [Completion([0], tok.encode(t)) for t in texts]
+
+    stop = prefix_stop_rule(rows, tok, score, "acc", need=2)
+    assert not stop(1, group("1", "0"))  # kept, but group 0 is not complete yet
+    assert not stop(0, group("1", "1"))  # all wrong: prefix 0..1 holds 1 kept group
+    assert not stop(3, group("1", "0"))  # kept, but group 2 is missing
+    assert stop(2, group("0", "1"))  # prefix 0..3 complete with 3 kept >= 2
+    assert prefix_stop_rule(rows, tok, score, "reward", need=2) is None
+
+
+def test_sglang_config_section_and_errors():
+    from megatron_rl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["rollout.engine=sglang",
+                             "rollout.sglang.servers=[http://10.0.0.1:30001,http://h:30002]",
+                             "rollout.sglang.gpus=[4,5]", "rollout.sglang.weight_sync=from_tensor"])
+    assert cfg.rollout.sglang.servers == ["http://10.0.0.1:30001", "http://h:30002"]
+    assert cfg.rollout.sglang.gpus == [4, 5]
+    for bad, field in (("rollout.sglang.weight_sync=nccl", "weight_sync"),
+                       ("rollout.sglang.servers=[localhost:1]", "servers"),
+                       ("rollout.sglang.launcher=vllm", "launcher"),
+                       ("rollout.sglang.concurrency=0", "concurrency"),
+                       ("rollout.sglang.servers=3", "servers")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(None, ["rollout.engine=sglang", bad])
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(None, ["rollout.engine=vllm"])
+
+
+def test_offpolicy_lag_is_measured_or_refused(server, tmp_path):
+    url, _ = server
+    http_json("POST", url + "/update_weight_version", {"new_version": "1"})
+    eng = _engine(url, tmp_path)
+    eng.weight_version = 3  # the trainer is two syncs ahead of this server
+    eng.generate([[5, 6]], SamplingParams(n=2, max_new_tokens=2), seed=1)
+    m = eng.pop_metrics()
+    assert m["rollout/offpolicy_lag"] == 2.0 and m["rollout/offpolicy_lag_max"] == 2.0
+    eng.max_offpolicy_lag, eng.max_retries = 1, 1
+    with pytest.raises(ServerError, match="weight version 1"):
+        eng.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2), seed=1)
+    assert eng.pop_metrics()["rollout/stale_refused"] == 2.0

@@ -1,0 +1,150 @@
+"""The real ``sglang-router`` (PyPI ``sglang-router``) in front of two of our ``serve`` processes
+on loopback: a dead server costs no sample, and a short RL run through the fleet (weights pushed
+and verified every step) gives the embedded engine's metrics for the same seed."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("sglang_router")
+
+from megatron_rl.config import SGLangSection  # noqa: E402
+from megatron_rl.models.config import get_preset  # noqa: E402
+from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model  # noqa: E402
+from megatron_rl.rollout.engine import SamplingParams  # noqa: E402
+from megatron_rl.rollout.fleet import Fleet  # noqa: E402
+from megatron_rl.rollout.sampling import teacher_forced_logprobs  # noqa: E402
+from megatron_rl.rollout.sglang_client import SGLangEngine  # noqa: E402
+from megatron_rl.rollout.weight_sync import make_strategy, push_single_process  # noqa: E402
+from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EOS = 1
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n < 65535 and all(_free(p + i) for i in range(n)):
+            return p
+    raise RuntimeError("no free port block")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _tiny_model_dir(path) -> str:
+    from transformers import AutoConfig
+
+    from megatron_rl.convert.registry import hf_config_dict
+
+    fields = hf_config_dict(get_preset("tiny"))
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dead_server_loses_no_sample(tmp_path):
+    s = SGLangSection(num_servers=2, router_port=free_port_block(3))
+    fleet = Fleet(s, _tiny_model_dir(tmp_path / "model"), EOS, str(tmp_path / "logs")).start()
+    try:
+        assert len(fleet.router_workers()) == 2
+        eng = SGLangEngine(fleet, EOS, concurrency=4)
+        eng.sync = make_strategy("from_disk", fleet, str(tmp_path / "sync"))
+        torch.manual_seed(3)
+        ref = build_hf_model(get_preset("tiny"))
+        sd = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
+        push_single_process(eng, [sd], version=1)  # both servers now hold ref's weights
+        ids = probe_tokens(get_preset("tiny").vocab_size, 16)
+        worst, errors = probe_check(fleet.urls, ids, teacher_forced_logprobs(ref, ids), 1e-4)
+        assert not errors and worst <= 1e-4
+        emb = EmbeddedEngine(get_preset("tiny"), EOS, 0, per_request_seed=True)
+        emb.model.load_state_dict(ref.state_dict())
+        params = SamplingParams(n=4, max_new_tokens=12, temperature=1.0)
+        prompts = [[5 + i, 6 + i, 7] for i in range(8)]
+        victim = fleet.urls[1]
+        killed = []
+
+        def kill_once(i, group) -> bool:  # at the first complete group: kill server 1
+            if not killed:
+                serve = psutil.Process(fleet.procs[victim].pid).children()[0]
+                serve.send_signal(signal.SIGKILL)
+                killed.append(serve.pid)
+            return False
+
+        got = eng.generate(prompts, params, seed=9, stop_when=kill_once)
+        want = emb.generate(prompts, params, seed=9)
+        assert killed
+        assert [len(g) for g in got] == [4] * 8  # no group shortened
+        for g, w in zip(got, want):  # and every sample is what the dead server would have given
+            assert [c.response_ids for c in g] == [c.response_ids for c in w]
+        fleet.check_health()
+        assert victim not in fleet.urls
+        assert [w["url"] for w in fleet.router_workers()] == fleet.urls
+        # the next rollout runs on the survivor alone
+        again = eng.generate(prompts[:2], params, seed=9)
+        assert [c.response_ids for c in again[1]] == [c.response_ids for c in want[1]]
+    finally:
+        fleet.stop()
+
+
+def _train(out, *overrides: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
+           "trainer.test_freq=3", "trainer.save_freq=3", "trainer.train_batch_size=4",
+           "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
+           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
+           "rollout.per_request_seed=true", *overrides]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+FLEET_ONLY = ("rollout/offpolicy_lag", "rollout/offpolicy_lag_max", "rollout/weight_sync",
+              "rollout/request_retries", "rollout/aborted_requests", "time/", "gpu/")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rl_run_through_router_matches_embedded(tmp_path):
+    emb = _train(tmp_path / "emb")
+    fl = _train(tmp_path / "fleet", "rollout.engine=sglang", "rollout.sglang.num_servers=2",
+                f"rollout.sglang.router_port={free_port_block(3)}",
+                "rollout.sglang.weight_sync=from_tensor")
+    assert len(emb) == len(fl) >= 3
+    for a, b in zip(emb, fl):
+        keys = {k for k in a if not k.startswith(FLEET_ONLY) and k not in ("time", "wall_s")}
+        assert keys == {k for k in b if not k.startswith(FLEET_ONLY) and k not in ("time",
+                                                                                    "wall_s")}
+        for k in keys:
+            va, vb = a[k], b[k]
+            if isinstance(va, float) and isinstance(vb, float):
+                assert vb == pytest.approx(va, rel=1e-3, abs=1e-4), k
+            else:
+                assert va == vb, k
+    trained = [r for r in fl if "rollout/offpolicy_lag" in r]
+    assert trained and all(r["rollout/offpolicy_lag"] == 0.0 for r in trained)
+    # every step's sync was verified: probe within 1e-4 (fp32) on both servers
+    synced = [r for r in fl if "rollout/weight_sync_probe_max_diff" in r]
+    assert len(synced) >= 2 and all(r["rollout/weight_sync_probe_max_diff"] <= 1e-4
+                                    for r in synced)
+    logs = os.listdir(tmp_path / "fleet" / "sglang" / "logs")
+    assert sorted(logs) == ["router.log", "server0.log", "server1.log"]

@@ -1,0 +1,108 @@
+"""The sbatch scripts without a cluster: ``bash -n`` and ``examples/dapo_32b.sh``'s dry run
+(``MRL_DRY_RUN=1`` prints its srun commands) under a made-up heterogeneous allocation."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DAPO_SH = REPO / "examples" / "dapo_32b.sh"
+TINY_SH = REPO / "examples" / "tiny_slurm.sh"
+
+
+@pytest.mark.parametrize("script", [DAPO_SH, TINY_SH], ids=lambda p: p.name)
+def test_bash_syntax(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script", [DAPO_SH, TINY_SH], ids=lambda p: p.name)
+def test_requeue_and_resume(script):
+    text = script.read_text()
+    assert "#SBATCH --requeue" in text and "#SBATCH --open-mode=append" in text
+    assert "trainer.resume=true" in text
+
+
+def _dry_run(tmp_path, actor: str, fleet: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env.update(MRL_DRY_RUN="1", SLURM_JOB_ID="77", SLURM_JOB_NODELIST_HET_GROUP_0=actor,
+               SLURM_JOB_NODELIST_HET_GROUP_1=fleet, SLURM_SUBMIT_DIR=str(REPO),
+               MRL_RUN_DIR=str(tmp_path / "run"), PYTHONPATH=str(REPO))
+    return subprocess.run(["bash", str(DAPO_SH), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def _commands(out: str) -> list[list[str]]:
+    return [shlex.split(line[2:].removesuffix(" &")) for line in out.splitlines()
+            if line.startswith("+ ")]
+
+
+def test_dapo_32b_dry_run_places_actor_and_fleet(tmp_path):
+    r = _dry_run(tmp_path, "gpu[001-008]", "gpu[101-107],gpu200", "trainer.total_steps=3")
+    assert r.returncode == 0, r.stderr
+    assert "MASTER_ADDR=gpu001" in r.stdout
+    servers, router, actor = _commands(r.stdout)
+    # 16 SGLang servers: 2 per fleet node, TP4 each (4 GPUs per srun task)
+    assert servers[:4] == ["srun", "--het-group=1", "--ntasks-per-node=2", "--gpus-per-task=4"]
+    assert "sglang.launch_server" in " ".join(servers)
+    # one router on the first fleet node, in front of every server
+    assert router[:4] == ["srun", "--het-group=1", "--nodes=1", "--ntasks=1"]
+    urls = router[router.index("--worker-urls") + 1:]
+    hosts = [f"gpu{i}" for i in range(101, 108)] + ["gpu200"]
+    assert urls == [f"http://{h}:{30000 + i}" for h in hosts for i in range(2)]
+    # the actor: group 0, one task per GPU, the run config, resume, the overrides last
+    assert actor[:4] == ["srun", "--het-group=0", "--ntasks-per-node=8", "--kill-on-bad-exit=1"]
+    train = actor[actor.index("train") + 1:]
+    assert train[0] == str(REPO / "examples" / "dapo_32b.yaml")
+    assert {"parallel.tp=8", "parallel.pp=1", "parallel.dp=8", "trainer.resume=true",
+            f"output_dir={tmp_path / 'run'}"} <= set(train)
+    assert train[-1] == "trainer.total_steps=3"
+    servers_arg = next(a for a in train if a.startswith("rollout.sglang.servers="))
+    assert yaml.safe_load(servers_arg.split("=", 1)[1]) == urls
+    assert "rollout.sglang.router_url=http://gpu101:30080" in train
+
+
+def test_dapo_32b_refuses_wrong_actor_node_count(tmp_path):
+    r = _dry_run(tmp_path, "gpu[001-007]", "gpu[101-108]")
+    assert r.returncode == 2
+    assert "7 nodes x 8 GPUs = 56 ranks but TP8 x PP1 x DP8 needs 64" in r.stderr
+
+
+def test_dapo_32b_layout_matches_its_config():
+    """The script's actor layout is the one examples/dapo_32b.yaml plans (when present)."""
+    cfg_path = REPO / "examples" / "dapo_32b.yaml"
+    if not cfg_path.exists():
+        pytest.skip("examples/dapo_32b.yaml not in this checkout")
+    par = yaml.safe_load(cfg_path.read_text())["parallel"]
+    m = re.search(r"^ACTOR_TP=(\d+) ACTOR_PP=(\d+) ACTOR_DP=(\d+)", DAPO_SH.read_text(), re.M)
+    assert m and tuple(map(int, m.groups())) == (par["tp"], par["pp"], par["dp"])
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)", DAPO_SH.read_text(), re.M)
+    assert int(nodes.group(1)) * 8 == par["tp"] * par["pp"] * par["dp"]
+
+
+def test_dapo_32b_overrides_are_valid_config(tmp_path):
+    """What the script passes to ``train`` loads with ``examples/dapo_32b.yaml`` (the model and
+    data paths aside: they name files of the cluster)."""
+    from megatron_rl.config import load_config
+
+    cfg_path = REPO / "examples" / "dapo_32b.yaml"
+    if not cfg_path.exists():
+        pytest.skip("examples/dapo_32b.yaml not in this checkout")
+    r = _dry_run(tmp_path, "gpu[001-008]", "gpu[101-108]")
+    assert r.returncode == 0, r.stderr
+    actor = _commands(r.stdout)[-1]
+    train = actor[actor.index("train") + 1:]
+    overrides = [a for a in train[1:] if not a.startswith(("model.", "data.path="))]
+    cfg = load_config(train[0], overrides)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp) == (8, 1, 8)
+    assert cfg.trainer.resume and cfg.trainer.output_dir == str(tmp_path / "run")
+    assert cfg.rollout.engine == "sglang" and len(cfg.rollout.sglang.servers) == 16
+    assert cfg.rollout.sglang.router_url == "http://gpu101:30080"
+    assert cfg.rollout.sglang.weight_sync == "from_distributed"
