@@ -50,7 +50,7 @@ class PlanInputs:
     precision: str = "bf16"
     recompute: str = "none"
     distributed_optimizer: bool = False
-    device: str = "gpu"  # "gpu": flash attention + fused norm/SwiGLU; "cpu": the local spec's
+    device: str = "gpu"  # "gpu": fused norm/SwiGLU kernels; "cpu": torch's composite ones
     micro_batch_size: int = 1
     prompt_len: int = 2048
     prompt_len_from_config: bool = True  # False: prompt_len is the planner's assumption
@@ -161,30 +161,26 @@ def optimizer_state_bytes(params: int, x: PlanInputs) -> dict[str, float]:
 
 def layer_activation_elems(x: PlanInputs) -> tuple[float, float]:
     """Saved-for-backward elements of one layer, without recomputation:
-    (per token, per sequence). The per-sequence term is the ``[heads, S, S]`` softmax of the
-    CPU path's unfused attention (zero with flash attention)."""
+    (per token, per sequence). Attention is SDPA on both devices (models/attention.py: flash /
+    fused kernels keep q, k, v, the output and log-sum-exp, no ``[S, S]`` scores), so the
+    per-sequence term is zero; the devices differ in the norm and SwiGLU kernels."""
     m, tp = x.model, x.tp
     h, f, d = m.hidden_size, m.intermediate_size, m.kv_channels
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
-    if x.device == "gpu":  # fused RMSNorm (input + output), flash attention, fused SwiGLU
+    attn = (q + 2 * kv + q) / tp  # q, k, v + output (+ log-sum-exp, negligible)
+    if x.device == "gpu":  # fused RMSNorm (input + output), fused SwiGLU
         norms = 2 * 2 * h
-        attn = (q + 2 * kv + q) / tp  # q, k, v + output (+ log-sum-exp, negligible)
         mlp = 3 * f / tp  # fc1 output (2f) + SwiGLU output (f)
-        per_seq = 0.0
-    else:  # torch RMSNorm composite (input, normalised, output), math attention, plain SwiGLU
+    else:  # torch's composite RMSNorm (input, normalised, output), plain SwiGLU
         norms = 2 * 3 * h
-        attn = (3 * q + q) / tp  # q, k and v repeated to all heads, context output
         mlp = 4 * f / tp  # fc1 output (2f), silu output (f), product (f)
-        per_seq = m.num_attention_heads / tp * x.seq_len * x.seq_len
-    if x.recompute == "selective":  # core attention recomputed: its softmax is not kept
-        per_seq = 0.0
-    return norms + attn + mlp, per_seq
+    return norms + attn + mlp, 0.0
 
 
 def activation_bytes(x: PlanInputs) -> dict[str, float]:
     """Activations of the first pipeline stage (the one with the most micro-batches in flight)."""
     a = _dtype_bytes(x.precision)
-    softmax_b = 4 if x.device == "cpu" else a  # attention_softmax_in_fp32
+    softmax_b = 4  # attention_softmax_in_fp32 (only for a per-sequence term)
     tokens = x.micro_batch_size * x.seq_len
     per_tok, per_seq = layer_activation_elems(x)
     one_layer = tokens * per_tok * a + x.micro_batch_size * per_seq * softmax_b

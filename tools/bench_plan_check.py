@@ -8,8 +8,8 @@ One fresh process per preset (TP1 x PP1 x DP1, fp32, gloo): build the :class:`Ac
 * **step peak** = ``VmHWM`` during step 2 (reset through ``/proc/self/clear_refs`` just before it)
   minus the same baseline.
 
-The planner gets the same shape with ``device=cpu`` (the local spec's unfused attention and
-SwiGLU, torch's composite RMSNorm), ``precision=fp32`` and the unfused chunked head.
+The planner gets the same shape with ``device=cpu`` (SDPA attention, torch's composite RMSNorm
+and plain SwiGLU), ``precision=fp32`` and the unfused head.
 
     python tools/bench_plan_check.py --presets tiny qwen2.5-0.5b
 """

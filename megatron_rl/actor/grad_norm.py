@@ -43,6 +43,9 @@ def layout_invariant_grad_norm(grads_for_norm, norm_type: float = 2,
                                              grad_stats_parallel_group)
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
+    dp_group = None  # megatron FSDP (DTensor grads) shards over data parallel too
+    for g in grads_for_norm:
+        dp_group = clip_grads.get_data_parallel_group_if_dtensor(g, dp_group)
     grads = [clip_grads.to_local_if_dtensor(g) for g in grads_for_norm]
     if grads:
         device = grads[0].device
@@ -51,6 +54,8 @@ def layout_invariant_grad_norm(grads_for_norm, norm_type: float = 2,
     else:
         device = torch.device("cpu")
     total = _sum_squares(grads, device)
+    if dp_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=grad_stats_parallel_group)
     return math.sqrt(float(total))
 
