@@ -52,6 +52,11 @@ def test_compare_rules():
     missing = _rows(**{"actor/loss": 0.5, "val/acc": None})
     assert compare_runs(ref, missing, 1e-6, 1e-4)["actor/grad_norm"].failures
     assert not passed(compare_runs(ref, {**same, 2: {"step": 2, "actor/loss": 1.0}}, 1e-6, 1e-4))
+    # engine-vs-actor mismatch diagnostics (rounding-level by construction): absolute tolerance
+    mref = _rows(**{"rollout/logp_mismatch_max": 2.9e-6})
+    assert passed(compare_runs(mref, _rows(**{"rollout/logp_mismatch_max": 7.2e-6}), 1e-6, 1e-4))
+    assert not passed(compare_runs(mref, _rows(**{"rollout/logp_mismatch_max": 3e-4}), 1e-6,
+                                   1e-4))
 
 
 @pytest.mark.slow
