@@ -44,7 +44,9 @@ def main_weights(actor) -> dict[str, torch.Tensor]:
 
 
 def _one_update(actor) -> list[dict]:
-    batch = make_global_batch()
+    from megatron_rl.parallel.runtime import device, move_batch_
+
+    batch = move_batch_(make_global_batch(), device())  # CUDA on the gpu tier
     noise = batch.pop("old_noise")
     actor.add_old_logprobs(batch)
     if "old_logp" in batch:
