@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_rl.parallel.launch import spawn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import rss_kib  # noqa: E402
+from _bench_common import reset_peak_rss, rss_kib  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GIB = 1024 ** 3
@@ -54,14 +54,6 @@ NAIVE_FP32_BUFFERS = 6.0
 # --------------------------------------------------------------------------------------------
 # Memory probes
 # --------------------------------------------------------------------------------------------
-def _reset_peak() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False if unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _rss_kib(field: str) -> int:
@@ -122,7 +114,7 @@ def _bench_worker(variant: str, tokens: int, vocab: int, tp: int, dtype: str,
     gc.collect()
     if group is not None:
         dist.barrier(group)
-    hwm_ok = _reset_peak()
+    hwm_ok = reset_peak_rss()
     base_kib = _rss_kib("VmRSS") if hwm_ok else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     saved = _SavedBytes(logits)
     t0 = time.perf_counter()

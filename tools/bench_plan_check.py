@@ -23,18 +23,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import rss_kib  # noqa: E402
+from _bench_common import reset_peak_rss, rss_kib  # noqa: E402
 
 from megatron_rl.parallel.launch import spawn  # noqa: E402
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _trim() -> None:
@@ -97,7 +88,7 @@ def _worker(preset: str, rows: int, micro: int, prompt: int, response: int,
         batch = _batch(rows, prompt, response, cfg.vocab_size, seed=step)
         if step == 1:
             _trim()
-            out["peak_reset"] = _reset_peak()
+            out["peak_reset"] = reset_peak_rss()
         actor.add_old_logprobs(batch)
         actor.update(batch, step)
         if step == 0:

@@ -150,10 +150,11 @@ def compute_advantages(records: list[dict], estimator: str) -> torch.Tensor:
     raise ValueError(f"trainer.advantage={estimator!r} is not an outcome estimator here")
 
 
-def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int
-                     ) -> dict[str, torch.Tensor]:
-    """``tokens/mask/advantages [N, S]`` (right-padded; N padded with empty rows to a multiple of
-    ``rows_multiple``), plus ``rollout_logp [N, S]``, ``reward [N]`` and ``positive [N]``."""
+def pad_records(records: list[dict], pad_id: int, rows_multiple: int) -> dict[str, torch.Tensor]:
+    """``tokens/mask/rollout_logp [N, S]`` (right-padded), ``reward/positive [N]`` on the CPU; N is
+    padded with empty rows to a multiple of ``rows_multiple``. ``mask`` is a record's
+    ``response_mask`` when it has one (multi-turn: the model's own tokens), else its whole response
+    unless it was overlong-filtered."""
     n = len(records)
     n_pad = -(-n // rows_multiple) * rows_multiple
     seq = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in records)
@@ -162,10 +163,27 @@ def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mult
     roll_lp = torch.zeros((n_pad, seq))
     for i, x in enumerate(records):
         p, resp = x["prompt_ids"], x["response_ids"]
-        tokens[i, :len(p) + len(resp)] = torch.tensor(p + resp)
-        if not x.get("overlong_filtered", False):
-            mask[i, len(p):len(p) + len(resp)] = True
-        roll_lp[i, len(p):len(p) + len(resp)] = torch.tensor(x["logprobs"])
+        span = slice(len(p), len(p) + len(resp))
+        tokens[i, :span.stop] = torch.tensor(p + resp)
+        if "response_mask" in x:
+            mask[i, span] = torch.tensor(x["response_mask"], dtype=torch.bool)
+        elif not x.get("overlong_filtered", False):
+            mask[i, span] = True
+        roll_lp[i, span] = torch.tensor(x["logprobs"])
+    reward = torch.zeros(n_pad)
+    reward[:n] = torch.tensor([x["reward"] for x in records])
+    positive = torch.zeros(n_pad, dtype=torch.bool)  # correct responses (GPPO's NLL term)
+    positive[:n] = torch.tensor([x["acc"] >= 1.0 for x in records])
+    return {"tokens": tokens, "mask": mask, "rollout_logp": roll_lp, "reward": reward,
+            "positive": positive}
+
+
+def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int
+                     ) -> dict[str, torch.Tensor]:
+    """:func:`pad_records` plus ``advantages [N, S]`` of ``estimator``."""
+    batch = pad_records(records, pad_id, rows_multiple)
+    n, (n_pad, seq) = len(records), batch["tokens"].shape
+    mask = batch["mask"]
     if estimator == "reinforce_pp_baseline":
         scores = torch.tensor([x["reward"] for x in records] + [0.0] * (n_pad - n))
         groups = torch.tensor([x["uid"] for x in records] + [-1 - i for i in range(n_pad - n)])
@@ -176,12 +194,7 @@ def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mult
         seq_adv = torch.zeros(n_pad)
         seq_adv[:n] = compute_advantages(records, estimator)
         adv = broadcast_to_tokens(seq_adv, mask)
-    reward = torch.zeros(n_pad)
-    reward[:n] = torch.tensor([x["reward"] for x in records])
-    positive = torch.zeros(n_pad, dtype=torch.bool)  # correct responses (GPPO's NLL term)
-    positive[:n] = torch.tensor([x["acc"] >= 1.0 for x in records])
-    return {"tokens": tokens, "mask": mask, "advantages": adv, "rollout_logp": roll_lp,
-            "reward": reward, "positive": positive}
+    return {**batch, "advantages": adv}
 
 
 def dp_rows(n: int, dp: int, dp_rank: int, mini: int) -> torch.Tensor:

@@ -161,31 +161,18 @@ def episodes_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mul
     rows to a multiple of ``rows_multiple``.
     """
     from megatron_rl.advantages import broadcast_to_tokens
-    from megatron_rl.rollout.collect import compute_advantages
+    from megatron_rl.rollout.collect import compute_advantages, pad_records
 
-    n = len(records)
-    n_pad = -(-n // rows_multiple) * rows_multiple
-    seq = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in records)
-    tokens = torch.full((n_pad, seq), pad_id, dtype=torch.long)
-    mask = torch.zeros((n_pad, seq), dtype=torch.bool)
-    roll_lp = torch.zeros((n_pad, seq))
-    tok_r = torch.zeros((n_pad, seq))
+    batch = pad_records(records, pad_id, rows_multiple)
+    n, (n_pad, _) = len(records), batch["tokens"].shape
+    tok_r = torch.zeros_like(batch["rollout_logp"])
     for i, x in enumerate(records):
-        p, resp = len(x["prompt_ids"]), x["response_ids"]
-        tokens[i, :p + len(resp)] = torch.tensor(x["prompt_ids"] + resp)
-        mask[i, p:p + len(resp)] = torch.tensor(x["response_mask"], dtype=torch.bool)
-        roll_lp[i, p:p + len(resp)] = torch.tensor(x["logprobs"])
         for end, r in zip(x["turn_ends"], x["turn_rewards"]):
-            tok_r[i, p + end] += r
+            tok_r[i, len(x["prompt_ids"]) + end] += r
     seq_adv = torch.zeros(n_pad)
     if estimator != "gae":
         seq_adv[:n] = compute_advantages(records, estimator)
-    reward = torch.zeros(n_pad)
-    reward[:n] = torch.tensor([x["reward"] for x in records])
-    positive = torch.zeros(n_pad, dtype=torch.bool)
-    positive[:n] = torch.tensor([x["acc"] >= 1.0 for x in records])
-    return {"tokens": tokens, "mask": mask, "advantages": broadcast_to_tokens(seq_adv, mask),
-            "rollout_logp": roll_lp, "reward": reward, "positive": positive,
+    return {**batch, "advantages": broadcast_to_tokens(seq_adv, batch["mask"]),
             "token_rewards": tok_r}
 
 
