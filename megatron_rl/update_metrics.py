@@ -26,7 +26,8 @@ def aggregate_updates(history: list[dict[str, float]]) -> dict[str, float]:
     Token-weighted means (weight ``actor/tokens``) over the mini-batches that were not skipped
     (over all of them when every one was skipped); ``actor/grad_norm`` is the mean over the
     applied steps; ``actor/lr`` the last; ``actor/skipped`` and ``actor/minibatches`` counts;
-    ``actor/tokens`` the sum. Keys present in only some mini-batches (the entropy-dynamics
+    ``actor/tokens`` the sum; keys ending in ``_max`` / ``_min`` (per-mini-batch extremes) the
+    extreme over the mini-batches. Keys present in only some mini-batches (the entropy-dynamics
     diagnostic of the first epoch) are averaged over those."""
     if not history:
         return {}
@@ -35,6 +36,10 @@ def aggregate_updates(history: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     keys = sorted({k for h in history for k in h if k not in _SPECIAL})
     for key in keys:
+        vals = [float(h[key]) for h in pool if key in h]
+        if key.endswith(("_max", "_min")) and vals:  # extremes of the step, not a mean of them
+            out[key] = max(vals) if key.endswith("_max") else min(vals)
+            continue
         num = den = 0.0
         for h in pool:
             if key in h:

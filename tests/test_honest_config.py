@@ -104,6 +104,15 @@ def test_update_metrics_aggregate_all_minibatches():
     assert out["entropy_dynamics/batch_cov"] == 4.0  # present in the first epoch's only
 
 
+def test_update_metric_extremes_are_extremes_of_the_step():
+    from megatron_rl.update_metrics import aggregate_updates
+
+    hist = [{"policy/ratio_max": 1.5, "erc/entropy_ratio_min": 0.7, "actor/tokens": 90.0},
+            {"policy/ratio_max": 3.0, "erc/entropy_ratio_min": 0.2, "actor/tokens": 10.0}]
+    out = aggregate_updates(hist)
+    assert out["policy/ratio_max"] == 3.0 and out["erc/entropy_ratio_min"] == 0.2
+
+
 # ---- Clip-Cov keys -------------------------------------------------------------------------------
 def test_clip_cov_keys_change_with_epoch_and_minibatch():
     from megatron_rl.loss import LossConfig, ReductionContext, select_cov_tokens
