@@ -177,6 +177,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=cred_expire=15
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={b}/state/ctld

@@ -124,15 +124,13 @@ def test_cancelled_and_requeued_job_resumes(slurm, tmp_path):
     assert subprocess.run(["scancel", job], env=slurm.env()).returncode == 0
     _wait_for(lambda: _state(slurm, job) == "CANCELLED", 180, "the cancel",
               lambda: f"state {slurm.job_state(job)}\n{_read(out)}{slurm.logs()}")
+    # Eligible again after the credential lifetime (cred_expire=15 s in slurm_cluster.py).
     slurm.scontrol("requeue", job)
-    # A requeued job becomes eligible only after the credential lifetime (120 s by default);
-    # start it now instead of waiting.
-    slurm.scontrol("update", f"JobId={job}", "StartTime=now")
     _wait_for(lambda: _state(slurm, job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300,
               "the requeued job to finish", lambda: _read(out) + slurm.logs())
     text = _read(out)
     assert (slurm.job_state(job), slurm.job_field(job, "ExitCode"),
-            slurm.job_field(job, "Restarts")) == ("COMPLETED", "0:0", "1"), text
+            slurm.job_field(job, "Restarts")) == ("COMPLETED", "0:0", "1"), text + slurm.logs()
     assert "attempt 1 on" in text and "attempt 2 on" in text, text
     first, second = text.split("attempt 2 on", 1)
     assert "CANCELLED" in first and SUMMARY.search(first) is None

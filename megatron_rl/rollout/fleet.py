@@ -202,14 +202,30 @@ class Fleet:
             time.sleep(0.2)
         raise FleetError(f"router {self.router_url} did not list worker {url}: {reply}")
 
-    def remove_worker(self, url: str) -> None:
-        """``DELETE /workers/<worker_id>`` and forget ``url``."""
+    def remove_worker(self, url: str, timeout_s: float = 30.0) -> None:
+        """``DELETE /workers/<worker_id>``, forget ``url``, and wait until the router stops
+        listing it (router 0.3 queues the removal in the background and answers 202 at once; the
+        DELETE is re-sent every 2 s). A router that still lists it after ``timeout_s`` is only
+        reported: requests it routes there fail and are retried elsewhere."""
         wid = self.workers.pop(url, None)
-        if wid is not None:
+        if wid is None:
+            return
+        deadline, resend = time.monotonic() + timeout_s, 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= resend:
+                try:
+                    http_json("DELETE", f"{self.router_url}/workers/{wid}", timeout=5.0)
+                except ServerError:
+                    pass
+                resend = time.monotonic() + 2.0
             try:
-                http_json("DELETE", f"{self.router_url}/workers/{wid}")
+                if all(w.get("url") != url for w in self.router_workers()):
+                    return
             except ServerError:
                 pass
+            time.sleep(0.2)
+        print(f"[fleet] warning: router {self.router_url} still lists removed worker {url} "
+              f"after {timeout_s:.0f}s", flush=True)
 
     @property
     def urls(self) -> list[str]:
