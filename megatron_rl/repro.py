@@ -7,7 +7,7 @@ per layout (separate processes and run directories under ``--out``), reads each 
     |other - ref| <= atol + rtol * |ref|
 
 except the engine-vs-actor log-prob mismatch diagnostics (``*logp_mismatch*``,
-``*logp_abs_diff*``, ``rollout_corr/kl_k3``): they are rounding-level differences by construction
+``rollout_corr/kl_k3``): they are rounding-level differences by construction
 (~1e-6) whose size depends on the actor's TP sums, so they get an absolute tolerance (1e-4).
 Timing and host metrics (``time``, ``wall_s``, ``time/*``, ``gpu/*``, ...) are not compared. A
 metric missing in one run, or finite in one and null (NaN/inf) in the other, fails. It prints the
@@ -39,7 +39,7 @@ DEFAULT_ATOL, DEFAULT_RTOL = 1e-6, 1e-4
 # Engine-vs-actor log-prob mismatch diagnostics are differences of two computations of the same
 # log-probs, i.e. rounding-level by construction (~1e-6) and layout-dependent by nature (the
 # actor's TP sums vs the engine's): compared with an absolute tolerance in log-prob units.
-MISMATCH_PATTERNS = ("logp_mismatch", "logp_abs_diff", "rollout_corr/kl_k3")
+MISMATCH_PATTERNS = ("logp_mismatch", "rollout_corr/kl_k3")
 DEFAULT_MISMATCH_ATOL = 1e-4
 
 

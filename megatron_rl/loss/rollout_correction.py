@@ -48,16 +48,14 @@ def correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mod
 
 def mismatch_stats(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, weights: Tensor
                    ) -> dict[str, TokenStat]:
-    """Global per-token mismatch metrics: mean |gap|, max |gap|, k3 KL(rollout || actor)
-    estimate, mean weight and the fraction of tokens whose weight was changed (0 or capped)."""
+    """Global per-token mismatch metrics: k3 KL(rollout || actor) estimate, mean weight and the
+    fraction of tokens whose weight was changed (0 or capped). The plain gap |old - rollout| is
+    logged once per step by the trainer (``rollout/logp_mismatch_*``), not per mini-batch."""
     m = mask.float()
-    gap = (old_logp.detach().float() - rollout_logp.detach().float())
     rho = rollout_ratio(old_logp, rollout_logp)
     k3 = rho - 1.0 - torch.log(rho)
     changed = (weights != rho).float()
-    return {"rollout_corr/logp_abs_diff": mean_stat(gap.abs(), m),
-            "rollout_corr/logp_abs_diff_max": TokenStat(gap.abs(), m, "max"),
-            "rollout_corr/kl_k3": mean_stat(k3, m),
+    return {"rollout_corr/kl_k3": mean_stat(k3, m),
             "rollout_corr/weight_mean": mean_stat(weights, m),
             "rollout_corr/changed_frac": mean_stat(changed, m)}
 
