@@ -85,10 +85,13 @@ class Actor:
                                     f"actor.micro_batch_size={self.cfg.micro_batch_size}")]
 
     def logprobs(self, batch: Mapping[str, Any], compute_entropy: bool = True,
-                 model: torch.nn.Module | None = None) -> dict[str, torch.Tensor] | None:
-        """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; else None)."""
+                 model: torch.nn.Module | None = None, temperature: float | None = None
+                 ) -> dict[str, torch.Tensor] | None:
+        """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; else None), at
+        ``temperature`` (default: the actor's sampling temperature)."""
+        temp = self.cfg.temperature if temperature is None else temperature
         outs = forward_logprob_entropy(model or self.net, self.micro_batches(batch),
-                                       temperature=self.cfg.temperature,
+                                       temperature=temp,
                                        compute_entropy=compute_entropy,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head)

@@ -91,16 +91,18 @@ def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, 
 
 
 def _probe(actor, plan: dict, last_sender: bool) -> tuple[float, str | None]:
-    """Actor log-probs of the probe (collective forward) vs every server's (last stage)."""
+    """Actor log-probs of the probe (collective forward) vs every server's (last stage). Both at
+    temperature 1 (the model's own distribution; the servers' teacher-forced
+    ``input_token_logprobs`` are unscaled), whatever the sampling temperature."""
     n = plan["probe_length"]
-    if n <= 1 or getattr(actor.cfg, "temperature", 1.0) != 1.0:
+    if n <= 1:
         return 0.0, None
     ids = probe_tokens(actor.model_cfg.vocab_size, n)
     rows = max(1, actor.cfg.micro_batch_size)
     tokens = torch.tensor([ids] * rows, dtype=torch.long)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     mask[:, 0] = False
-    out = actor.logprobs({"tokens": tokens, "mask": mask}, compute_entropy=False)
+    out = actor.logprobs({"tokens": tokens, "mask": mask}, compute_entropy=False, temperature=1.0)
     if out is None or not last_sender:
         return 0.0, None
     ref = out["logp"][0, 1:].detach().float().cpu().tolist()
