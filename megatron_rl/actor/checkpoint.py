@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.distopt_compat import SHARDING_TYPE
+
 LATEST = "latest"
 
 
@@ -75,19 +77,38 @@ def _layout_key() -> tuple[int, int, int]:
             ps.get_data_parallel_world_size())
 
 
-def _sharded_state(model, optimizer, is_loading: bool, main_from=None) -> dict:
+def _sharded_state(model, optimizer, is_loading: bool, main_from=None
+                   ) -> tuple[dict, dict[Any, torch.Tensor]]:
     """The model (its fp32 main weights when ``main_from`` is a mixed-precision optimizer) and
-    the optimizer state, as megatron sharded state dicts."""
-    from megatron_rl.actor.precision import point_sharded_at_main
+    the optimizer state, as megatron sharded state dicts; and the fp32 tensors the model part's
+    half-precision params point at (``{}`` for fp32 actors)."""
+    from megatron_rl.actor.precision import (
+        distributed_optimizers,
+        fresh_main_buffers,
+        main_param_map,
+        optimizer_main_tensors,
+        point_sharded_at_main,
+    )
 
     module = getattr(model, "module", model)
     model_sd = module.sharded_state_dict(prefix="model.")
     sd = {"model": model_sd}
     if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        # The distributed optimizer's format (ignored by the standard one): loadable at any
+        # TP/PP/DP layout (megatron_rl/actor/distopt_compat.py).
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+    mains: dict[Any, torch.Tensor] = {}
     if main_from is not None:
-        point_sharded_at_main(model_sd, main_from)  # after the optimizer mapped the params
-    return sd
+        if not distributed_optimizers(main_from):
+            mains = main_param_map(main_from)
+        elif is_loading:  # full fp32 weights land here; each rank then keeps its DP shard
+            mains = fresh_main_buffers(main_from)
+        else:  # the main weights megatron's fully_reshardable state already gathered
+            mains = optimizer_main_tensors(main_from, sd["optimizer"])
+        point_sharded_at_main(model_sd, main_from, mains)  # after the optimizer mapped params
+    return sd, mains
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
@@ -108,8 +129,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
     from megatron_rl.actor.precision import precision_of
 
     # The model part holds the fp32 main weights whatever the precision.
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False,
-                                           main_from=optimizer), tmp)
+    sharded, _ = _sharded_state(model, optimizer, is_loading=False, main_from=optimizer)
+    dist_checkpointing.save(sharded, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
@@ -144,7 +165,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{path} is not a megatron_rl checkpoint (no trainer.pt)")
     meta = torch.load(meta_path, weights_only=False)
-    from megatron_rl.actor.precision import copy_main_to_model, precision_of
+    from megatron_rl.actor.precision import copy_main_to_model, precision_of, set_distopt_main
 
     saved_precision = meta.get("precision", "fp32")
     same_precision = saved_precision == precision_of(model)
@@ -154,7 +175,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
               flush=True)
     load_opt = optimizer if same_precision else None
     # fp32 weights are read into the main params (mixed precision), then re-rounded.
-    sd = _sharded_state(model, load_opt, is_loading=True, main_from=optimizer)
+    sd, mains = _sharded_state(model, load_opt, is_loading=True, main_from=optimizer)
     targets = {k: v.data for k, v in sd["model"].items()
                if isinstance(getattr(v, "data", None), torch.Tensor)}
     state = dist_checkpointing.load(sd, path)
@@ -167,6 +188,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     if load_opt is not None:
         load_opt.load_state_dict(state["optimizer"])
     copy_main_to_model(optimizer)
+    set_distopt_main(optimizer, mains)  # distributed optimizer: this rank's main shards
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rng_ok = False

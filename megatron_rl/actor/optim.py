@@ -1,13 +1,13 @@
 """megatron-core DistributedDataParallel, optimizer and LR schedule for the actor.
 
-The standard (non-distributed) optimizer is the default: megatron-core's distributed optimizer
-checkpoint is broken without apex/Transformer Engine (shared/spec/MEGATRON_CPU.md), so
-``use_distributed_optimizer=True`` is refused where neither is importable.
+The standard optimizer is the default. ``use_distributed_optimizer=True`` shards the fp32 main
+weights and Adam moments over data parallel (megatron's ``DistributedOptimizer``); without apex or
+Transformer Engine it runs on torch's Adam, whose checkpoint path megatron-core gets wrong, which
+:mod:`megatron_rl.actor.distopt_compat` corrects (a no-op when apex or TE is present).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +50,6 @@ class OptimConfig:
             raise OptimConfigError("optim.lr_warmup_steps must be >= 0")
 
 
-def distributed_optimizer_supported() -> bool:
-    """The distributed optimizer's checkpoints need apex or Transformer Engine."""
-    return any(importlib.util.find_spec(m) is not None for m in ("apex", "transformer_engine"))
-
-
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
     """Wrap one model chunk in megatron-core ``DistributedDataParallel``.
 
@@ -81,10 +76,10 @@ def build_optimizer(ddp_model, cfg: OptimConfig, total_steps: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if cfg.use_distributed_optimizer and not distributed_optimizer_supported():
-        raise OptimConfigError(
-            "optim.use_distributed_optimizer=true needs NVIDIA apex or Transformer Engine (its "
-            "checkpoints are broken without them); set it to false")
+    if cfg.use_distributed_optimizer:
+        from megatron_rl.actor import distopt_compat
+
+        distopt_compat.install()  # torch-Adam fallback only (no apex / TE)
     dtype = ddp_model.config.params_dtype
     ocfg = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,

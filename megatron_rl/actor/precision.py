@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -141,7 +141,8 @@ def precision_of(model: torch.nn.Module) -> str:
 
 def main_param_pairs(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """``(half-precision model param, its fp32 main param)`` of megatron's mixed-precision
-    optimizer (empty for the fp32 optimizer, whose model params are the main params)."""
+    optimizer (empty for the fp32 optimizer, whose model params are the main params, and for the
+    distributed optimizer, whose main params are DP shards: :func:`gather_distopt_main`)."""
     pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         for model_group, main_group in zip(getattr(opt, "float16_groups", []),
@@ -150,8 +151,89 @@ def main_param_pairs(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]
     return pairs
 
 
+def distributed_optimizers(optimizer) -> list:
+    """The megatron ``DistributedOptimizer`` s in ``optimizer`` (empty for the standard one)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [o for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]
+            if isinstance(o, DistributedOptimizer)]
+
+
+def _half_params(buffer) -> list[torch.nn.Parameter]:
+    return [p for p in buffer.param_index_map if p.dtype in (torch.bfloat16, torch.float16)]
+
+
+def gather_distopt_state(optimizer, key: str = "param", half_only: bool = True
+                         ) -> dict[int, torch.Tensor]:
+    """``id(model param) -> full param-shaped fp32 tensor`` of the distributed optimizer's
+    per-parameter ``key`` (``param``: the main weight; ``exp_avg``, ``exp_avg_sq``), assembled
+    from the DP shards. Collective over DP (one all-reduce per grad buffer; every element has one
+    owner, the others add exact zeros). ``half_only``: only bf16/fp16 model params."""
+    out: dict[int, torch.Tensor] = {}
+    for opt in distributed_optimizers(optimizer):
+        for gbuf_idx, buffer in enumerate(opt.buffers):
+            params = _half_params(buffer) if half_only else list(buffer.param_index_map)
+            if not params:
+                continue
+            flat = torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.grad_data.device)
+            for (_dtype, buckets) in opt.gbuf_ranges[gbuf_idx].items():
+                for bucket in buckets:
+                    for p, ranges in bucket["param_map"].items():
+                        world = ranges["gbuf_world"]
+                        flat[world.start:world.end] = \
+                            opt._get_main_param_and_optimizer_states(p)[key].detach().view(-1)
+            torch.distributed.all_reduce(flat, group=opt.data_parallel_group)
+            for p in params:
+                start, end, _ = buffer.param_index_map[p]
+                out[id(p)] = flat[start:end].view(p.shape)
+    return out
+
+
+def set_distopt_main(optimizer, full: Mapping[int, torch.Tensor]) -> None:
+    """Copy this DP rank's shard of each full fp32 main weight in ``full`` (``id(model param)``
+    keys) into the distributed optimizer's main params (no collective)."""
+    with torch.no_grad():
+        for opt in distributed_optimizers(optimizer):
+            for model_group, main_group in zip(opt.model_float16_groups,
+                                               opt.shard_fp32_from_float16_groups):
+                for p, main in zip(model_group, main_group):
+                    if id(p) in full:
+                        r = opt._get_model_param_range_map(p)["param"]
+                        main.copy_(full[id(p)].reshape(-1)[r.start:r.end])
+
+
+def fresh_main_buffers(optimizer) -> dict[int, torch.Tensor]:
+    """``id(half-precision model param) -> empty fp32 CPU tensor of its shape`` for the
+    distributed optimizer: where a checkpoint load puts the full fp32 main weights before
+    :func:`set_distopt_main` keeps this rank's shards."""
+    return {id(p): torch.empty(p.shape, dtype=torch.float32)
+            for opt in distributed_optimizers(optimizer) for buffer in opt.buffers
+            for p in _half_params(buffer)}
+
+
+def optimizer_main_tensors(optimizer, optimizer_sharded: Any) -> dict[int, torch.Tensor]:
+    """``id(half-precision model param) -> fp32 main weight`` held by the distributed
+    optimizer's ``fully_reshardable`` sharded state dict (already gathered over DP by megatron, so
+    pointing the model part at them costs no memory). Its ``param_state`` is numbered in the order
+    of the grad buffers' ``param_index_map`` (``sharded_param_state_fully_reshardable``)."""
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    out: dict[int, torch.Tensor] = {}
+    for i, opt in enumerate(chain):
+        if opt not in distributed_optimizers(opt):
+            continue
+        sd = optimizer_sharded if len(chain) == 1 else optimizer_sharded[i]
+        params = [p for buffer in opt.buffers for p in buffer.param_index_map]
+        for idx, p in enumerate(params):
+            if p.dtype in (torch.bfloat16, torch.float16):
+                out[id(p)] = sd["param_state"][idx]["param"].data
+    return out
+
+
 def main_param_map(optimizer) -> dict[int, torch.Tensor]:
-    """``id(model param) -> fp32 main param`` (empty for fp32 actors)."""
+    """``id(model param) -> fp32 main param`` (empty for fp32 actors). With the distributed
+    optimizer the full main weights are gathered over DP (collective)."""
+    if distributed_optimizers(optimizer):
+        return gather_distopt_state(optimizer, "param")
     return {id(p): main for p, main in main_param_pairs(optimizer)}
 
 
@@ -162,22 +244,26 @@ def gather_main_state_dict(model: torch.nn.Module, optimizer) -> dict[str, torch
     return gather_full_state_dict(bare_model(model), main=main_param_map(optimizer))
 
 
-def point_sharded_at_main(sharded: dict, optimizer) -> dict:
+def point_sharded_at_main(sharded: dict, optimizer,
+                          mains: Mapping[int, torch.Tensor] | None = None) -> dict:
     """Make every ``ShardedTensor`` of a model sharded state dict whose data is a half-precision
     parameter refer to its fp32 main parameter instead (in place; returns ``sharded``). Saving
-    then writes fp32 main weights; loading fills the main weights."""
+    then writes fp32 main weights; loading fills the main weights. ``mains``: ``id(param) ->
+    fp32 tensor`` (default: :func:`main_param_map`)."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    mains = main_param_map(optimizer)
+    mains = main_param_map(optimizer) if mains is None else mains
 
     def swap(x):
         # Factories (e.g. the gated MLP's fc1, split into gate/up) build their tensors from .data.
         if isinstance(x, (ShardedTensor, ShardedTensorFactory)) and x.data is not None \
-                and id(x.data) in mains:
-            x.data = mains[id(x.data)]
-            if isinstance(x, ShardedTensor):
-                x.dtype = x.data.dtype
+                and x.data.dtype in (torch.bfloat16, torch.float16):
+            main = mains.get(id(x.data))
+            if main is not None:
+                x.data = main
+                if isinstance(x, ShardedTensor):
+                    x.dtype = x.data.dtype
         return x
 
     if mains:

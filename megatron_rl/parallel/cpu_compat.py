@@ -180,6 +180,20 @@ def _patch_half_optimizer_type_check() -> Callable[[], None]:
     return _set_attr(cls, "__init__", init)
 
 
+# --- patch 8: the distributed optimizer's parameter type check -------------------------------
+def _patch_distrib_optimizer_type_check() -> Callable[[], None]:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer.__init__
+
+    @functools.wraps(orig)
+    def init(self, *args, **kwargs):
+        with _cuda_float_type_names():  # scoped to the constructor only
+            orig(self, *args, **kwargs)
+
+    return _set_attr(DistributedOptimizer, "__init__", init)
+
+
 # --- patch 6: torch.cuda.synchronize() is a no-op ----------------------------------------------
 def _patch_synchronize() -> Callable[[], None]:
     # There is no device queue to wait for on a CPU-only machine.
@@ -208,6 +222,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("half_optimizer_type_check", "optimizer/optimizer.py: Float16OptimizerWithFloat16Params "
           "(bf16/fp16 actor) only accepts params whose .type() is torch.cuda.{Half,BFloat16,"
           "Float}Tensor", _patch_half_optimizer_type_check),
+    Patch("distrib_optimizer_type_check", "optimizer/distrib_optimizer.py: DistributedOptimizer "
+          "(optim.use_distributed_optimizer) only accepts params whose .type() is "
+          "torch.cuda.{Half,BFloat16,Float}Tensor", _patch_distrib_optimizer_type_check),
 )
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 
