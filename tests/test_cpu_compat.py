@@ -67,6 +67,13 @@ def _scenario(name: str, model, batch, ddp, optimizer, root: str) -> None:
         half = build_gpt_model(get_preset("tiny"), seed=0)
         set_precision(half, "bf16")
         build_optimizer(wrap_ddp(wrap_precision(half)), OptimConfig(lr=1e-3), total_steps=1)
+    elif name == "distrib_optimizer_type_check":  # optim.use_distributed_optimizer
+        from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
+        from megatron_rl.models.builder import build_gpt_model
+        from megatron_rl.models.config import get_preset
+
+        build_optimizer(wrap_ddp(build_gpt_model(get_preset("tiny"), seed=0), True),
+                        OptimConfig(lr=1e-3, use_distributed_optimizer=True), total_steps=1)
     else:  # current_device (rotary, P2P shapes), cuda_factories (schedule counters, causal mask)
         forward_logprob_entropy(model, batch)
 

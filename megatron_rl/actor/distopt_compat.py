@@ -37,7 +37,8 @@ import torch
 # param-shaped tensors, loadable at any TP/PP/DP layout.
 SHARDING_TYPE = "fully_reshardable"
 
-_UNDO: list[Callable[[], None]] = []
+_UNDO: dict[str, Callable[[], None]] = {}
+_INSTALLED: list[bool] = []  # non-empty once install() ran
 
 
 def needed() -> bool:
@@ -103,27 +104,44 @@ def _set_states(orig: Callable[..., None]) -> Callable[..., None]:
     return set_states
 
 
-def install() -> bool:
-    """Patch ``DistributedOptimizer`` when it runs on torch's Adam (idempotent). Returns whether
-    the patches are active."""
+# name -> (DistributedOptimizer method, wrapper); the numbers refer to the module docstring.
+PATCHES: dict[str, tuple[str, Callable]] = {
+    "fresh_state_dict": ("state_dict", _state_dict),  # 1
+    "per_param_step": ("load_state_dict", _load_state_dict),  # 2
+    "keep_step_on_load": ("_set_main_param_and_optimizer_states", _set_states),  # 3
+}
+
+
+def install(exclude: tuple[str, ...] = ()) -> bool:
+    """Patch ``DistributedOptimizer`` when it runs on torch's Adam. Idempotent: once installed,
+    later calls change nothing until :func:`uninstall` (``exclude`` leaves named patches out, for
+    the test that shows each is needed). Returns whether any patch is active."""
+    unknown = set(exclude) - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown distopt_compat patch(es) {sorted(unknown)}; known: "
+                         f"{tuple(PATCHES)}")
     if not needed():
         return False
-    if not _UNDO:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D
+    if _INSTALLED:
+        return bool(_UNDO)
+    _INSTALLED.append(True)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-        orig = (D.state_dict, D.load_state_dict, D._set_main_param_and_optimizer_states)
-        D.state_dict = _state_dict(orig[0])
-        D.load_state_dict = _load_state_dict(orig[1])
-        D._set_main_param_and_optimizer_states = _set_states(orig[2])
-
-        def undo() -> None:
-            (D.state_dict, D.load_state_dict, D._set_main_param_and_optimizer_states) = orig
-
-        _UNDO.append(undo)
-    return True
+    for name, (method, wrap) in PATCHES.items():
+        if name not in exclude and name not in _UNDO:
+            orig = getattr(DistributedOptimizer, method)
+            setattr(DistributedOptimizer, method, wrap(orig))
+            _UNDO[name] = functools.partial(setattr, DistributedOptimizer, method, orig)
+    return bool(_UNDO)
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (used by the test that shows the patches are needed)."""
-    while _UNDO:
-        _UNDO.pop()()
+    """Undo :func:`install`."""
+    for name in list(_UNDO):
+        _UNDO.pop(name)()
+    _INSTALLED.clear()
+
+
+def active() -> tuple[str, ...]:
+    """Names of the patches applied right now."""
+    return tuple(n for n in PATCHES if n in _UNDO)
