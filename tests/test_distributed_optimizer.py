@@ -9,17 +9,18 @@ One spawned 2-rank job runs every case (process groups reused across layouts):
   differs (so each patch is needed; the shared-``step`` bug shows as a silently wrong resume);
 - TP2xDP1 and TP1xPP2 load that DP2 checkpoint: the same main weights and moments, then the same
   next steps as the uninterrupted run and as the standard optimizer resumed the same way.
+
+And the CLI end to end: a DP2 run with the distributed optimizer, resumed from its first
+checkpoint, logs the same metrics as the uninterrupted run.
 """
 
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from test_actor_checkpoint import _train
 from test_actor_layout import GLOBAL_SEQS, loss_config
+from test_trainer import metrics, run_train
 
 from megatron_rl.parallel.launch import spawn
 
@@ -226,3 +227,21 @@ def test_shim_is_a_no_op_with_apex_or_te(monkeypatch):
             distopt_compat.install()
     with pytest.raises(ValueError, match="unknown distopt_compat patch"):
         distopt_compat.install(exclude=("nope",))
+
+
+E2E = ("parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "optim.use_distributed_optimizer=true",
+       "sft.steps=3", "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=3",
+       "rollout.dynamic_sampling=false", "data.val_size=16")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_run_resumes_to_the_same_metrics(tmp_path):
+    run_train("examples/tiny_dapo.yaml", tmp_path, *E2E)
+    full = metrics(tmp_path)
+    # As if the job had been killed right after its first checkpoint: ``latest`` names step 0
+    # (later checkpoints are overwritten, later metric rows dropped on resume).
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000000")
+    out = run_train("examples/tiny_dapo.yaml", tmp_path, *E2E)
+    assert "resumed from checkpoint at step 1" in out
+    assert metrics(tmp_path) == full and len(full) == 4
