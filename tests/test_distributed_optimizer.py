@@ -8,7 +8,8 @@ One spawned 2-rank job runs every case (process groups reused across layouts):
 - the same resume with each :mod:`megatron_rl.actor.distopt_compat` patch left out fails or
   differs (so each patch is needed; the shared-``step`` bug shows as a silently wrong resume);
 - TP2xDP1 and TP1xPP2 load that DP2 checkpoint: the same main weights and moments, then the same
-  next steps as the uninterrupted run and as the standard optimizer resumed the same way.
+  next steps as the uninterrupted run and as the standard optimizer resumed the same way; a
+  bf16 actor loads the fp32 checkpoint (and vice versa) with the exact fp32 main weights.
 
 And the CLI end to end: a DP2 run with the distributed optimizer, resumed from its first
 checkpoint, logs the same metrics as the uninterrupted run.
@@ -107,6 +108,7 @@ def _resume_and_train(dp: int, dist_opt: bool, precision: str, root: str) -> tup
 
 def _distopt_worker(root: str) -> dict:
     from megatron_rl.actor import distopt_compat
+    from megatron_rl.actor.precision import gather_main_state_dict
     from megatron_rl.parallel import runtime
 
     out: dict = {}
@@ -155,6 +157,14 @@ def _distopt_worker(root: str) -> dict:
                 "loaded": _max_diff(loaded, saved), "final vs DP2": _max_diff(resumed, full),
                 "final vs std": _max_diff(resumed, std),
                 "metrics vs std": _metric_diff(resumed["history"], std["history"])}
+        if (tp, pp) == (2, 1):  # across precisions too: the fp32 main weights are restored
+            for saved_prec, prec in (("fp32", "bf16"), ("bf16", "fp32")):
+                actor = _actor(1, True, prec)
+                actor.resume(os.path.join(root, f"{saved_prec}-dist"))
+                want = ref[saved_prec, True][0]["main"]
+                got = gather_main_state_dict(actor.model, actor.optimizer)
+                out[f"{saved_prec}->{prec}"] = max(float((got[k] - want[k]).abs().max())
+                                                   for k in want)
     rank = torch.distributed.get_rank()
     runtime.shutdown()
     return out if rank == 0 else None
@@ -245,3 +255,9 @@ def test_cli_run_resumes_to_the_same_metrics(tmp_path):
     out = run_train("examples/tiny_dapo.yaml", tmp_path, *E2E)
     assert "resumed from checkpoint at step 1" in out
     assert metrics(tmp_path) == full and len(full) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_checkpoint_loads_across_precisions(report):
+    assert report["fp32->bf16"] == 0.0 and report["bf16->fp32"] == 0.0, report
