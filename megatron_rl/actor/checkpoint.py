@@ -78,7 +78,7 @@ def _layout_key() -> tuple[int, int, int]:
 
 
 def _sharded_state(model, optimizer, is_loading: bool, main_from=None
-                   ) -> tuple[dict, dict[Any, torch.Tensor]]:
+                   ) -> tuple[dict, dict[int, torch.Tensor]]:
     """The model (its fp32 main weights when ``main_from`` is a mixed-precision optimizer) and
     the optimizer state, as megatron sharded state dicts; and the fp32 tensors the model part's
     half-precision params point at (``{}`` for fp32 actors)."""
@@ -99,7 +99,7 @@ def _sharded_state(model, optimizer, is_loading: bool, main_from=None
         sd["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
-    mains: dict[Any, torch.Tensor] = {}
+    mains: dict[int, torch.Tensor] = {}
     if main_from is not None:
         if not distributed_optimizers(main_from):
             mains = main_param_map(main_from)
