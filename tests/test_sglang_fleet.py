@@ -137,7 +137,8 @@ def test_multi_turn_episodes_through_router_match_embedded(tmp_path):
         assert len(got) == len(want) == 4
         assert max(r["turns"] for r in got) >= 2  # really multi-turn
         for g, w in zip(got, want):
-            assert g["response_ids"] == w["response_ids"] and g["response_mask"] == w["response_mask"]
+            assert g["response_ids"] == w["response_ids"]
+            assert g["response_mask"] == w["response_mask"]
             assert g["turn_rewards"] == w["turn_rewards"]
             assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-5)
     finally:
