@@ -235,6 +235,16 @@ def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
     return best
 
 
+def checkpoint_host_bytes(x: PlanInputs) -> float:
+    """Host memory one rank of the worst stage needs to save or load a checkpoint with the
+    distributed optimizer: megatron's ``fully_reshardable`` format gathers the fp32 main weights
+    and both Adam moments of the rank's whole TP/PP shard (12 bytes per parameter) over DP into
+    host tensors. 0 for the standard optimizer (each rank writes its own state as it is)."""
+    if not x.distributed_optimizer:
+        return 0.0
+    return max(stage_params(x.model, x.tp, x.pp, s) for s in {0, x.pp - 1}) * 12.0
+
+
 # --------------------------------------------------------------------------------------------
 # Rollout servers
 # --------------------------------------------------------------------------------------------
@@ -365,6 +375,9 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
     lines += [f"  {k:<58} {_gib(v)}" for k, v in p.actor.items()]
     verdict = "fits" if p.actor_fits else "DOES NOT FIT"
     lines.append(f"  {'total':<58} {_gib(p.actor_total)}  / {x.gpu_mem_gb:g} GiB -> {verdict}")
+    if host := checkpoint_host_bytes(x):
+        lines.append(f"  {'host RAM per rank for checkpoints (fully_reshardable)':<58} "
+                     f"{_gib(host)}")
     if alternatives:
         lines += ["", "  same layout, other settings (total per GPU):"]
         for dist_opt in (False, True):

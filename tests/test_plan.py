@@ -17,6 +17,7 @@ from megatron_rl.plan import (
     PlanError,
     PlanInputs,
     activation_bytes,
+    checkpoint_host_bytes,
     inputs_from_config,
     make_plan,
     optimizer_state_bytes,
@@ -68,6 +69,13 @@ def test_optimizer_state_by_hand():
                                                distributed_optimizer=True))
     assert bf16 == {"weights": 2 * n, "main weights (fp32)": 4 * n / 4,
                     "gradients (fp32)": 4 * n, "Adam moments (fp32)": 8 * n / 4}
+
+
+def test_checkpoint_host_memory_by_hand():
+    x = PlanInputs(model=TINY, precision="bf16", tp=2, pp=2, dp=2, distributed_optimizer=True)
+    worst = max(stage_params(TINY, 2, 2, s) for s in (0, 1))
+    assert checkpoint_host_bytes(x) == 12 * worst  # fp32 main weights + 2 Adam moments
+    assert checkpoint_host_bytes(dataclasses.replace(x, distributed_optimizer=False)) == 0
 
 
 def test_activations_by_hand():
