@@ -47,7 +47,7 @@
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=12
-# --mem=0: all of the node; a checkpoint save/load needs ~46 GiB host RAM per rank (`plan`).
+# --mem=0: all of the node; a checkpoint load needs ~61 GiB host RAM per rank (`plan`).
 #SBATCH --mem=0
 #SBATCH --exclusive
 #SBATCH hetjob

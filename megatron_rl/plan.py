@@ -238,11 +238,14 @@ def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
 def checkpoint_host_bytes(x: PlanInputs) -> float:
     """Host memory one rank of the worst stage needs to save or load a checkpoint with the
     distributed optimizer: megatron's ``fully_reshardable`` format gathers the fp32 main weights
-    and both Adam moments of the rank's whole TP/PP shard (12 bytes per parameter) over DP into
-    host tensors. 0 for the standard optimizer (each rank writes its own state as it is)."""
+    and both Adam moments of the rank's whole TP/PP shard over DP into host tensors (12 bytes per
+    parameter); a half-precision actor's load also reads the model part's fp32 weights into full
+    host buffers before each rank keeps its DP shard (4 more). 0 for the standard optimizer (each
+    rank writes its own state as it is)."""
     if not x.distributed_optimizer:
         return 0.0
-    return max(stage_params(x.model, x.tp, x.pp, s) for s in {0, x.pp - 1}) * 12.0
+    per_param = 12.0 if x.precision == "fp32" else 16.0
+    return max(stage_params(x.model, x.tp, x.pp, s) for s in {0, x.pp - 1}) * per_param
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,7 +74,9 @@ def test_optimizer_state_by_hand():
 def test_checkpoint_host_memory_by_hand():
     x = PlanInputs(model=TINY, precision="bf16", tp=2, pp=2, dp=2, distributed_optimizer=True)
     worst = max(stage_params(TINY, 2, 2, s) for s in (0, 1))
-    assert checkpoint_host_bytes(x) == 12 * worst  # fp32 main weights + 2 Adam moments
+    # fp32 main weights + 2 Adam moments, + the model part's fp32 weights on a bf16 load
+    assert checkpoint_host_bytes(x) == 16 * worst
+    assert checkpoint_host_bytes(dataclasses.replace(x, precision="fp32")) == 12 * worst
     assert checkpoint_host_bytes(dataclasses.replace(x, distributed_optimizer=False)) == 0
 
 

@@ -165,11 +165,8 @@ def _patch_clip_type_check() -> Callable[[], None]:
     return _set_attr(mopt, "clip_grad_by_total_norm_fp32", clip)
 
 
-# --- patch 7: the mixed-precision optimizer's parameter type check ----------------------------
-def _patch_half_optimizer_type_check() -> Callable[[], None]:
-    import megatron.core.optimizer.optimizer as mopt
-
-    cls = mopt.Float16OptimizerWithFloat16Params
+def _type_names_in_init(cls: type) -> Callable[[], None]:
+    """``cls.__init__`` runs with CUDA tensor type names (its parameter type check)."""
     orig = cls.__init__
 
     @functools.wraps(orig)
@@ -180,18 +177,18 @@ def _patch_half_optimizer_type_check() -> Callable[[], None]:
     return _set_attr(cls, "__init__", init)
 
 
+# --- patch 7: the mixed-precision optimizer's parameter type check ----------------------------
+def _patch_half_optimizer_type_check() -> Callable[[], None]:
+    import megatron.core.optimizer.optimizer as mopt
+
+    return _type_names_in_init(mopt.Float16OptimizerWithFloat16Params)
+
+
 # --- patch 8: the distributed optimizer's parameter type check -------------------------------
 def _patch_distrib_optimizer_type_check() -> Callable[[], None]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    orig = DistributedOptimizer.__init__
-
-    @functools.wraps(orig)
-    def init(self, *args, **kwargs):
-        with _cuda_float_type_names():  # scoped to the constructor only
-            orig(self, *args, **kwargs)
-
-    return _set_attr(DistributedOptimizer, "__init__", init)
+    return _type_names_in_init(DistributedOptimizer)
 
 
 # --- patch 6: torch.cuda.synchronize() is a no-op ----------------------------------------------
