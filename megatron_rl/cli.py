@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_rl.repro import add_repro_subcommand
 
     add_repro_subcommand(sub)
+    from megatron_rl.config_doc import add_config_subcommand
+
+    add_config_subcommand(sub)
 
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")

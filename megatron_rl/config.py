@@ -59,7 +59,7 @@ class DataSection:
 
 @dataclass
 class SGLangSection:
-    """The SGLang rollout fleet (``rollout.engine: sglang``; README "SGLang rollout fleet")."""
+    """The SGLang rollout fleet (``rollout.engine: sglang``; docs/rollout.md)."""
 
     servers: list = field(default_factory=list)  # URLs of running servers; empty: start some
     num_servers: int = 2  # servers to start when ``servers`` is empty
@@ -151,7 +151,7 @@ class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
     rollout_correction: str = "none"  # training/inference mismatch: none | tis | mis
-    rollout_correction_threshold: float = 2.0  # C (README "SGLang rollout fleet")
+    rollout_correction_threshold: float = 2.0  # C of TIS min(rho, C) / MIS (docs/rollout.md)
 
     def build(self):
         from megatron_rl.loss import LossConfig
