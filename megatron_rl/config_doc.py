@@ -303,7 +303,8 @@ and the allowed values, exit code 2 (see [troubleshooting.md](troubleshooting.md
 
 `loss.overrides` takes any field of the `LossConfig` table at the end; `loss.algorithm`
 first fills that algorithm's published defaults (see
-[algorithms-and-losses.md](algorithms-and-losses.md)). Rows marked {undoc} have no description in the source yet.
+[algorithms-and-losses.md](algorithms-and-losses.md)). Rows marked {undoc} have no
+description in the source yet.
 
 Sections: {toc}
 """
