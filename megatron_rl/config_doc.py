@@ -18,6 +18,7 @@ import importlib
 import inspect
 import io
 import json
+import re
 import sys
 import textwrap
 import tokenize
@@ -54,6 +55,13 @@ EXTRA_DOCS: dict[str, str] = {
     "rollout.rv_include_zero": "RV filter: keep zero-variance groups in the top-p candidate set",
     "rollout.reward_timeout_s": "a reward call slower than this scores 0 (counted)",
     "rollout.weight_sync_bucket_mb": "bucket size of the actor -> engine weight stream",
+    "rollout.val_temperature": "validation sampling temperature;",
+    "rollout.sglang.weight_sync": "how the actor's weights reach the servers (docs/rollout.md):",
+    "actor.fused_logprob_entropy": "fused output layer + log-prob + entropy (docs/fused-head.md);",
+    "optim.lr_decay_steps": "optimizer steps of the decay;",
+    "critic.mini_batch_size": "critic sequences per optimizer step;",
+    "env.name": "multi-turn environment;",
+    "env.boxes": "boxes per room:",
     "rollout.sglang.host": "host that started servers and the router listen on",
     "rollout.sglang.request_timeout_s": "timeout of one /generate request",
     "trainer.total_steps": "RL steps",
@@ -62,7 +70,7 @@ EXTRA_DOCS: dict[str, str] = {
     "trainer.save_freq": "checkpoint every N steps",
     "trainer.output_dir": "run directory: metrics.jsonl, plots/, checkpoints/ (alias: "
                           "`output_dir=`)",
-    "trainer.seed": "seed of sampling, initialisation and Clip-Cov's random choice",
+    "trainer.seed": "seed of model initialisation, rollout sampling and the warm start",
     "trainer.resume": "continue from OUTPUT_DIR's newest checkpoint when there is one",
     "sft.steps": "supervised warm-start steps before RL (0 = none)",
     "sft.batch_size": "warm-start sequences per step",
@@ -210,6 +218,8 @@ def source_comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
 def type_name(tp: typing.Any) -> str:
     """``int | None``, ``str``, ``list`` ... of a resolved annotation."""
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(sorted({type(a).__name__ for a in args}))
     if args and typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     if tp is type(None):
@@ -239,7 +249,12 @@ def allowed_values(key: str) -> str:
     where = ALLOWED_FROM.get(key)
     if where is None:
         return ""
-    values = getattr(importlib.import_module(where[0]), where[1])
+    try:
+        values = getattr(importlib.import_module(where[0]), where[1])
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"megatron_rl.config_doc.ALLOWED_FROM[{key!r}] names "
+                           f"{where[0]}.{where[1]}, which does not exist ({exc}); update "
+                           "ALLOWED_FROM") from exc
     names = sorted(values) if isinstance(values, dict) else list(values)
     if key == "loss.overrides.policy_loss":
         names = [n for n in names if n != "nll"]  # the supervised warm-start loss
@@ -259,7 +274,10 @@ def section_rows(cls: type, prefix: str) -> list[tuple[str, type, list[FieldDoc]
             nested.extend(section_rows(tp, key))
             continue
         doc = " ".join(t for t in (EXTRA_DOCS.get(key), trailing.get(f.name)) if t)
-        rows.append(FieldDoc(key, type_name(tp), default_text(f), allowed_values(key), doc,
+        allowed = allowed_values(key)
+        if not allowed and typing.get_origin(tp) is typing.Literal:
+            allowed = ", ".join(f"`{a}`" for a in typing.get_args(tp))
+        rows.append(FieldDoc(key, type_name(tp), default_text(f), allowed, doc,
                              group.get(f.name, "")))
     return [(prefix, cls, rows), *nested]
 
@@ -279,7 +297,9 @@ def undocumented_keys() -> list[str]:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Table-cell text: RST literals as Markdown, ``|`` escaped, ``docs/x.md`` as a link."""
+    text = text.replace("``", "`").replace("|", "\\|").replace("\n", " ")
+    return re.sub(r"docs/([\w\-]+\.md)", r"[\1](\1)", text)
 
 
 def _class_doc(cls: type) -> str:

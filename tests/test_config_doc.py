@@ -61,16 +61,19 @@ class _Sample:
     c: list = field(
         default_factory=list)  # multi-line field
     d: float | None = None
+    e: typing.Literal["x", "y"] = "x"  # a choice
 
 
 def test_comments_types_defaults_and_markers():
     trailing, group = config_doc.source_comments(_Sample)
-    assert trailing == {"a": "the a field", "b": "b's doc | with a bar", "c": "multi-line field"}
+    assert trailing == {"a": "the a field", "b": "b's doc | with a bar", "c": "multi-line field",
+                        "e": "a choice"}
     assert group == {"a": "a group note over two lines"}
     (_, _, rows), = config_doc.section_rows(_Sample, "s")
     by = {r.key: r for r in rows}
     assert by["s.b"].default == "x # not a comment" and by["s.d"].type == "float | None"
     assert by["s.d"].default == "null" and by["s.c"].default == "[]" and by["s.d"].doc == ""
+    assert by["s.e"].type == "str" and by["s.e"].allowed == "`x`, `y`"
     assert config_doc.allowed_values("loss.overrides.kl_loss_type").startswith("`k1`, `kl`")
 
 
