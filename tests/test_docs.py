@@ -61,3 +61,29 @@ def test_readme_is_short_and_runs_the_ci_command():
     assert f"```bash\n{test_cmd}\n```" in readme
     assert ("```bash\npython -m pip install torch==2.13.0 -e . && python -m megatron_rl train "
             "examples/tiny_dapo.yaml\n```") in readme.split("---")[0]
+
+
+def ragged_table_rows(text: str) -> list[int]:
+    """Line numbers of Markdown table rows whose cell count differs from the table's header (an
+    unescaped ``|`` inside a cell splits it)."""
+    bad, width, fenced = [], None, False
+    for no, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or not line.startswith("|"):
+            width = None
+            continue
+        cells = len(re.split(r"(?<!\\)\|", line)) - 2
+        if width is None:
+            width = cells
+        elif cells != width:
+            bad.append(no)
+    return bad
+
+
+def test_tables_are_rectangular():
+    assert ragged_table_rows("| a | b |\n|---|---|\n| `x\\|y` | z |\n") == []
+    assert ragged_table_rows("| a | b |\n|---|---|\n| `x|y` | z |\n") == [3]
+    bad = {str(f.relative_to(ROOT)): ragged_table_rows(f.read_text()) for f in _doc_files()}
+    assert {f: rows for f, rows in bad.items() if rows} == {}
