@@ -50,7 +50,8 @@ def run(cfg: LossConfig, logp, old, adv, mask, rollout=None):
     out.loss.backward()
     acc = MetricAccumulator()
     acc.update(out.stats)
-    return float(out.loss.detach()), lp.grad.tolist(), {k: float(v) for k, v in acc.reduce(ctx).items()}
+    metrics = {k: float(v) for k, v in acc.reduce(ctx).items()}
+    return float(out.loss.detach()), lp.grad.tolist(), metrics
 
 
 def close(got, want, atol=ATOL):
@@ -343,3 +344,42 @@ def test_gmpo_rollout_correction_uses_mean_token_weight():
     got, _, _ = run(LossConfig.for_algorithm("gmpo", rollout_correction="tis"), logp, old,
                     [[1.0] * 3], [[1, 1, 1]], rollout=roll)
     close(got, base * sum(w) / 3)
+
+
+# ---- fused linear + log-prob head ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gmpo", "sapo", "dppo_tv", "dppo_kl"])
+def test_fused_head_gives_the_unfused_gradients(name):
+    """logp from the fused head (row-chunked, no [N, V] logits kept; fp32) vs log_softmax(h W^T):
+    the new losses back-propagate the same gradients into the hidden states and the head weight."""
+    from megatron_rl.kernels.fused_head import fused_linear_logprob_entropy
+
+    g = torch.Generator().manual_seed(3)
+    b, t, h, v = 3, 5, 8, 11
+    hidden = torch.randn(b * t, h, generator=g, dtype=torch.float32)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float32)
+    labels = torch.randint(0, v, (b * t,), generator=g)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -0.5, 0.0], dtype=torch.float32)[:, None].expand(b, t)
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, labels[:, None])[:, 0]
+    old = (ref_lp + 0.3 * torch.randn(b * t, generator=g, dtype=torch.float32)).view(b, t)
+    cfg = LossConfig.for_algorithm(name, dppo_tv_delta_low=0.05, dppo_tv_delta_high=0.05,
+                                   dppo_kl_delta_low=0.01, dppo_kl_delta_high=0.01,
+                                   gmpo_clip_low=0.2, gmpo_clip_high=0.2)
+    ctx = Ctx.from_minibatch(mask, group=None)
+    grads = []
+    for fused in (True, False):
+        hd, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if fused:
+            lp, _ = fused_linear_logprob_entropy(hd, w, labels, backend="torch", chunk_size=4,
+                                                 compute_entropy=False)
+        else:
+            lp = torch.log_softmax(hd @ w.t(), -1).gather(-1, labels[:, None])[:, 0]
+        out = compute_loss(LossInputs(lp.view(b, t), old, adv, mask), cfg, ctx)
+        out.loss.backward()
+        grads.append((float(out.loss.detach()), hd.grad, w.grad))
+    (lf, hf, wf), (lu, hu, wu) = grads
+    close(lf, lu, 1e-6)
+    torch.testing.assert_close(hf, hu, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wf, wu, atol=1e-5, rtol=1e-5)
+    assert hu.abs().max() > 1e-3
