@@ -5,7 +5,9 @@ PPO's trust region is a band on the ratio ``r = p / q`` (``p = pi(y_t)``, ``q = 
 which over-restricts rare tokens (q = 1e-5 -> 1e-3 is r = 100) and under-restricts likely ones
 (q = 0.99 -> 0.8 is r = 0.81). DPPO instead masks a token when a divergence between the old and the
 new distribution, approximated on the binary split {y_t, everything else}, exceeds delta *and* the
-update moves further away in the direction the advantage pushes::
+update moves further away in the direction the advantage pushes (the paper's DPPO objective with
+its Binary-TV / Binary-KL approximations; equation numbers are not quoted because only the authors'
+README and code, not the PDF, could be read here)::
 
     TV:  D = |p - q|                                     (binary total variation)
     KL:  D = q log(q / p) + (1 - q) log((1 - q) / (1 - p))  (binary KL(old || new))

@@ -1,6 +1,8 @@
 """GMPO, geometric-mean policy optimisation (Zhao et al., arXiv 2507.20673).
 
-Objective (the paper's clipped GMPO objective, written in log space as in its code)::
+Objective (the paper's clipped GMPO objective, written in log space as in its code; equation
+numbers are not quoted because only the paper's abstract and summaries could be read here, so the
+formula is taken from the authors' code below)::
 
     J = E[ 1/G sum_i A_i * exp( 1/|y_i| sum_t c_{i,t} ) ]
     c_{i,t} = min(d_t, clip(d_t, -eps_low, eps_high))   if A_i > 0

@@ -1,6 +1,7 @@
 """SAPO, soft adaptive policy optimisation (Gao et al., Qwen team, arXiv 2511.20347).
 
-Objective (the paper's SAPO objective with its soft gate ``f``)::
+Objective (the paper's SAPO objective with its soft gate ``f``; equation numbers are not quoted
+because only the abstract and secondary write-ups (verl, AReaL, ms-swift docs) could be read here)::
 
     J = E[ 1/G sum_i 1/|y_i| sum_t f_{i,t}(r_{i,t}) A_{i,t} ]
     f_{i,t}(x) = sigmoid(tau_{i,t} (x - 1)) * 4 / tau_{i,t},   tau = tau_pos if A > 0 else tau_neg
