@@ -128,3 +128,113 @@ def test_training_after_onload_equals_never_offloaded(roundtrips, case):
     assert r["state"].keys() == r["ref_state"].keys()
     for k, v in r["state"].items():
         assert torch.equal(v, r["ref_state"][k]), k
+
+
+# ---- our serve: SGLang's /release_memory_occupation and /resume_memory_occupation ------------
+@pytest.fixture()
+def server():
+    import threading
+
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.serve import ServeState, make_server
+
+    torch.manual_seed(0)
+    state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
+    srv = make_server(state, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{state.port}", state
+    srv.shutdown()
+
+
+def _gen(url: str, n: int = 4, **sp):
+    from megatron_rl.rollout.fleet import http_json
+
+    return http_json("POST", url + "/generate", {
+        "input_ids": [5, 6, 7], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "sampling_seed": 3, **sp}},
+        timeout=120)
+
+
+def test_serve_release_frees_weights_and_refuses_generation(server):
+    from megatron_rl.rollout.fleet import ServerError, http_json
+    from megatron_rl.rollout.memory_occupation import release_servers, resume_servers
+    from megatron_rl.testing.device_accounting import device_bytes
+
+    url, state = server
+    first = _gen(url)
+    held = device_bytes(state.model, "cpu")
+    assert held > 0
+    assert http_json("POST", url + "/release_memory_occupation", {"tags": None}) is None
+    assert device_bytes(state.model, "cpu") == 0  # every weight storage is freed
+    assert http_json("GET", url + "/server_info")["internal_states"][0]["memory_released"] == \
+        ["cuda_graph", "kv_cache", "weights"]
+    with pytest.raises(ServerError, match="HTTP 400.*memory released"):
+        _gen(url)
+    with pytest.raises(ServerError, match="HTTP 400.*weights released"):
+        http_json("POST", url + "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    with pytest.raises(ServerError, match="HTTP 400.*must be one of"):  # an unknown tag
+        resume_servers([url], ["bogus"])
+    resume_servers([url])  # tags None: all three
+    assert device_bytes(state.model, "cpu") == held
+    p = next(state.model.parameters())
+    assert torch.isnan(p).all()  # resumed weights hold nothing until the next weight sync
+    with pytest.raises(ServerError, match="HTTP 400.*not released"):
+        resume_servers([url], ["weights"])
+    # partial: the KV cache alone; the weights stay, generation waits for the resume
+    release_servers([url], ["kv_cache"])
+    assert device_bytes(state.model, "cpu") == held
+    with pytest.raises(ServerError, match="HTTP 400.*kv_cache"):
+        _gen(url)
+    resume_servers([url], ["kv_cache"])
+    assert first["meta_info"]["completion_tokens"] == 4
+
+
+def test_serve_release_refused_while_a_request_runs(server):
+    import threading
+    import time
+
+    from megatron_rl.rollout.fleet import ServerError, http_json
+
+    url, state = server
+    th = threading.Thread(target=_gen, args=(url, 100000), kwargs={"ignore_eos": True},
+                          daemon=True)
+    th.start()
+    deadline = time.monotonic() + 60
+    while not state.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.inflight
+    with pytest.raises(ServerError, match="HTTP 400.*no ongoing request"):
+        http_json("POST", url + "/release_memory_occupation", {})
+    http_json("POST", url + "/abort_request", {"abort_all": True})
+    th.join(60)
+    assert http_json("POST", url + "/release_memory_occupation", {}) is None
+
+
+def test_serve_weight_sync_after_resume_restores_exact_weights(server, tmp_path):
+    from megatron_rl.config import SGLangSection
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.fleet import Fleet
+    from megatron_rl.rollout.memory_occupation import release_servers, resume_servers
+    from megatron_rl.rollout.sampling import teacher_forced_logprobs
+    from megatron_rl.rollout.sglang_client import SGLangEngine
+    from megatron_rl.rollout.weight_sync import make_strategy, push_single_process
+    from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens
+
+    url, state = server
+    torch.manual_seed(5)
+    other = build_hf_model(get_preset("tiny"))
+    fleet = Fleet(SGLangSection(servers=[url], router_url=url), "preset:tiny", 1,
+                  str(tmp_path / "logs"))
+    fleet.workers = {url: "direct"}
+    eng = SGLangEngine(fleet, 1, concurrency=2)
+    eng.sync = make_strategy("from_tensor", fleet, str(tmp_path / "sync"))
+    release_servers([url])
+    resume_servers([url])
+    push_single_process(eng, [list(other.state_dict().items())], version=3)
+    for (n, p), (_, q) in zip(other.named_parameters(), state.model.named_parameters()):
+        assert torch.equal(p, q), n
+    ids = probe_tokens(get_preset("tiny").vocab_size, 12)
+    worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-5)
+    assert not errors
