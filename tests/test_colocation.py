@@ -15,6 +15,8 @@ optimizer in fp32 and the distributed optimizer in bf16:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -178,7 +180,7 @@ def test_serve_release_frees_weights_and_refuses_generation(server):
     resume_servers([url])  # tags None: all three
     assert device_bytes(state.model, "cpu") == held
     p = next(state.model.parameters())
-    assert torch.isnan(p).all()  # resumed weights hold nothing until the next weight sync
+    assert not p.any()  # resumed weights hold nothing (zeros) until the next weight sync
     with pytest.raises(ServerError, match="HTTP 400.*not released"):
         resume_servers([url], ["weights"])
     # partial: the KV cache alone; the weights stay, generation waits for the resume
@@ -238,3 +240,48 @@ def test_serve_weight_sync_after_resume_restores_exact_weights(server, tmp_path)
     ids = probe_tokens(get_preset("tiny").vocab_size, 12)
     worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-5)
     assert not errors
+
+
+# ---- the colocated loop through our serve fleet and the real router --------------------------
+def _run(out, *overrides: str) -> tuple[list[dict], str]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
+           "trainer.test_freq=3", "trainer.save_freq=2", "trainer.train_batch_size=4",
+           "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
+           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
+           "rollout.temperature=0.9", "rollout.engine=sglang", "rollout.sglang.num_servers=2",
+           "rollout.sglang.weight_sync=from_tensor", *overrides]
+    env = {**os.environ, "PYTHONPATH": root}
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=800, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_colocated_run_equals_separate_run(tmp_path):
+    from test_sglang_fleet import free_port_block
+
+    sep, _ = _run(tmp_path / "sep", f"rollout.sglang.router_port={free_port_block(3)}")
+    colo, log = _run(tmp_path / "colo", f"rollout.sglang.router_port={free_port_block(3)}",
+                     "rollout.sglang.colocate=true")
+    assert "[colocation] rank 0 actor offloaded to the host: params" in log
+    assert len(sep) == len(colo) >= 3
+    for a, b in zip(sep, colo):
+        keys = {k for k in a if not k.startswith(("time", "gpu/", "rollout/weight_sync_"))
+                and k != "wall_s"}
+        assert keys == {k for k in b if not k.startswith(("time", "gpu/",
+                                                          "rollout/weight_sync_"))
+                        and k != "wall_s"}
+        for k in keys:
+            assert a[k] == b[k], k  # bit for bit: the offload round trip is exact
+    assert all("time/colocate_swap" in r for r in colo if "policy/pg_loss" in r)
+    assert not any("time/colocate_swap" in r for r in sep)
+    ckpts = sorted(os.listdir(tmp_path / "colo" / "checkpoints"))
+    assert ckpts  # the save between offloads worked

@@ -13,8 +13,9 @@ SGLang (``srt/managers/io_struct.py``, ``scheduler_update_weights_mixin.py``; se
 - Success answers HTTP 200; an error answers 400 ``{"error": {"message": ...}}``.
 
 :class:`MemoryOccupation` is the server side used by :mod:`megatron_rl.rollout.serve`; it frees the
-served model's parameter storages for real (resize to 0 bytes), fills resumed weights with NaN
-(so a generation before the weight sync gives NaN log-probs, never plausible numbers), and refuses
+served model's parameter storages for real (resize to 0 bytes), zeroes resumed weights (SGLang
+leaves them undefined; zeros give the uniform distribution, which the weight sync's probe would
+catch, and a health check before the sync still answers, as SGLang's does), and refuses
 generation and weight updates while the regions they need are released (real SGLang has no guard:
 it would run on unmapped memory). :func:`release_servers` / :func:`resume_servers` are the
 trainer's calls.
@@ -78,8 +79,7 @@ class MemoryOccupation:
                 st.resize_(nbytes)
             with torch.no_grad():
                 for p in self.model.parameters():
-                    if p.is_floating_point():
-                        p.fill_(float("nan"))
+                    p.zero_()
                 bufs = dict(self.model.named_buffers())
                 for name, saved in self._buffers:
                     bufs[name].copy_(saved)
