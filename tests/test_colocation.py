@@ -251,11 +251,11 @@ def _run(out, *overrides: str) -> tuple[list[dict], str]:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
-           "trainer.test_freq=3", "trainer.save_freq=2", "trainer.train_batch_size=4",
+           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=2",
+           "trainer.test_freq=2", "trainer.save_freq=1", "trainer.train_batch_size=4",
            "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
            "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
-           "rollout.temperature=0.9", "rollout.engine=sglang", "rollout.sglang.num_servers=2",
+           "rollout.temperature=0.9", "rollout.engine=sglang", "rollout.sglang.num_servers=1",
            "rollout.sglang.weight_sync=from_tensor", *overrides]
     env = {**os.environ, "PYTHONPATH": root}
     res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=800, env=env)
@@ -268,11 +268,12 @@ def _run(out, *overrides: str) -> tuple[list[dict], str]:
 def test_colocated_run_equals_separate_run(tmp_path):
     from test_sglang_fleet import free_port_block
 
-    sep, _ = _run(tmp_path / "sep", f"rollout.sglang.router_port={free_port_block(3)}")
-    colo, log = _run(tmp_path / "colo", f"rollout.sglang.router_port={free_port_block(3)}",
+    sep, _ = _run(tmp_path / "sep", f"rollout.sglang.router_port={free_port_block(2)}")
+    colo, log = _run(tmp_path / "colo", f"rollout.sglang.router_port={free_port_block(2)}",
                      "rollout.sglang.colocate=true")
     assert "[colocation] rank 0 actor offloaded to the host: params" in log
-    assert len(sep) == len(colo) >= 3
+    assert len(sep) == len(colo) == 3  # the start's validation + 2 steps
+    assert all(r["actor/grad_norm"] > 0 for r in colo[1:])  # real updates to carry over
     for a, b in zip(sep, colo):
         keys = {k for k in a if not k.startswith(("time", "gpu/", "rollout/weight_sync_"))
                 and k != "wall_s"}
@@ -283,8 +284,8 @@ def test_colocated_run_equals_separate_run(tmp_path):
             assert a[k] == b[k], k  # bit for bit: the offload round trip is exact
     assert all("time/colocate_swap" in r for r in colo if "policy/pg_loss" in r)
     assert not any("time/colocate_swap" in r for r in sep)
-    ckpts = sorted(os.listdir(tmp_path / "colo" / "checkpoints"))
-    assert ckpts  # the save between offloads worked
+    ckpts = [c for c in os.listdir(tmp_path / "colo" / "checkpoints") if c.startswith("step")]
+    assert len(ckpts) >= 1  # saved between offloads (step 1), and the run went on
 
 
 # ---- config rules ------------------------------------------------------------------------------
