@@ -364,3 +364,72 @@ def test_cuda_offload_frees_device_memory_and_round_trips():
     assert r["pinned"] and r["same"] and r["n"] > 10
     # what is left is the batch and the allocator's rounding, far below what was moved
     assert r["held"] - r["left"] >= 0.95 * r["moved"]
+
+
+# ---- the hand-offs of one colocated step, in order (1 rank, our serve in-process) ----------
+def _handoff_worker() -> dict:
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_rl.colocation import Colocation
+    from megatron_rl.config import load_config
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.fleet import http_json
+    from megatron_rl.rollout.serve import ServeState, make_server
+    from megatron_rl.testing.device_accounting import device_bytes
+
+    runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=120)
+    state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
+    srv = make_server(state, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{state.port}"
+    cfg = load_config("examples/tiny_dapo.yaml", ["rollout.engine=sglang",
+                                                  "rollout.sglang.colocate=true",
+                                                  "rollout.sglang.weight_sync=from_tensor"])
+    actor = _actor("fp32", False)
+    from test_actor_layout import make_global_batch
+
+    batch = make_global_batch()
+    batch.pop("old_noise")
+    _step(actor, batch, 0)
+    full = device_bytes(actor, "cpu")
+    driver = SimpleNamespace(engine=SimpleNamespace(fleet=SimpleNamespace(urls=[url])))
+    colo = Colocation(cfg, actor, driver)
+    seen: dict = {"full": full}
+
+    def released() -> list:
+        return http_json("GET", url + "/server_info")["internal_states"][0]["memory_released"]
+
+    colo.before_engine_start()
+    seen["start"] = device_bytes(actor, "cpu")
+
+    def fake_sync(tag: str) -> None:  # what the weight sync sees
+        seen[tag] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+
+    colo.sync(fake_sync, "first_sync")
+    seen["rollout"] = (device_bytes(actor, "cpu"), released())
+    colo.after_rollout()
+    seen["update"] = (device_bytes(actor, "cpu"), released())
+    _step(actor, batch, 1)
+    colo.sync(fake_sync, "sync")
+    with colo.resident():
+        seen["save"] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+    seen["after_save"] = (device_bytes(actor, "cpu"), released())
+    srv.shutdown()
+    runtime.shutdown()
+    return seen
+
+
+def test_colocated_handoffs_in_order():
+    s = spawn(_handoff_worker, 1, timeout_s=600)[0]
+    assert s["start"] == 0  # offloaded before the servers start
+    for tag in ("first_sync", "sync"):  # the sync: parameters only, servers resumed
+        held, rel, groups = s[tag]
+        assert 0 < held < s["full"] and rel == [] and groups == ["grads", "optimizer"]
+    assert s["rollout"] == (0, [])  # rollout: nothing of the actor, servers whole
+    assert s["update"] == (s["full"], ["cuda_graph", "kv_cache", "weights"])
+    held, rel, groups = s["save"]  # a save: params + optimizer, servers drop only the KV cache
+    assert rel == ["kv_cache"] and groups == ["grads"] and 0 < held < s["full"]
+    assert s["after_save"] == (0, [])
