@@ -24,18 +24,11 @@ from megatron_rl.config import ConfigError
 
 
 def validate_colocation(cfg) -> None:
-    """Config rules of ``rollout.sglang.colocate`` and of servers started on the trainer's GPUs;
-    messages name the fields and the allowed values."""
+    """Config rules of ``rollout.sglang.colocate``; messages name the fields and the allowed
+    values. (Servers started on the trainer's GPUs without colocation are refused when they would
+    start: :func:`server_gpus` -- a config may list its servers only on the command line.)"""
     s = cfg.rollout.sglang
     if not s.colocate:
-        if cfg.rollout.engine == "sglang" and s.launcher == "sglang" and not s.servers and \
-                not s.gpus:
-            raise ConfigError(
-                "rollout.sglang.launcher='sglang' with empty rollout.sglang.gpus would start the "
-                "SGLang servers on the trainer's GPUs while the actor keeps all its memory: set "
-                "rollout.sglang.gpus to GPUs the trainer does not use (a separate fleet), or "
-                "rollout.sglang.colocate=true (share the trainer's GPUs; the actor is offloaded "
-                "during rollout and the servers release their memory during the update)")
         return
     if cfg.rollout.engine != "sglang":
         raise ConfigError(f"rollout.sglang.colocate=true needs rollout.engine='sglang', got "
@@ -51,20 +44,31 @@ def validate_colocation(cfg) -> None:
                           "dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)")
 
 
+PLACEMENT_ERROR = (
+    "rollout.sglang.launcher='sglang' with empty rollout.sglang.gpus would start the SGLang "
+    "servers on the trainer's GPUs while the actor keeps all its memory: set rollout.sglang.gpus "
+    "to GPUs the trainer does not use (a separate fleet), list running servers in "
+    "rollout.sglang.servers, or set rollout.sglang.colocate=true (share the trainer's GPUs; the "
+    "actor is offloaded during rollout and the servers release their memory during the update)")
+
+
 def server_gpus(s, i: int) -> list[str]:
     """CUDA device ids of started server ``i``: ``rollout.sglang.gpus``, or -- colocated SGLang
     servers with no list -- the trainer's own GPUs, ``tp_size`` per server from its first GPU
-    (through the trainer's ``CUDA_VISIBLE_DEVICES`` when set)."""
+    (through the trainer's ``CUDA_VISIBLE_DEVICES`` when set). An SGLang server with neither is
+    refused (:data:`PLACEMENT_ERROR`)."""
     import os
 
     if s.gpus:
         gpus = [str(g) for g in s.gpus]
-    elif s.colocate and s.launcher == "sglang":
+    elif s.launcher == "sglang" and s.colocate:
         visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
         n = s.num_servers * s.tp_size
         gpus = visible[:n] if visible else [str(g) for g in range(n)]
+    elif s.launcher == "sglang":
+        raise ConfigError(PLACEMENT_ERROR)
     else:
-        gpus = []
+        gpus = []  # our CPU serve
     return gpus[i * s.tp_size:(i + 1) * s.tp_size]
 
 

@@ -290,8 +290,6 @@ def test_colocated_run_equals_separate_run(tmp_path):
 
 # ---- config rules ------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,match", [
-    (["rollout.engine=sglang", "rollout.sglang.launcher=sglang"],
-     "rollout.sglang.gpus.*rollout.sglang.colocate=true"),
     (["rollout.sglang.colocate=true"], "needs rollout.engine='sglang'"),
     (["rollout.engine=sglang", "rollout.sglang.colocate=true",
       "rollout.sglang.weight_sync=from_distributed"], "from_tensor"),
@@ -307,8 +305,8 @@ def test_colocation_config_errors(overrides, match):
 
 def test_colocation_config_accepted_and_server_placement(monkeypatch):
     from megatron_rl.colocation import server_gpus
-    from megatron_rl.config import SGLangSection, load_config
-    from megatron_rl.rollout.fleet import server_command
+    from megatron_rl.config import ConfigError, SGLangSection, load_config
+    from megatron_rl.rollout.fleet import Fleet, server_command
 
     cfg = load_config("examples/tiny_dapo.yaml", [
         "rollout.engine=sglang", "rollout.sglang.launcher=sglang", "rollout.sglang.colocate=true",
@@ -324,6 +322,12 @@ def test_colocation_config_accepted_and_server_placement(monkeypatch):
     # a separate fleet keeps its own list; our CPU serve gets none
     assert server_gpus(SGLangSection(launcher="sglang", gpus=[6, 7], num_servers=2), 1) == ["7"]
     assert server_gpus(SGLangSection(colocate=True), 0) == []
+    # SGLang servers on the trainer's GPUs without colocation: refused when they would start
+    with pytest.raises(ConfigError, match="rollout.sglang.gpus.*rollout.sglang.colocate=true"):
+        server_gpus(SGLangSection(launcher="sglang"), 0)
+    with pytest.raises(ConfigError, match="rollout.sglang.gpus"):
+        Fleet(SGLangSection(launcher="sglang", router_url="http://127.0.0.1:9"), "/m", 1,
+              "/tmp/unused").start_server(0)
     load_config("examples/tiny_dapo.yaml", ["rollout.engine=sglang",  # a separate fleet: fine
                                             "rollout.sglang.launcher=sglang",
                                             "rollout.sglang.gpus=[2,3]"])
