@@ -52,15 +52,13 @@ def _bytes_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_as_bytes(t.untyped_storage()).clone() for t in tensors]
 
 
-def _roundtrip_worker(precision: str, dist_opt: bool) -> dict:
+def _roundtrip(precision: str, dist_opt: bool) -> dict:
     from test_actor_layout import make_global_batch
 
     from megatron_rl.actor.offload import ActorOffload
     from megatron_rl.models.weights import gather_full_state_dict
-    from megatron_rl.parallel import runtime
     from megatron_rl.testing.device_accounting import device_bytes, device_tensors
 
-    runtime.init_parallel(tp=2, pp=1, dp=1, timeout_s=120)
     batch = make_global_batch()
     batch.pop("old_noise")
     out: dict = {}
@@ -93,17 +91,24 @@ def _roundtrip_worker(precision: str, dist_opt: bool) -> dict:
     ref_hist = _step(ref, batch, 0) + _step(ref, batch, 1)
     out["ref_state"] = gather_full_state_dict(ref.model)
     out["ref_hist"] = ref_hist
+    return out
+
+
+def _worker() -> dict:
+    """Every multi-rank check of this file in one 2-rank TP2 job (one process-group start)."""
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=2, pp=1, dp=1, timeout_s=120)
+    out = {case: _roundtrip(*case) for case in CASES}
+    out["handoffs"] = _handoffs()
     runtime.shutdown()
     return out
 
 
 @pytest.fixture(scope="module")
 def roundtrips() -> dict:
-    res = {}
-    for precision, dist_opt in CASES:
-        res[(precision, dist_opt)] = spawn(_roundtrip_worker, 2, (precision, dist_opt),
-                                           timeout_s=600)
-    return res
+    ranks = spawn(_worker, 2, timeout_s=900)
+    return {key: [r[key] for r in ranks] for key in ranks[0]}
 
 
 @pytest.mark.parametrize("case", CASES, ids=["fp32-standard", "bf16-distopt"])
@@ -371,7 +376,7 @@ def test_cuda_offload_frees_device_memory_and_round_trips():
 
 
 # ---- the hand-offs of one colocated step, in order (1 rank, our serve in-process) ----------
-def _handoff_worker() -> dict:
+def _handoffs() -> dict:
     import threading
     from types import SimpleNamespace
 
@@ -384,11 +389,13 @@ def _handoff_worker() -> dict:
     from megatron_rl.rollout.serve import ServeState, make_server
     from megatron_rl.testing.device_accounting import device_bytes
 
-    runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=120)
-    state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
-    srv = make_server(state, "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{state.port}"
+    rank0 = torch.distributed.get_rank() == 0
+    srv = None
+    if rank0:  # the engine lives on rank 0, as in the trainer
+        state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
+        srv = make_server(state, "127.0.0.1", 0)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = runtime.broadcast_object(f"http://127.0.0.1:{state.port}" if rank0 else None)
     cfg = load_config("examples/tiny_dapo.yaml", ["rollout.engine=sglang",
                                                   "rollout.sglang.colocate=true",
                                                   "rollout.sglang.weight_sync=from_tensor"])
@@ -399,7 +406,8 @@ def _handoff_worker() -> dict:
     batch.pop("old_noise")
     _step(actor, batch, 0)
     full = device_bytes(actor, "cpu")
-    driver = SimpleNamespace(engine=SimpleNamespace(fleet=SimpleNamespace(urls=[url])))
+    driver = SimpleNamespace(engine=SimpleNamespace(fleet=SimpleNamespace(urls=[url]))
+                             if rank0 else None)
     colo = Colocation(cfg, actor, driver)
     seen: dict = {"full": full}
 
@@ -409,31 +417,35 @@ def _handoff_worker() -> dict:
     colo.before_engine_start()
     seen["start"] = device_bytes(actor, "cpu")
 
-    def fake_sync(tag: str) -> None:  # what the weight sync sees
+    def fake_sync(tag: str) -> None:  # what the weight sync sees (collective, like the real one)
         seen[tag] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+        runtime.broadcast_object(None)
 
     colo.sync(fake_sync, "first_sync")
     seen["rollout"] = (device_bytes(actor, "cpu"), released())
+    runtime.broadcast_object(None)  # the rollout's batch broadcast
     colo.after_rollout()
     seen["update"] = (device_bytes(actor, "cpu"), released())
     _step(actor, batch, 1)
     colo.sync(fake_sync, "sync")
     with colo.resident():
         seen["save"] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+        runtime.broadcast_object(None)  # the save is collective too
     seen["after_save"] = (device_bytes(actor, "cpu"), released())
-    srv.shutdown()
-    runtime.shutdown()
+    runtime.broadcast_object(None)  # every rank has asked before the server stops
+    if srv is not None:
+        srv.shutdown()
     return seen
 
 
-def test_colocated_handoffs_in_order():
-    s = spawn(_handoff_worker, 1, timeout_s=600)[0]
-    assert s["start"] == 0  # offloaded before the servers start
-    for tag in ("first_sync", "sync"):  # the sync: parameters only, servers resumed
-        held, rel, groups = s[tag]
-        assert 0 < held < s["full"] and rel == [] and groups == ["grads", "optimizer"]
-    assert s["rollout"] == (0, [])  # rollout: nothing of the actor, servers whole
-    assert s["update"] == (s["full"], ["cuda_graph", "kv_cache", "weights"])
-    held, rel, groups = s["save"]  # a save: params + optimizer, servers drop only the KV cache
-    assert rel == ["kv_cache"] and groups == ["grads"] and 0 < held < s["full"]
-    assert s["after_save"] == (0, [])
+def test_colocated_handoffs_in_order(roundtrips):
+    for s in roundtrips["handoffs"]:  # every rank, in step with rank 0's server calls
+        assert s["start"] == 0  # offloaded before the servers start
+        for tag in ("first_sync", "sync"):  # the sync: parameters only, servers resumed
+            held, rel, groups = s[tag]
+            assert 0 < held < s["full"] and rel == [] and groups == ["grads", "optimizer"]
+        assert s["rollout"] == (0, [])  # rollout: nothing of the actor, servers whole
+        assert s["update"] == (s["full"], ["cuda_graph", "kv_cache", "weights"])
+        held, rel, groups = s["save"]  # a save: params + optimizer, servers drop the KV cache
+        assert rel == ["kv_cache"] and groups == ["grads"] and 0 < held < s["full"]
+        assert s["after_save"] == (0, [])
