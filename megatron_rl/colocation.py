@@ -98,7 +98,8 @@ class Colocation:
                 urls = engine.fleet.urls
                 if action == "release":
                     mo.release_servers(urls, tags)
-                    self.servers_released = mo.resolve_tags(tags)
+                    self.servers_released = sorted({*self.servers_released,
+                                                    *mo.resolve_tags(tags)})
                 else:
                     todo = list(tags or self.servers_released)
                     if todo:  # only what was released (SGLang refuses the rest)
