@@ -70,6 +70,7 @@ class SGLangSection:
     tp_size: int = 1  # --tp-size of each started SGLang server
     mem_fraction_static: float = 0.8  # --mem-fraction-static of each started SGLang server
     gpus: list = field(default_factory=list)  # CUDA ids for started servers (tp_size per server)
+    colocate: bool = False  # share the trainer's GPUs, taking turns with memory (colocation.md)
     concurrency: int = 32  # requests in flight
     request_timeout_s: float = 600.0
     max_retries: int = 3  # per request, on another server
@@ -377,6 +378,9 @@ def validate_run_config(cfg: RunConfig) -> None:
         from megatron_rl.rollout.fleet import validate_sglang_section
 
         validate_sglang_section(cfg.rollout.sglang)
+    from megatron_rl.colocation import validate_colocation
+
+    validate_colocation(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
         if getattr(cfg.trainer, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1")

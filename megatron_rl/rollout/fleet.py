@@ -105,7 +105,8 @@ def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[st
     if s.launcher == "sglang":
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", s.host, "--port", str(port), "--tp-size", str(s.tp_size),
-                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init"]
+                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init"] + \
+            (["--enable-memory-saver"] if getattr(s, "colocate", False) else [])  # release/resume
     cmd = [sys.executable, "-m", "megatron_rl", "serve", "--model-path", model_path,
            "--host", s.host, "--port", str(port), "--threads", str(s.server_threads)]
     return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)])
@@ -151,9 +152,10 @@ class Fleet:
         port = s.router_port + 1 + i
         url = f"http://{s.host}:{port}"
         env = dict(os.environ)
-        if s.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in
-                                                   s.gpus[i * s.tp_size:(i + 1) * s.tp_size])
+        from megatron_rl.colocation import server_gpus  # colocate: the trainer's GPUs
+
+        if gpus := server_gpus(s, i):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
                                                                    self.eos_id), env)
         return url

@@ -11,7 +11,8 @@ Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/abort_request``,
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
 ``/destroy_weights_update_group`` (a gloo/NCCL group with the trainer's senders),
 ``/update_weight_version``, ``/get_weights_by_name``, ``/get_model_info``, ``/server_info``
-(alias ``/get_server_info``).
+(alias ``/get_server_info``), ``/release_memory_occupation`` + ``/resume_memory_occupation``
+(SGLang's contract: :mod:`megatron_rl.rollout.memory_occupation`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.rollout.memory_occupation import MemoryOccupation
 from megatron_rl.rollout.sampling import sample_completion, teacher_forced_logprobs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -120,6 +122,7 @@ class ServeState:
         self.inflight_lock = threading.Lock()
         self.groups: dict[str, Any] = {}
         self.started = time.time()
+        self.memory = MemoryOccupation(model)  # released regions (colocation)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate_one(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
@@ -128,6 +131,7 @@ class ServeState:
         self.running.wait()
         abort = threading.Event()
         with self.inflight_lock:
+            self.memory.check_can_generate()  # refused while weights / KV cache are released
             self.inflight[rid] = abort
         try:
             stop = set(int(s) for s in (sp.get("stop_token_ids") or []))
@@ -198,7 +202,18 @@ class ServeState:
         if version is not None:
             self.weight_version = str(version)
 
+    def release_memory(self, req: dict) -> None:
+        """``/release_memory_occupation`` (idle servers only)."""
+        with self.lock, self.inflight_lock:
+            self.memory.release(req.get("tags"), len(self.inflight))
+
+    def resume_memory(self, req: dict) -> None:
+        """``/resume_memory_occupation``."""
+        with self.lock:
+            self.memory.resume(req.get("tags"))
+
     def update_from_disk(self, req: dict) -> dict:
+        self.memory.check_weights_held()
         tensors = load_safetensors_dir(req["model_path"])
         with self.lock:
             n = load_named(self.model, tensors.items())
@@ -207,6 +222,7 @@ class ServeState:
                 "num_paused_requests": 0}
 
     def update_from_tensor(self, req: dict) -> dict:
+        self.memory.check_weights_held()
         fmt = req.get("load_format")
         if fmt != "megatron_rl_shm":
             raise ValueError(f"load_format={fmt!r}: this CPU server reads shared-memory buckets "
@@ -235,6 +251,7 @@ class ServeState:
         return {"success": True, "message": f"joined as rank {rank} of {world} ({backend})"}
 
     def update_from_distributed(self, req: dict) -> dict:
+        self.memory.check_weights_held()
         pg = self.groups[req.get("group_name", "weight_update_group")]
         device = next(self.model.parameters()).device
         recv = []
@@ -248,6 +265,7 @@ class ServeState:
         return {"success": True, "message": f"received {n} tensors"}
 
     def weights_by_name(self, req: dict) -> list:
+        self.memory.check_weights_held()
         params = dict(self.model.named_parameters())
         name = req["name"]
         if name not in params:
@@ -268,7 +286,8 @@ class ServeState:
         return {"model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
                 "version": "megatron_rl-serve", "weight_version": self.weight_version,
                 "internal_states": [{"paused": not self.running.is_set(),
-                                     "num_running_reqs": len(self.inflight)}],
+                                     "num_running_reqs": len(self.inflight),
+                                     "memory_released": sorted(self.memory.released)}],
                 "max_total_num_tokens": 1 << 20}
 
 
@@ -333,6 +352,8 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
                 "/model_info": lambda: (s.model_info(), False),
                 "/server_info": lambda: (s.server_info(), False),
                 "/get_server_info": lambda: (s.server_info(), False),
+                "/release_memory_occupation": lambda: (s.release_memory(req), False),
+                "/resume_memory_occupation": lambda: (s.resume_memory(req), False),
             }
             if path not in routes:
                 self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {path}"}})
