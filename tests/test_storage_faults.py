@@ -238,3 +238,25 @@ def test_plain_pickles_pass_the_allow_list(tmp_path):
     with open(p, "wb") as f:
         pickle.dump(md, f)
     check_pickle_globals(str(p))
+
+
+# ---- ports bind loopback or the configured interface (item 6) ------------------------------------
+def test_servers_default_to_loopback():
+    """``serve``, the router and fleet-started servers listen on rollout.sglang.host, by default
+    127.0.0.1; the weight-sync store's port probe binds the chosen address only."""
+    from megatron_rl.cli import build_parser
+    from megatron_rl.config import SGLangSection
+    from megatron_rl.rollout.fleet import router_command, server_command
+    from megatron_rl.rollout.weight_sync.from_distributed import free_port
+
+    args = build_parser().parse_args(["serve", "--model-path", "x"])
+    assert args.host == "127.0.0.1"
+    s = SGLangSection()
+    assert s.host == "127.0.0.1"
+    for cmd in (server_command(s, 5, "m", None), router_command(s.host, 5)):
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    port = free_port("127.0.0.1")
+    import socket
+
+    with socket.socket() as sock:  # the probed port is free on loopback
+        sock.bind(("127.0.0.1", port))
