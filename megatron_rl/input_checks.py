@@ -74,7 +74,11 @@ def dataset_rows(cfg: RunConfig, tok) -> list[dict]:
                           f"{r.max_new_tokens} exceeds the model's context "
                           f"(max_position_embeddings={ctx}); lower one of them")
     if not d.path:
-        return PromptDataset.from_task(d.task, 2, d.seed, **d.task_kwargs).rows
+        try:
+            return PromptDataset.from_task(d.task, 2, d.seed, **d.task_kwargs).rows
+        except Exception as exc:  # noqa: BLE001 - reasoning-gym validates its own kwargs
+            raise ConfigError(f"data.task_kwargs={d.task_kwargs!r} for data.task={d.task!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
     from megatron_rl.run_setup import build_datasets
 
     try:

@@ -202,6 +202,8 @@ def data_cases() -> list[Case]:
              lambda t: open(f"{t}/d.parquet", "wb").write(b"PAR1 not really"), g),
         Case("dataset: fewer rows than a batch", DATA, ["6 training rows", "fewer than one batch"],
              lambda t: _jsonl(f"{t}/d.jsonl", _rows(10)), g),
+        Case("data.task_kwargs: not the task's", ["data.task_kwargs={min_termz: 2}"],
+             ["data.task_kwargs", "min_termz"], None, g),
         Case("model.init_weights: missing file", ["model.init_weights={tmp}/sft_weights.pt"],
              ["model.init_weights", "is not a file"], None, g),
     ]
