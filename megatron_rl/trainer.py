@@ -31,6 +31,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 
     from megatron_rl import run_setup as setup
     from megatron_rl.actor.checkpoint import latest_checkpoint
+    from megatron_rl.host_stats import host_stats
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.collect import dp_rows
     from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
@@ -118,7 +119,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
                 val_acc = driver.validate()
         step_upd = {**aggregate_updates(upd), **extra}  # all mini-batches and epochs
         metrics = {**metrics, **last_stage_metrics([step_upd], reporter), **ph.times,
-                   **gpu_stats()}
+                   **gpu_stats(), **host_stats()}
         decision = driver.finish_step(step, metrics, val_acc if do_val else None)
         if (step + 1) % t.save_freq == 0 or step + 1 == t.total_steps or decision.stop:
             with colo.resident():

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, WeightSyncError, post_all
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` (the probe binds that interface only, never all of them)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -52,7 +53,8 @@ class FromDistributed(SyncStrategy):
             return
         self.close()
         world = 1 + len(self.urls) * self.server_tp
-        port, addr = free_port(), sender_address(self.urls)
+        addr = sender_address(self.urls)
+        port = free_port(addr)
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timedelta(seconds=120),
                               wait_for_workers=False)
         errs: list[Exception] = []
