@@ -58,6 +58,16 @@ def validate_sglang_section(s) -> None:
     if not 0 < s.mem_fraction_static <= 1:
         raise ConfigError(f"rollout.sglang.mem_fraction_static must be in (0, 1], got "
                           f"{s.mem_fraction_static}")
+    if s.serve_rules not in ("0.5.21", "0.5.20"):
+        raise ConfigError(f"rollout.sglang.serve_rules={s.serve_rules!r} is not one of "
+                          "('0.5.21', '0.5.20')")
+    if s.flush_retries < 0:
+        raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
+    if not isinstance(s.extra_args, list):
+        raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
+    if s.python is not None and not os.path.isfile(str(s.python)):
+        raise ConfigError(f"rollout.sglang.python={s.python!r} is not a file (an interpreter "
+                          "with sglang installed; unset: the trainer's)")
     if not s.probe_tolerance > 0:
         raise ConfigError("rollout.sglang.probe_tolerance must be > 0")
     if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
@@ -102,13 +112,17 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
 
 def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[str]:
     """The command line of one server started by the fleet."""
+    python = getattr(s, "python", None) or sys.executable  # rollout.sglang.python
+    extra = [str(a) for a in getattr(s, "extra_args", None) or []]
     if s.launcher == "sglang":
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+        return [python, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", s.host, "--port", str(port), "--tp-size", str(s.tp_size),
-                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init"]
-    cmd = [sys.executable, "-m", "megatron_rl", "serve", "--model-path", model_path,
-           "--host", s.host, "--port", str(port), "--threads", str(s.server_threads)]
-    return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)])
+                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init",
+                *extra]
+    cmd = [python, "-m", "megatron_rl", "serve", "--model-path", model_path,
+           "--host", s.host, "--port", str(port), "--threads", str(s.server_threads),
+           "--sglang-rules", getattr(s, "serve_rules", "0.5.21")]
+    return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)]) + extra
 
 
 def router_command(host: str, port: int) -> list[str]:

@@ -8,16 +8,22 @@
   (``/init_weights_update_group``), then ``/update_weights_from_distributed`` per bucket with
   names/dtypes/shapes while the sender broadcasts the tensors (NCCL on GPU, gloo on CPU).
 
-Around a sync (:mod:`.common`): pause generation and flush the cache, send (every PP stage's
-sender in parallel), set the weight version, verify (``/get_weights_by_name`` spot checks and a
-probe sequence whose engine log-probs must match the actor's), continue generation.
+Around a sync (:mod:`.common`): pause generation and flush the cache (bounded retries), open
+SGLang's weight-update session (tensor, distributed), send (every PP stage's sender in parallel),
+close the session, set the weight version, continue generation, verify (a probe sequence whose
+engine log-probs must match the actor's; every server's ``/weights_checker`` checksum equal where
+servers have it; optional ``/get_weights_by_name`` spot checks).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from megatron_rl.rollout.weight_sync.common import SyncStrategy
+from megatron_rl.rollout.weight_sync.common import (
+    SyncStrategy,
+    checksum_disagreement,
+    weights_checksums,
+)
 
 Bucket = list
 
@@ -41,21 +47,23 @@ def make_strategy(name: str, fleet, sync_dir: str, sender: int = 0) -> SyncStrat
     """Strategy ``name`` pushing to ``fleet``'s current servers."""
     s = getattr(fleet, "s", None)
     tp = s.tp_size if s is not None and s.launcher == "sglang" else 1
-    return strategy_class(name)(list(fleet.urls), sync_dir, sender,
-                                model_path=getattr(fleet, "model_path", None), server_tp=tp)
+    strat = strategy_class(name)(list(fleet.urls), sync_dir, sender,
+                                 model_path=getattr(fleet, "model_path", None), server_tp=tp)
+    strat.gpus = list(getattr(s, "gpus", None) or [])
+    return strat
 
 
 def push_single_process(engine, buckets: Iterable[Bucket], version: int) -> str:
     """One-process sync (no Megatron groups): pause, send, commit, continue. Returns a summary."""
     strat = engine.sync
     strat.urls = list(engine.fleet.urls)
-    strat.begin(version)
     try:
+        strat.begin(version)
         sent = strat.send(buckets, version)
         strat.commit(version)
-        errors = strat.spot_check()
     finally:
         strat.resume()
+    errors = strat.spot_check() + checksum_disagreement(weights_checksums(strat.urls))
     if errors:
         raise RuntimeError(f"weight sync v{version} failed its checks: {errors}")
     engine.weight_version = version

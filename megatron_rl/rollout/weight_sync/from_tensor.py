@@ -3,7 +3,9 @@
 Each bucket is flattened once (one contiguous byte buffer + ``[name, dtype, shape, offset]``).
 On GPU the buffer's CUDA IPC handle goes through SGLang's own serializer
 (``MultiprocessingSerializer`` of a ``FlattenedTensorBucket``, ``load_format="flattened_bucket"``;
-needs the ``sglang`` package in the trainer's environment). On CPU (our ``serve``) the buffer is a
+needs the ``sglang`` package in the trainer's environment), with SGLang's
+``monkey_patch_torch_reductions`` applied, one payload per TP rank of each server, and the
+buffers kept alive until the sync has been verified. On CPU (our ``serve``) the buffer is a
 ``/dev/shm`` file and the request carries its path and layout (``load_format="megatron_rl_shm"``);
 the file is removed once every server has copied it.
 """
@@ -16,7 +18,7 @@ import uuid
 
 import torch
 
-from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, post_all
+from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, post_all, post_each
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -47,6 +49,7 @@ def write_shm(bucket: Bucket, directory: str | None = None) -> tuple[str, int, l
 
 class FromTensor(SyncStrategy):
     name = "from_tensor"
+    needs_session = True
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
         if bucket and bucket[0][1].is_cuda:
@@ -61,19 +64,59 @@ class FromTensor(SyncStrategy):
         finally:
             os.remove(path)
 
+    def start_send(self, version: int) -> None:
+        self.release_buffers()  # the previous sync's buffers: verified (probed) since
+
+    def release_buffers(self) -> None:
+        """Drop the CUDA buffers handed to the servers. SGLang answers a tensor update before
+        its copy kernels have run, so every buffer of a sync stays alive until the servers have
+        generated since (the verification probe) or until the next sync starts."""
+        self._keep = []
+
+    def rank_devices(self, server: int, default: torch.device) -> list[torch.device]:
+        """The device of each TP rank of server ``server`` as this process numbers them:
+        ``gpus[server*tp + r]`` when the fleet placed servers on GPUs this process sees (the
+        buffer is copied there, so each rank reads from its own GPU), else ``default`` (the
+        receiver finds the sender's GPU by UUID)."""
+        tp, gpus = self.server_tp, list(getattr(self, "gpus", None) or [])
+        out = []
+        for r in range(tp):
+            k = server * tp + r
+            if k < len(gpus) and int(gpus[k]) < torch.cuda.device_count():
+                out.append(torch.device("cuda", int(gpus[k])))
+            else:
+                out.append(default)
+        return out
+
     def _send_cuda(self, bucket: Bucket) -> None:
+        """CUDA IPC through SGLang's own serializer: ``monkey_patch_torch_reductions`` (handles
+        carry the device UUID; SGLang's receivers map it to their own device index), one payload
+        per TP rank of every server (``serialized_named_tensors[tp_rank]``: each rank
+        deserializes only its own, for CUDA-IPC refcounting), buffers kept alive after the POST
+        (:meth:`release_buffers`)."""
         try:
             from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
         except ImportError as exc:
             raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
                                "trainer's environment (CUDA IPC handles are made by its "
                                "serializer); use from_disk or from_distributed") from exc
+        monkey_patch_torch_reductions()
         fb = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in bucket])
-        data = MultiprocessingSerializer.serialize(
-            {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()},
-            output_str=True)
-        post_all(self.urls, "/update_weights_from_tensor",
-                 {"serialized_named_tensors": [data] * self.server_tp,  # one per server TP rank
-                  "load_format": "flattened_bucket",
-                  "flush_cache": False})
+        flat, meta = fb.get_flattened_tensor(), fb.get_metadata()
+        if not hasattr(self, "_keep"):
+            self._keep = []
+        bodies = []
+        for i, _ in enumerate(self.urls):
+            payloads = []
+            for dev in self.rank_devices(i, flat.device):
+                t = flat if dev == flat.device else flat.to(dev)
+                torch.cuda.current_stream(dev).synchronize()  # written before anyone reads it
+                self._keep.append(t)
+                payloads.append(MultiprocessingSerializer.serialize(
+                    {"flattened_tensor": t, "metadata": meta}, output_str=True))
+            bodies.append({"serialized_named_tensors": payloads,
+                           "load_format": "flattened_bucket", "flush_cache": False})
+        post_each(list(zip(self.urls, bodies)),
+                  lambda ub: post_all([ub[0]], "/update_weights_from_tensor", ub[1]))
