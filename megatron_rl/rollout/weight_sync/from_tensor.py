@@ -94,29 +94,41 @@ class FromTensor(SyncStrategy):
         per TP rank of every server (``serialized_named_tensors[tp_rank]``: each rank
         deserializes only its own, for CUDA-IPC refcounting), buffers kept alive after the POST
         (:meth:`release_buffers`)."""
-        try:
-            from sglang.srt.utils import MultiprocessingSerializer
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-        except ImportError as exc:
-            raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
-                               "trainer's environment (CUDA IPC handles are made by its "
-                               "serializer); use from_disk or from_distributed") from exc
-        monkey_patch_torch_reductions()
-        fb = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in bucket])
-        flat, meta = fb.get_flattened_tensor(), fb.get_metadata()
         if not hasattr(self, "_keep"):
             self._keep = []
-        bodies = []
-        for i, _ in enumerate(self.urls):
-            payloads = []
-            for dev in self.rank_devices(i, flat.device):
-                t = flat if dev == flat.device else flat.to(dev)
-                torch.cuda.current_stream(dev).synchronize()  # written before anyone reads it
-                self._keep.append(t)
-                payloads.append(MultiprocessingSerializer.serialize(
-                    {"flattened_tensor": t, "metadata": meta}, output_str=True))
-            bodies.append({"serialized_named_tensors": payloads,
-                           "load_format": "flattened_bucket", "flush_cache": False})
+        bodies = tensor_update_bodies(bucket, [self.rank_devices(i, bucket[0][1].device)
+                                               for i in range(len(self.urls))], self._keep)
         post_each(list(zip(self.urls, bodies)),
                   lambda ub: post_all([ub[0]], "/update_weights_from_tensor", ub[1]))
+
+
+def tensor_update_bodies(bucket: Bucket, devices_per_server: list[list[torch.device]],
+                         keep: list) -> list[dict]:
+    """``/update_weights_from_tensor`` bodies, one per server: the bucket flattened once
+    (SGLang's ``FlattenedTensorBucket``), copied to each TP rank's device where that differs,
+    serialized once per rank by SGLang's ``MultiprocessingSerializer`` (base64) with
+    ``monkey_patch_torch_reductions`` applied. Every buffer is appended to ``keep``."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError as exc:
+        raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
+                           "trainer's environment (CUDA IPC handles are made by its "
+                           "serializer); use from_disk or from_distributed") from exc
+    monkey_patch_torch_reductions()
+    fb = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in bucket])
+    flat, meta = fb.get_flattened_tensor(), fb.get_metadata()
+    bodies = []
+    for devices in devices_per_server:
+        payloads = []
+        for dev in devices:
+            t = flat if dev == flat.device else flat.to(dev)
+            if t.is_cuda:
+                torch.cuda.current_stream(t.device).synchronize()  # written before read
+            keep.append(t)
+            payloads.append(MultiprocessingSerializer.serialize(
+                {"flattened_tensor": t, "metadata": meta}, output_str=True))
+        bodies.append({"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                       "flush_cache": False})
+    return bodies
