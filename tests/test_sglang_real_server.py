@@ -76,6 +76,7 @@ def fleet(sglang_python, tmp_path_factory):
     except Exception:
         for name in os.listdir(tmp / "logs"):
             print(name, open(tmp / "logs" / name).read()[-3000:])
+        f.stop()
         raise
     yield f, tmp
     f.stop()

@@ -12,6 +12,7 @@ the router (its requests are retried elsewhere by the client).
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import subprocess
@@ -86,7 +87,9 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) ->
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         raise ServerError(f"{method} {url}: HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as exc:
+        # HTTPException: e.g. a TCP self-connect while polling a port nobody listens on yet
+        # (the reply is our own request line)
         raise ServerError(f"{method} {url}: {exc}") from None
     try:
         return json.loads(raw) if raw.strip() else None
@@ -126,10 +129,17 @@ def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[st
 
 
 def router_command(host: str, port: int) -> list[str]:
-    """``sglang-router`` with no workers yet (they are added through its API); round robin."""
+    """``sglang-router`` with no workers yet (they are added through its API); round robin; its
+    Prometheus exporter on a free port (the default 29000 is taken by a second router on the
+    same machine, which makes the router exit)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        metrics_port = sock.getsockname()[1]
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
             str(port), "--policy", "round_robin", "--worker-startup-timeout-secs", "120",
-            "--log-level", "warn"]
+            "--log-level", "warn", "--prometheus-port", str(metrics_port)]
 
 
 class Fleet:

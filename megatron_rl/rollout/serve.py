@@ -105,8 +105,8 @@ def load_named(model: torch.nn.Module, items) -> int:
 def read_shm_bucket(meta: dict) -> list[tuple[str, torch.Tensor]]:
     """Tensors of one flattened CPU bucket in a shared-memory file (``from_tensor`` on CPU):
     ``meta = {"path", "nbytes", "tensors": [[name, dtype, shape, byte_offset], ...]}``."""
-    flat = torch.from_file(meta["path"], shared=False, size=int(meta["nbytes"]),
-                           dtype=torch.uint8)
+    flat = torch.from_file(meta["path"], shared=True, size=int(meta["nbytes"]),
+                           dtype=torch.uint8)  # mapped, not read: one copy, into the weights
     out = []
     for name, dt, shape, off in meta["tensors"]:
         dtype = dtype_of(dt)
@@ -116,6 +116,31 @@ def read_shm_bucket(meta: dict) -> list[tuple[str, torch.Tensor]]:
         nb = n * torch.empty((), dtype=dtype).element_size()
         out.append((name, flat[off:off + nb].view(dtype).reshape(shape)))
     return out
+
+
+def read_shm_into(model: torch.nn.Module, meta: dict) -> int:
+    """Load a shared-memory bucket (layout as :func:`read_shm_bucket`) straight into the
+    model's CPU parameters: one kernel copy per tensor (``readinto`` the parameter's bytes), no
+    mapping of the file (whose page faults cost as much as the copy). Returns the count."""
+    params = dict(model.named_parameters())
+    with open(meta["path"], "rb", buffering=0) as f, torch.no_grad():
+        for name, dt, shape, off in meta["tensors"]:
+            if name not in params:
+                raise KeyError(f"weight {name!r} is not a parameter of the served model")
+            p = params[name]
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
+            dtype = dtype_of(dt)
+            direct = p.dtype == dtype and p.device.type == "cpu" and p.is_contiguous()
+            dst = p.detach() if direct else torch.empty(shape, dtype=dtype)
+            buf = dst.reshape(-1).view(torch.uint8).numpy()
+            f.seek(int(off))
+            got = f.readinto(buf)
+            if got != buf.nbytes:
+                raise ValueError(f"weight {name!r}: {got} of {buf.nbytes} bytes in the bucket")
+            if not direct:
+                p.copy_(dst)
+    return len(meta["tensors"])
 
 
 class RefusedError(RuntimeError):
@@ -281,7 +306,7 @@ class ServeState:
         n = 0
         with self.lock:
             for blob in req["serialized_named_tensors"]:
-                n += load_named(self.model, read_shm_bucket(json.loads(blob)))
+                n += read_shm_into(self.model, json.loads(blob))
             self.set_version(req.get("weight_version"))
         return {"success": True, "message": f"loaded {n} tensors"}
 

@@ -161,10 +161,17 @@ class SyncStrategy:
         self.spots = []
         self.start_send(version)
         total = 0
-        for bucket in buckets:
-            self._remember_spots(bucket)
-            total += sum(t.numel() * t.element_size() for _, t in bucket)
-            self.send_bucket(bucket, version)
+        try:
+            for bucket in buckets:
+                self._remember_spots(bucket)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+                self.send_bucket(bucket, version)
+        except BaseException:
+            try:
+                self.finish_send(version)  # release files / pending posts
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
         self.finish_send(version)
         return total
 

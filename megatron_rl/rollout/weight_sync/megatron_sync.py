@@ -91,11 +91,11 @@ def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, 
             total += sum(t.numel() * t.element_size() for _, t in bucket)
         except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
             err = f"stage {sender.sender}: {exc!r}"
-    if sender is not None and err is None:
+    if sender is not None:  # also after an error: releases files and pending posts
         try:
             sender.finish_send(version)
         except Exception as exc:  # noqa: BLE001
-            err = f"stage {sender.sender}: {exc!r}"
+            err = err or f"stage {sender.sender}: {exc!r}"
     return total, err
 
 
