@@ -228,17 +228,6 @@ def test_spot_check_catches_wrong_weights(tmp_path):
         srv.shutdown()
 
 
-def test_requests_validate_against_sglang_io_struct():
-    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
-    req = generate_request([1, 2, 3], SamplingParams(max_new_tokens=4), [EOS], 5, "rid")
-    io_struct.GenerateReqInput(**req)
-    io_struct.UpdateWeightFromDiskReqInput(model_path="/x", weight_version="1",
-                                           flush_cache=True, abort_all_requests=False)
-    io_struct.UpdateWeightsFromDistributedReqInput(names=["a"], dtypes=["float32"],
-                                                   shapes=[[2]], group_name="g",
-                                                   flush_cache=False)
-
-
 def test_prefix_stop_rule_waits_for_the_complete_prefix():
     from megatron_rl.rewards.tokenizer import ByteTokenizer
     from megatron_rl.rollout.early_abort import prefix_stop_rule

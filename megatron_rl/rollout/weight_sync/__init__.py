@@ -21,6 +21,7 @@ from typing import Iterable
 
 from megatron_rl.rollout.weight_sync.common import (
     SyncStrategy,
+    WeightSyncError,
     checksum_disagreement,
     weights_checksums,
 )
@@ -53,18 +54,40 @@ def make_strategy(name: str, fleet, sync_dir: str, sender: int = 0) -> SyncStrat
     return strat
 
 
-def push_single_process(engine, buckets: Iterable[Bucket], version: int) -> str:
-    """One-process sync (no Megatron groups): pause, send, commit, continue. Returns a summary."""
+def push_single_process(engine, buckets: Iterable[Bucket], version: int,
+                        retries: int = 1) -> str:
+    """One-process sync (no Megatron groups): pause, send, commit, continue. Returns a summary.
+
+    A sync that fails because servers died is retried on the survivors (after the health check
+    removed the dead ones from the router, with a log line) when ``buckets`` can be iterated
+    again (a list); otherwise, or when no server died, the error is raised."""
+    from megatron_rl.rollout.fleet import ServerError
+
     strat = engine.sync
-    strat.urls = list(engine.fleet.urls)
+    reusable = isinstance(buckets, (list, tuple))
+    for attempt in range(retries + 1):
+        strat.urls = list(engine.fleet.urls)
+        try:
+            sent = _push_once(strat, buckets, version)
+            break
+        except (WeightSyncError, ServerError) as exc:
+            dead = engine.fleet.check_health()
+            if not dead or not reusable or attempt == retries:
+                raise
+            print(f"[weight_sync] v{version}: {dead} died during the sync ({exc}); removed "
+                  f"from the router, retrying on {engine.fleet.urls}", flush=True)
+    errors = strat.spot_check() + checksum_disagreement(weights_checksums(strat.urls))
+    if errors:
+        raise RuntimeError(f"weight sync v{version} failed its checks: {errors}")
+    engine.weight_version = version
+    return f"{strat.name} v{version}: {sent} bytes"
+
+
+def _push_once(strat: SyncStrategy, buckets, version: int) -> int:
     try:
         strat.begin(version)
         sent = strat.send(buckets, version)
         strat.commit(version)
     finally:
         strat.resume()
-    errors = strat.spot_check() + checksum_disagreement(weights_checksums(strat.urls))
-    if errors:
-        raise RuntimeError(f"weight sync v{version} failed its checks: {errors}")
-    engine.weight_version = version
-    return f"{strat.name} v{version}: {sent} bytes"
+    return sent

@@ -151,9 +151,17 @@ class SyncStrategy:
         flush_all(self.urls, self.flush_retries, self.flush_wait_s)
 
     def resume(self) -> None:
-        """Continue generation (closing a session a failed sync left open)."""
+        """Continue generation on every server that answers (closing a session a failed sync
+        left open); the servers that did not are named in the error raised at the end."""
         self.end_sessions()
-        post_all(self.urls, "/continue_generation")
+        failed = []
+        for u in self.urls:
+            try:
+                post_all([u], "/continue_generation")
+            except WeightSyncError as exc:
+                failed.append(str(exc))
+        if failed:
+            raise WeightSyncError(f"continue_generation failed: {failed}")
 
     # ---- senders -------------------------------------------------------------------------------
     def send(self, buckets: Iterable[Bucket], version: int) -> int:
