@@ -139,7 +139,7 @@ def test_pause_flush_continue(fleet):
     url = f.urls[0]
     box = {}
     th = threading.Thread(target=lambda: box.update(r=http_json("POST", url + "/generate", {
-        "input_ids": [3, 4], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}},
+        "input_ids": [3, 4], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
         timeout=300)))
     th.start()
     time.sleep(2.0)
