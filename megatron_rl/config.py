@@ -79,8 +79,14 @@ class SGLangSection:
     sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
     probe_tolerance: float = 1e-4  # max |engine - actor| probe log-prob (fp32; ~0.05 for bf16)
     probe_length: int = 16  # tokens of the probe sequence (0: no probe)
-    spot_checks: int = 2  # /get_weights_by_name checks per sender per sync
+    spot_checks: int = 0  # /get_weights_by_name checks per sender per sync (Llama/serve only)
     server_threads: int = 1  # torch threads of each started `serve`
+    python: str | None = None  # interpreter of started servers (SGLang's venv); None: trainer's
+    extra_args: list = field(default_factory=list)  # appended to each started server's command
+    sender_address: str | None = None  # from_distributed: address servers reach senders at
+    #   (None: the interface routed to the servers, else the one routed to MASTER_ADDR)
+    serve_rules: str = "0.5.21"  # launcher serve imitates SGLang >= 0.5.21 | "0.5.20" (older)
+    flush_retries: int = 60  # /flush_cache refused while requests drain: retries, 1 s apart
 
 
 @dataclass
