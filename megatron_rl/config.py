@@ -38,6 +38,9 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    backend: str = "auto"  # auto (NCCL with GPUs, else gloo) | nccl | gloo (CPU ranks); docs/gpu.md
+    timeout_s: float = 1800.0  # collectives of the update, checkpoints, weight sync
+    host_timeout_s: float = 14400.0  # host objects: ranks wait here while rank 0 generates
 
 
 @dataclass
@@ -367,6 +370,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"data.max_prompt_length must be >= 0 (0 = no limit), got "
                           f"{cfg.data.max_prompt_length}")
     cfg.loss.build()
+    validate_parallel_section(cfg.parallel)
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "
                           f"{ADVANTAGES}")
@@ -391,6 +395,17 @@ def validate_run_config(cfg: RunConfig) -> None:
     if rows % cfg.parallel.dp:
         raise ConfigError(f"trainer.train_batch_size x rollout.n = {rows} responses must be "
                           f"divisible by parallel.dp={cfg.parallel.dp}")
+
+
+def validate_parallel_section(p: ParallelSection) -> None:
+    """``parallel.backend`` and the two timeouts."""
+    from megatron_rl.parallel.runtime import BACKENDS
+
+    if p.backend not in BACKENDS:
+        raise ConfigError(f"parallel.backend={p.backend!r} is not one of {BACKENDS}")
+    for name in ("timeout_s", "host_timeout_s"):
+        if not getattr(p, name) > 0:
+            raise ConfigError(f"parallel.{name} must be > 0 seconds, got {getattr(p, name)}")
 
 
 def validate_env_critic(cfg: RunConfig) -> None:

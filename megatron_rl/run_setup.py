@@ -11,6 +11,16 @@ from typing import Any, Callable
 from megatron_rl.config import RunConfig
 
 
+def init_parallel(cfg: RunConfig):
+    """torch.distributed + megatron parallel state for the run's layout, backend and timeouts."""
+    from megatron_rl.parallel import runtime
+
+    p = cfg.parallel
+    return runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed,
+                                 backend=p.backend, timeout_s=p.timeout_s,
+                                 host_timeout_s=p.host_timeout_s)
+
+
 def build_datasets(cfg: RunConfig, tokenizer=None):
     """``(train_set, val_set)`` :class:`~megatron_rl.data.PromptDataset` s of the run's data
     (files when ``data.path`` is set, else the reasoning-gym task), split disjointly.

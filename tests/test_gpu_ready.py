@@ -1,0 +1,125 @@
+"""GPU readiness (issue 21): the CUDA/NCCL decisions and fixes that a CPU test can check.
+
+Pure decision functions (backend, tolerance, ...) are tested on tables; the host-group timeout with
+two real gloo processes. GPU-only halves live in tests/test_gpu.py (``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_rl.parallel.launch import spawn
+from megatron_rl.parallel.runtime import (
+    DistEnv,
+    ParallelConfigError,
+    local_world_size,
+    resolve_backend,
+)
+
+
+# ---- item 1: backend choice ----------------------------------------------------------------------
+@pytest.mark.parametrize("req,local,gpus,want", [
+    ("auto", 1, 1, "nccl"), ("auto", 4, 8, "nccl"), ("auto", 4, 0, "gloo"),
+    ("gloo", 4, 1, "gloo"), ("gloo", 1, 0, "gloo"), ("nccl", 2, 2, "nccl"),
+])
+def test_resolve_backend(req, local, gpus, want):
+    assert resolve_backend(req, local, gpus) == want
+
+
+def test_more_ranks_than_gpus_is_refused_with_the_fix():
+    with pytest.raises(ParallelConfigError) as e:
+        resolve_backend("auto", 4, 1)
+    msg = str(e.value)
+    assert "4 ranks on this node but only 1 visible GPU" in msg
+    assert "parallel.backend: gloo" in msg and "at most 1 rank(s) per node" in msg
+    with pytest.raises(ParallelConfigError, match="4 ranks on this node but only 2"):
+        resolve_backend("nccl", 4, 2)
+
+
+def test_nccl_without_gpus_and_unknown_backend_are_refused():
+    with pytest.raises(ParallelConfigError, match="parallel.backend=nccl needs CUDA GPUs"):
+        resolve_backend("nccl", 1, 0)
+    with pytest.raises(ParallelConfigError, match=r"parallel.backend='mpi' is not one of"):
+        resolve_backend("mpi", 1, 1)
+
+
+def _denv(world: int, local_rank: int = 0, source: str = "torchrun") -> DistEnv:
+    return DistEnv(rank=local_rank, world_size=world, local_rank=local_rank,
+                   master_addr="h", master_port=1, source=source)
+
+
+def test_local_world_size_per_node():
+    assert local_world_size(_denv(16), {"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert local_world_size(_denv(16, source="slurm"),
+                            {"SLURM_TASKS_PER_NODE": "4(x2),8", "SLURM_NODEID": "2"}) == 8
+    assert local_world_size(_denv(4), {}) == 4  # one node
+    assert local_world_size(_denv(16, local_rank=9), {"LOCAL_WORLD_SIZE": "8"}) == 10
+
+
+def test_backend_env_var_and_gloo_hide_cuda(monkeypatch):
+    from megatron_rl.parallel import runtime
+
+    monkeypatch.setenv(runtime.BACKEND_ENV, "gloo")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert runtime.choose_backend("auto") == "gloo"
+    import os
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_local_spawn_refuses_before_starting_ranks(monkeypatch):
+    from megatron_rl import cli
+
+    monkeypatch.delenv("MRL_PARALLEL_BACKEND", raising=False)
+    assert cli.local_spawn_env("gloo", 4) == {"CUDA_VISIBLE_DEVICES": ""}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a 1-GPU machine's answer
+    with pytest.raises(ParallelConfigError, match="4 ranks on this node but only 1"):
+        cli.local_spawn_env("auto", 4)
+    assert cli.local_spawn_env("auto", 1) == {}
+    assert cli.local_spawn_env("gloo", 4) == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("parallel.backend=mpi", "parallel.backend='mpi' is not one of"),
+    ("parallel.host_timeout_s=0", "parallel.host_timeout_s must be > 0"),
+    ("parallel.timeout_s=-1", "parallel.timeout_s must be > 0"),
+])
+def test_parallel_section_is_checked_at_load(override, needle):
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        load_config(None, [override])
+
+
+# ---- item 2: host-group timeout vs update-collective timeout ------------------------------------
+def _timeout_worker(delay_s: float) -> dict:
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=3, host_timeout_s=120)
+    rank = dist.get_rank()
+    if rank == 0:
+        time.sleep(delay_s)  # "rank 0 generates a long rollout"
+    got = runtime.broadcast_object("batch" if rank == 0 else None)
+    # a device-group collective with one late rank must fail after the short timeout
+    if rank == 0:
+        time.sleep(delay_s)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        late = "completed"
+    except Exception as exc:  # noqa: BLE001 - the timeout is what we look for
+        late = type(exc).__name__
+    out = {"got": got, "late": late, "waited": time.monotonic() - t0}
+    runtime.shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_host_group_outlives_the_update_timeout():
+    outs = spawn(_timeout_worker, 2, (8.0,), timeout_s=300)
+    assert [o["got"] for o in outs] == ["batch", "batch"]  # waited 8 s > timeout_s=3
+    assert outs[1]["late"] != "completed" and outs[1]["waited"] < 8.0, outs
