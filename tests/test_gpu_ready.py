@@ -123,3 +123,20 @@ def test_host_group_outlives_the_update_timeout():
     outs = spawn(_timeout_worker, 2, (8.0,), timeout_s=300)
     assert [o["got"] for o in outs] == ["batch", "batch"]  # waited 8 s > timeout_s=3
     assert outs[1]["late"] != "completed" and outs[1]["waited"] < 8.0, outs
+
+
+# ---- item 3: probe tolerance from the precisions ----------------------------------------------
+@pytest.mark.parametrize("overrides,want", [
+    ([], 1e-4),  # CPU: fp32 actor, our fp32 `serve`
+    (["actor.precision=bf16"], 0.05),
+    (["rollout.sglang.launcher=sglang"], 0.05),  # SGLang serves in bf16
+    (["actor.precision=fp16"], 0.02),
+    (["actor.precision=bf16", "rollout.sglang.probe_tolerance=0.2"], 0.2),  # explicit wins
+])
+def test_probe_tolerance_default_follows_precision(overrides, want):
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout.sglang_client import probe_tolerance_of
+
+    cfg = load_config(None, ["rollout.engine=sglang", *overrides])
+    assert cfg.rollout.sglang.probe_tolerance == (0.2 if "0.2" in str(overrides) else None)
+    assert probe_tolerance_of(cfg) == want
