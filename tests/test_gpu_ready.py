@@ -140,3 +140,40 @@ def test_probe_tolerance_default_follows_precision(overrides, want):
     cfg = load_config(None, ["rollout.engine=sglang", *overrides])
     assert cfg.rollout.sglang.probe_tolerance == (0.2 if "0.2" in str(overrides) else None)
     assert probe_tolerance_of(cfg) == want
+
+
+# ---- item 4: the SFT actor is gone before the RL actor is built ---------------------------------
+def _sft_free_worker() -> dict:
+    import gc
+    import weakref
+
+    from megatron_rl import run_setup as setup
+    from megatron_rl.config import load_config
+    from megatron_rl.parallel import runtime
+    from megatron_rl.sft import run_sft
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    cfg = load_config(None, ["sft.steps=1", "sft.batch_size=2", "actor.micro_batch_size=1"])
+    refs = []
+
+    def make_actor(*args, **kwargs):
+        actor = setup.make_actor(*args, **kwargs)
+        # the model and optimizer: megatron's DDP grad hooks and the optimizer's scale_loss
+        # (held by the model config) put them in reference cycles
+        refs.append((weakref.ref(actor.model), weakref.ref(actor.optimizer)))
+        return actor
+
+    gc.disable()  # only an explicit collection may free the cycles (deterministic test)
+    try:
+        run_sft(cfg, setup.make_tokenizer(cfg), [{"prompt": "1+1=", "answer": "2"}] * 4,
+                make_actor)
+        alive = [r() is not None for r in refs[0]]
+    finally:
+        gc.enable()
+    runtime.shutdown()
+    return {"alive": alive, "built": len(refs)}
+
+
+def test_sft_actor_is_freed_before_the_rl_actor():
+    (out,) = spawn(_sft_free_worker, 1, (), timeout_s=300)
+    assert out == {"alive": [False, False], "built": 1}
