@@ -149,3 +149,28 @@ def test_tiny_main_job_learns_on_one_gpu(tmp_path):
     assert len(acc) == 30
     assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.05, acc
     assert all(r.get("actor/skipped", 0.0) == 0.0 for r in rows)
+
+
+def _bad_label_worker(fused: bool) -> str:
+    from megatron_rl.kernels.fused_head import fused_linear_logprob_entropy
+    from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy
+
+    dev = torch.device("cuda", 0)
+    h, w = torch.randn(3, 4, device=dev), torch.randn(8, 4, device=dev)
+    bad = torch.tensor([0, 8, 1], device=dev)
+    try:
+        if fused:
+            fused_linear_logprob_entropy(h, w, bad)
+        else:
+            vocab_parallel_logprob_entropy(h @ w.t(), bad)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:  # the async device assert surfaces at the sync
+        return f"raised: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_out_of_range_labels_fail_on_cuda(fused):
+    # own process each: a device-side assert leaves the CUDA context unusable
+    (out,) = spawn(_bad_label_worker, 1, (fused,), timeout_s=300)
+    assert out.startswith("raised"), out

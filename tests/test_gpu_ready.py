@@ -177,3 +177,129 @@ def _sft_free_worker() -> dict:
 def test_sft_actor_is_freed_before_the_rl_actor():
     (out,) = spawn(_sft_free_worker, 1, (), timeout_s=300)
     assert out == {"alive": [False, False], "built": 1}
+
+
+# ---- item 6: fused head: cuBLAS probe on the device, label range on every device ----------------
+def test_cublas_probe_makes_its_tensors_on_the_device():
+    from megatron_rl.kernels import fused_head_triton as fht
+    from megatron_rl.testing.device_spy import DeviceSpy
+
+    fht._cublas_fp32_accumulate_ok.cache_clear()
+    with DeviceSpy(device=torch.device("cpu")) as spy:
+        ok = fht._cublas_fp32_accumulate_ok(torch.device("cpu"), torch.bfloat16)
+    assert spy.violations == [], spy.report()
+    assert isinstance(ok, bool)
+    fht._cublas_fp32_accumulate_ok(torch.device("cpu"), torch.bfloat16)
+    assert fht._cublas_fp32_accumulate_ok.cache_info().hits == 1  # probed once, not per call
+
+
+def test_label_range_check_is_shared_by_the_fused_and_unfused_ops():
+    from megatron_rl.kernels.fused_head import fused_linear_logprob_entropy
+    from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy
+
+    h, w = torch.randn(3, 4), torch.randn(8, 4)
+    bad = torch.tensor([0, 8, 1])
+    for call in (lambda: fused_linear_logprob_entropy(h, w, bad, backend="torch"),
+                 lambda: vocab_parallel_logprob_entropy(h @ w.t(), bad)):
+        with pytest.raises(ValueError, match=r"labels out of range \[0, 8\) \(V_global"):
+            call()
+
+
+# ---- item 7: RNG states restored only onto the device type they were saved on -------------------
+def _rng_worker() -> dict:
+    from megatron.core import tensor_parallel
+
+    from megatron_rl.actor import checkpoint as ck
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = ck._rng_state()
+    before = {k: v.clone() for k, v in tracker.get_states().items()}
+    gpu_saved = dict(saved, device="cuda", cuda=torch.zeros(16, dtype=torch.uint8),
+                     tracker={k: torch.zeros(16, dtype=torch.uint8) for k in before})
+    torch.rand(3)  # move the host generator on
+    from_gpu = ck._set_rng_state(gpu_saved)
+    host_restored = torch.equal(torch.get_rng_state(), saved["torch"])
+    kept = all(torch.equal(tracker.get_states()[k], v) for k, v in before.items())
+    old_cpu = {k: v for k, v in saved.items() if k != "device"}  # a checkpoint from before
+    out = {"from_gpu": from_gpu, "host_restored": host_restored, "tracker_kept": kept,
+           "device": saved["device"], "from_old_cpu": ck._set_rng_state(old_cpu)}
+    runtime.shutdown()
+    return out
+
+
+def test_rng_restore_is_keyed_by_device():
+    (out,) = spawn(_rng_worker, 1, (), timeout_s=300)
+    assert out == {"from_gpu": False, "host_restored": True, "tracker_kept": True,
+                   "device": "cpu", "from_old_cpu": True}
+
+
+# ---- item 13: response positions found once per mini-batch, not per micro-batch -----------------
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten ops by name (a real dispatch mode; nothing is replaced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.numels: dict[str, list[int]] = {}  # first argument's numel per call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if args and isinstance(args[0], torch.Tensor):
+            self.numels.setdefault(name, []).append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def _nonzero_worker() -> dict:
+    import dataclasses
+
+    from test_precision import _actor, _one_update
+
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    out = {}
+    for micro in (1, 2):  # 4 and 2 micro-batches of the same 4-row mini-batch
+        actor = _actor("fp32")
+        actor.cfg = dataclasses.replace(actor.cfg, micro_batch_size=micro)
+        with _OpCounter() as c:
+            hist = _one_update(actor)
+        out[micro] = {"nonzero": c.counts.get("nonzero", 0),
+                      "nonzero_static": c.counts.get("nonzero_static", 0),
+                      "loss": hist[-1]["actor/loss"]}
+    runtime.shutdown()
+    return out
+
+
+def test_nonzero_once_per_minibatch_not_per_micro_batch():
+    (out,) = spawn(_nonzero_worker, 1, (), timeout_s=300)
+    assert out[1]["nonzero"] == out[2]["nonzero"], out  # independent of the micro-batch count
+    assert out[1]["nonzero_static"] == out[2]["nonzero_static"] >= 1, out
+    assert abs(out[1]["loss"] - out[2]["loss"]) < 1e-5, out
+
+
+# ---- item 12: a spot check copies two rows, not the whole tensor --------------------------------
+def test_spot_check_converts_only_two_rows():
+    from megatron_rl.rollout.weight_sync.common import SyncStrategy
+
+    s = SyncStrategy([], "/nonexistent")
+    w = torch.randn(1000, 64).bfloat16()  # a bf16 bucket tensor: .float() is a real copy
+    with _OpCounter() as c:
+        s._remember_spots([("w", w)])
+    assert s.spots == [("w", w[:2].float().tolist())]
+    assert c.counts.get("_to_copy") and max(c.numels["_to_copy"]) == 2 * 64, c.numels
+
+
+# ---- item 16a: phase timers wait for the device ----------------------------------------------
+def test_phase_timer_synchronizes_cuda(monkeypatch):
+    from megatron_rl.step_metrics import Phases
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
+    ph = Phases(sync=True)
+    with ph("update"):
+        pass
+    assert len(calls) == 2 and "time/update" in ph.times  # before and after the phase
+    assert Phases().sync is (torch.cuda.is_available() and torch.cuda.is_initialized())

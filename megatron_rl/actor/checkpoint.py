@@ -49,25 +49,42 @@ def latest_checkpoint(root: str) -> str | None:
     return full
 
 
+def _rng_device() -> str:
+    """The device type whose generators the megatron RNG tracker holds here."""
+    from megatron_rl.parallel.runtime import device
+
+    return device().type
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate(),
+            "python": random.getstate(), "device": _rng_device(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": {k: v.clone() for k, v in tracker.get_states().items()}}
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def saved_rng_device(state: dict[str, Any]) -> str:
+    """Device type the tracker states of ``state`` belong to (older checkpoints: inferred)."""
+    return state.get("device") or ("cuda" if state.get("cuda") is not None else "cpu")
+
+
+def _set_rng_state(state: dict[str, Any]) -> bool:
+    """Restore host RNGs always; CUDA and tracker states only when saved on this device type
+    (a CPU generator state is not a CUDA one). Returns whether the tracker was restored."""
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if saved_rng_device(state) != _rng_device():
+        return False
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    return True
 
 
 def _layout_key() -> tuple[int, int, int]:
@@ -157,7 +174,8 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     """Load a checkpoint saved at any TP/PP/DP layout into this layout; collective.
 
     Returns ``{"step", "trainer", "rng_restored"}``. RNG states are restored only when the layout is
-    unchanged (per-rank states do not map across layouts).
+    unchanged (per-rank states do not map across layouts) and the device type is (a checkpoint
+    saved on CPU resumed on GPU restores only the host RNGs).
     """
     from megatron.core import dist_checkpointing
 
@@ -195,8 +213,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     if restore_rng and tuple(meta["layout"]) == _layout_key():
         rng_path = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
         if os.path.exists(rng_path):
-            _set_rng_state(torch.load(rng_path, weights_only=False))
-            rng_ok = True
+            rng_ok = _set_rng_state(torch.load(rng_path, weights_only=False))
     return {"step": meta["step"], "trainer": meta["trainer"], "rng_restored": rng_ok}
 
 
