@@ -303,3 +303,19 @@ def test_phase_timer_synchronizes_cuda(monkeypatch):
         pass
     assert len(calls) == 2 and "time/update" in ph.times  # before and after the phase
     assert Phases().sync is (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+# ---- item 10: MRL_REQUIRE_GPU=1 turns the gpu tier's skips into failures -------------------------
+@pytest.mark.parametrize("require,rc,word", [("", 0, "skipped"), ("1", 1, "errors")])
+def test_require_gpu_turns_skips_into_failures(require, rc, word):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MRL_REQUIRE_GPU": require, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_gpu.py::test_out_of_range_labels_fail_on_cuda"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == rc, res.stdout[-2000:]
+    assert f"2 {word}" in res.stdout, res.stdout[-2000:]
