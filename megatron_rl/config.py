@@ -124,6 +124,7 @@ class TrainerSection:
     export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
     keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
+    deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
 
 
 @dataclass

@@ -16,6 +16,7 @@ def init_parallel(cfg: RunConfig):
     from megatron_rl.parallel import runtime
 
     p = cfg.parallel
+    runtime.set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel runs
     return runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed,
                                  backend=p.backend, timeout_s=p.timeout_s,
                                  host_timeout_s=p.host_timeout_s)

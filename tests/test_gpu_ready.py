@@ -319,3 +319,32 @@ def test_require_gpu_turns_skips_into_failures(require, rc, word):
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == rc, res.stdout[-2000:]
     assert f"2 {word}" in res.stdout, res.stdout[-2000:]
+
+
+# ---- item 9: trainer.deterministic ------------------------------------------------------------
+def _deterministic_worker(on: bool) -> dict:
+    import os
+
+    from megatron_rl import run_setup as setup
+    from megatron_rl.config import load_config
+    from megatron_rl.parallel import runtime
+
+    cfg = load_config(None, [f"trainer.deterministic={str(on).lower()}"])
+    setup.init_parallel(cfg)
+    out = {"algos": torch.are_deterministic_algorithms_enabled(),
+           "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+           "flash": torch.backends.cuda.flash_sdp_enabled(),
+           "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+           "math": torch.backends.cuda.math_sdp_enabled(),
+           "cudnn": torch.backends.cudnn.deterministic}
+    runtime.shutdown()
+    return out
+
+
+def test_trainer_deterministic_switch():
+    (on,) = spawn(_deterministic_worker, 1, (True,), timeout_s=300)
+    assert on == {"algos": True, "cublas": ":4096:8", "flash": False, "mem_efficient": False,
+                  "math": True, "cudnn": True}
+    (off,) = spawn(_deterministic_worker, 1, (False,), timeout_s=300,
+                   env={"CUBLAS_WORKSPACE_CONFIG": ""})
+    assert off["algos"] is False and off["flash"] is True

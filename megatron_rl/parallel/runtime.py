@@ -190,6 +190,23 @@ def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp
     return implied
 
 
+def set_deterministic(enabled: bool) -> None:
+    """``trainer.deterministic``: bit-reproducible GPU kernels at a cost (docs/gpu.md). Sets
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (read when cuBLAS starts: call before the first GEMM),
+    ``torch.use_deterministic_algorithms`` (ops without a deterministic kernel warn), cuDNN
+    deterministic without autotuning, and SDPA's math backend only (flash / memory-efficient /
+    cuDNN attention backward passes accumulate in a nondeterministic order)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      host_timeout_s: float | None = None) -> DistEnv:
     """Initialise torch.distributed from the environment (idempotent).
