@@ -348,3 +348,26 @@ def test_trainer_deterministic_switch():
     (off,) = spawn(_deterministic_worker, 1, (False,), timeout_s=300,
                    env={"CUBLAS_WORKSPACE_CONFIG": ""})
     assert off["algos"] is False and off["flash"] is True
+
+
+# ---- item 8: MFU conventions and peaks by full device name ------------------------------------
+def test_mfu_conventions_and_device_peaks():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                        "bench_actor_step.py")
+    spec = importlib.util.spec_from_file_location("bench_actor_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, tf in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                     ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+                     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H100", None)):
+        assert bench.peak_tflops_of(name) == tf, name
+    from megatron_rl.models.config import get_preset
+
+    cfg = get_preset("tiny")
+    head = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    attn6 = 6 * cfg.num_hidden_layers * 32 * 32 * cfg.num_attention_heads * head * 2
+    f6, f12 = bench.model_flops(cfg, 2, 32), bench.model_flops(cfg, 2, 32, attention_factor=12)
+    assert f12 - f6 == attn6
