@@ -93,8 +93,12 @@ def make_engine(cfg: RunConfig, tokenizer):
         from megatron_rl.rollout.sglang_client import make_sglang_engine
 
         return make_sglang_engine(cfg, tokenizer)
+    from megatron_rl.parallel.runtime import device
+    from megatron_rl.rollout.embedded import engine_placement
+
+    dev, dtype = engine_placement(cfg.actor.precision, device())  # GPU: actor's precision
     return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
-                          per_request_seed=cfg.rollout.per_request_seed)
+                          per_request_seed=cfg.rollout.per_request_seed, device=dev, dtype=dtype)
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:

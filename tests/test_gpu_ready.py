@@ -371,3 +371,28 @@ def test_mfu_conventions_and_device_peaks():
     attn6 = 6 * cfg.num_hidden_layers * 32 * 32 * cfg.num_attention_heads * head * 2
     f6, f12 = bench.model_flops(cfg, 2, 32), bench.model_flops(cfg, 2, 32, attention_factor=12)
     assert f12 - f6 == attn6
+
+
+# ---- item 5: the embedded engine generates on the actor's device in the actor's precision ------
+def test_engine_placement():
+    from megatron_rl.rollout.embedded import engine_placement
+
+    cuda = torch.device("cuda", 0)
+    assert engine_placement(None, torch.device("cpu")) == (torch.device("cpu"), torch.float32)
+    assert engine_placement("bf16", cuda) == (cuda, torch.bfloat16)
+    assert engine_placement("fp32", cuda) == (cuda, torch.float32)
+
+
+def test_embedded_generate_makes_tensors_on_purpose():
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.testing.device_spy import DeviceSpy
+
+    engine = EmbeddedEngine(get_preset("tiny"), eos_id=1, pad_id=0, dtype=torch.float32)
+    assert engine.device == torch.device("cpu") and engine.weight_dtype == torch.float32
+    with DeviceSpy(device=torch.device("cpu")) as spy:
+        out = engine.generate([[5, 6, 7], [8]], SamplingParams(n=2, max_new_tokens=3), seed=0)
+    assert [len(g) for g in out] == [2, 2]
+    mine = [v for v in spy.violations if "embedded.py" in v.where]
+    assert mine == [], spy.report()
