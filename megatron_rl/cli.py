@@ -64,14 +64,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return _run_in_place(cfg, args.command, plan, world)
     from megatron_rl.parallel.launch import WorkerError, spawn
 
+    try:
+        env = local_spawn_env(cfg.parallel.backend, world)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"[{args.command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
     try:
-        spawn(_train_worker, world, (cfg, args.command), timeout_s=7 * 24 * 3600)
+        spawn(_train_worker, world, (cfg, args.command), timeout_s=7 * 24 * 3600, env=env)
     except WorkerError as exc:
         print(f"[{args.command}] failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def local_spawn_env(backend: str, world: int) -> dict[str, str]:
+    """Environment of locally spawned ranks; refuses (``ParallelConfigError``) more ranks than
+    visible GPUs for NCCL before any process starts. gloo ranks get ``CUDA_VISIBLE_DEVICES=""``."""
+    import os
+
+    import torch
+
+    from megatron_rl.parallel.runtime import BACKEND_ENV, resolve_backend
+
+    req = backend if backend != "auto" else os.environ.get(BACKEND_ENV) or "auto"
+    cuda = 0 if req == "gloo" else torch.cuda.device_count()
+    return {"CUDA_VISIBLE_DEVICES": ""} if resolve_backend(req, world, cuda) == "gloo" else {}
 
 
 def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:

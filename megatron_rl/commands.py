@@ -18,8 +18,7 @@ def evaluate(cfg: RunConfig) -> float | None:
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.sync import sync_weights
 
-    p = cfg.parallel
-    runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed, timeout_s=900)
+    setup.init_parallel(cfg)
     root = os.path.join(cfg.trainer.output_dir, "checkpoints")
     path = latest_checkpoint(root)
     if path is None:
@@ -46,8 +45,7 @@ def sft_only(cfg: RunConfig) -> str | None:
     from megatron_rl.parallel import runtime
     from megatron_rl.sft import run_sft
 
-    p = cfg.parallel
-    runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed, timeout_s=900)
+    setup.init_parallel(cfg)
     driver = RolloutDriver(cfg, setup.make_tokenizer(cfg), setup.score_fn(cfg))
     state, _ = run_sft(cfg, driver.tok, driver.train_rows, setup.make_actor)
     path = None

@@ -38,6 +38,9 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    backend: str = "auto"  # auto (NCCL with GPUs, else gloo) | nccl | gloo (CPU ranks); docs/gpu.md
+    timeout_s: float = 1800.0  # collectives of the update, checkpoints, weight sync
+    host_timeout_s: float = 14400.0  # host objects: ranks wait here while rank 0 generates
 
 
 @dataclass
@@ -77,7 +80,8 @@ class SGLangSection:
     max_offpolicy_lag: int = -1  # -1: only measure rollout/offpolicy_lag; >= 0: refuse staler
     weight_sync: str = "from_disk"  # from_disk | from_tensor | from_distributed
     sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
-    probe_tolerance: float = 1e-4  # max |engine - actor| probe log-prob (fp32; ~0.05 for bf16)
+    probe_tolerance: float | None = None  # max |engine - actor| probe log-prob; None: from the
+    # actor's and the servers' precisions (1e-4 both fp32, 0.05 with bf16; docs/gpu.md)
     probe_length: int = 16  # tokens of the probe sequence (0: no probe)
     spot_checks: int = 0  # /get_weights_by_name checks per sender per sync (Llama/serve only)
     server_threads: int = 1  # torch threads of each started `serve`
@@ -127,6 +131,7 @@ class TrainerSection:
     export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
     keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
+    deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
 
 
 @dataclass
@@ -374,6 +379,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"data.max_prompt_length must be >= 0 (0 = no limit), got "
                           f"{cfg.data.max_prompt_length}")
     cfg.loss.build()
+    validate_parallel_section(cfg.parallel)
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "
                           f"{ADVANTAGES}")
@@ -401,6 +407,17 @@ def validate_run_config(cfg: RunConfig) -> None:
     if rows % cfg.parallel.dp:
         raise ConfigError(f"trainer.train_batch_size x rollout.n = {rows} responses must be "
                           f"divisible by parallel.dp={cfg.parallel.dp}")
+
+
+def validate_parallel_section(p: ParallelSection) -> None:
+    """``parallel.backend`` and the two timeouts."""
+    from megatron_rl.parallel.runtime import BACKENDS
+
+    if p.backend not in BACKENDS:
+        raise ConfigError(f"parallel.backend={p.backend!r} is not one of {BACKENDS}")
+    for name in ("timeout_s", "host_timeout_s"):
+        if not getattr(p, name) > 0:
+            raise ConfigError(f"parallel.{name} must be > 0 seconds, got {getattr(p, name)}")
 
 
 def validate_env_critic(cfg: RunConfig) -> None:

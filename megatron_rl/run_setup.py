@@ -11,6 +11,17 @@ from typing import Any, Callable
 from megatron_rl.config import RunConfig
 
 
+def init_parallel(cfg: RunConfig):
+    """torch.distributed + megatron parallel state for the run's layout, backend and timeouts."""
+    from megatron_rl.parallel import runtime
+
+    p = cfg.parallel
+    runtime.set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel runs
+    return runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed,
+                                 backend=p.backend, timeout_s=p.timeout_s,
+                                 host_timeout_s=p.host_timeout_s)
+
+
 def build_datasets(cfg: RunConfig, tokenizer=None):
     """``(train_set, val_set)`` :class:`~megatron_rl.data.PromptDataset` s of the run's data
     (files when ``data.path`` is set, else the reasoning-gym task), split disjointly.
@@ -82,8 +93,12 @@ def make_engine(cfg: RunConfig, tokenizer):
         from megatron_rl.rollout.sglang_client import make_sglang_engine
 
         return make_sglang_engine(cfg, tokenizer)
+    from megatron_rl.parallel.runtime import device
+    from megatron_rl.rollout.embedded import engine_placement
+
+    dev, dtype = engine_placement(cfg.actor.precision, device())  # GPU: actor's precision
     return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
-                          per_request_seed=cfg.rollout.per_request_seed)
+                          per_request_seed=cfg.rollout.per_request_seed, device=dev, dtype=dtype)
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:

@@ -72,4 +72,16 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
     state = gather_main_state_dict(actor.model, actor.optimizer)  # fp32 main weights
     del actor
+    release_memory()  # the RL actor is built next: the SFT actor's memory must be back
     return state, log
+
+
+def release_memory() -> None:
+    """Free what dropped objects held: megatron's DDP grad hooks and optimizer form reference
+    cycles, so a ``del`` alone leaves a model, its grads and optimizer state alive until the next
+    garbage collection; then hand CUDA's cached blocks back."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -14,17 +14,29 @@ PROGRESS_KEYS = {"reward": ("rollout/reward",), "acc": ("rollout/acc",),
 
 
 class Phases:
-    """Wall time per phase of one step: ``with phases("rollout"): ...`` -> ``time/rollout``."""
+    """Wall time per phase of one step: ``with phases("rollout"): ...`` -> ``time/rollout``.
 
-    def __init__(self) -> None:
+    On CUDA the device is synchronised at both ends of a phase (``sync``, default: when CUDA is
+    initialised), so the kernels a phase queued count in that phase, not in the next one. Once
+    per phase: a handful of syncs per step."""
+
+    def __init__(self, sync: bool | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.sync = torch.cuda.is_available() and torch.cuda.is_initialized() if sync is None \
+            else sync
+
+    def _wait(self) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        self._wait()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            self._wait()
             self.times[f"time/{name}"] = time.perf_counter() - t0
 
 

@@ -41,8 +41,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     from megatron_rl.warm_start import initial_weights, reference_weights
 
     t_start = time.perf_counter()
-    p, t = cfg.parallel, cfg.trainer
-    runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=t.seed, timeout_s=900)
+    t = cfg.trainer
+    setup.init_parallel(cfg)  # backend, update and host-group timeouts: docs/gpu.md
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     loss_cfg = cfg.loss.build()
     if runtime.is_rank0():

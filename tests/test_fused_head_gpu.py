@@ -6,12 +6,15 @@ Run on a CUDA machine: ``python -m pytest -q -m gpu tests/test_fused_head_gpu.py
 is ``gpu``-marked and skips without CUDA (tests/conftest.py).
 
 Reference (:func:`reference`): float64 log-softmax / entropy and their gradients, computed in
-row chunks on the GPU, of the logits the fused head is defined on: ``h @ W^T`` rounded to the
-input dtype (what megatron's ``output_layer`` returns; exact products, fp64 sums). The fused GEMM
-accumulates in fp32 before that rounding, so a few logits may land one bf16 ulp away; the
-forward tolerance is one ulp of the largest logit (divided by T). Gradients are compared by
-relative L2 error: bf16 1e-2 (the logits gradient is rounded to bf16 before the gradient
-GEMMs, as in the unfused path), fp32 1e-5.
+row chunks on the GPU, of the logits the fused head is defined on, made by the same device GEMM
+the fused head runs (``torch.mm`` of the same row chunks, input dtype out, fp32 accumulation
+inside; what megatron's ``output_layer`` returns). Both sides then see bit-identical logits, so
+the forward tolerance is that of fp32 softmax arithmetic over the vocabulary, 5e-4 absolute on
+log-prob and entropy (an fp64-products reference would differ by one bf16 ulp of the largest
+logit, ~0.06, and hide a 1% entropy error). Gradients are compared by relative L2 error: bf16
+8e-3 (the logits gradient is rounded to bf16 before the gradient GEMMs, as in the unfused path,
+and the hidden gradient is returned in bf16: ~4e-3 measured on small shapes under
+``TRITON_INTERPRET=1``), fp32 1e-5. Forward gaps measured there: ~1e-6.
 """
 
 from __future__ import annotations
@@ -42,9 +45,21 @@ def make_inputs(n: int, h: int, v: int, dtype: torch.dtype, seed: int = 0):
     return hidden, weight, labels, g_lp, g_h
 
 
+def fused_rows(hidden, weight, chunk_size=None, tiles=None) -> int:
+    """Rows per chunk the fused head (Triton backend) uses for these inputs."""
+    from megatron_rl.kernels.fused_head import _chunk_ops
+    from megatron_rl.kernels.fused_head_torch import _chunk_rows
+
+    return _chunk_rows(hidden.size(0), weight.size(0), hidden, _chunk_ops("triton", tiles),
+                       chunk_size)
+
+
 def reference(hidden, weight, labels, g_lp, g_h, temperature: float, with_entropy: bool,
-              entropy_grad: bool, rows: int = 1024) -> dict:
-    """float64 ``logp, entropy, grad_hidden, grad_weight`` of ``round(h @ W^T) / T``, chunked."""
+              entropy_grad: bool, rows: int | None = None) -> dict:
+    """float64 ``logp, entropy, grad_hidden, grad_weight`` of ``mm(h, W^T) / T``, where the
+    logits come from the device GEMM in the input dtype over the fused head's own row chunks
+    (``rows``; None: :func:`fused_rows`), so both sides see the same logits."""
+    rows = rows or fused_rows(hidden, weight)
     w64 = weight.double()
     n, v = hidden.size(0), weight.size(0)
     out = dict(logp=torch.empty(n, dtype=torch.float64, device=hidden.device),
@@ -55,7 +70,7 @@ def reference(hidden, weight, labels, g_lp, g_h, temperature: float, with_entrop
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         h64 = hidden[r0:r1].double()
-        logits = (h64 @ w64.t()).to(hidden.dtype).double()         # the input-dtype logits
+        logits = torch.mm(hidden[r0:r1], weight.t()).double()  # the fused head's own GEMM
         out["zmax"] = max(out["zmax"], float(logits.abs().max()))
         z = logits / temperature
         logp_all = torch.log_softmax(z, dim=-1)
@@ -103,16 +118,14 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check(got: dict, ref: dict, dtype: torch.dtype, temperature: float, with_entropy: bool,
           entropy_grad: bool, ctx: str) -> None:
-    ulp = 2.0 ** (math.floor(math.log2(max(ref["zmax"], 1e-30))) - 7) \
-        if dtype != torch.float32 else 0.0
-    tol = ulp / temperature + 1e-4
+    tol = 5e-4  # fp32 softmax arithmetic on identical logits (module docstring)
     assert float((got["logp"].double() - ref["logp"]).abs().max()) <= tol, ctx
     if with_entropy:
         assert float((got["entropy"].double() - ref["entropy"]).abs().max()) <= tol, ctx
         assert got["ent_requires_grad"] == entropy_grad, ctx
     else:
         assert got["entropy"] is None, ctx
-    gtol = 1e-5 if dtype == torch.float32 else 1e-2
+    gtol = 1e-5 if dtype == torch.float32 else 8e-3
     for name in ("grad_h", "grad_w"):
         err = _rel_l2(got[name], ref[name])
         assert err <= gtol, f"{ctx} {name}: relative L2 error {err:.3g} > {gtol}"
@@ -152,7 +165,7 @@ def test_wgrad_gemm_choices(wgrad):
     inputs = make_inputs(2048, 1024, 30011, torch.bfloat16, seed=1)
     got = run_fused(*inputs, 1.0, True, True, main_grad=True, tiles=TritonTiles(wgrad=wgrad),
                     chunk_size=512)
-    ref = reference(*inputs, 1.0, True, True)
+    ref = reference(*inputs, 1.0, True, True, rows=512)
     check(got, ref, torch.bfloat16, 1.0, True, True, f"wgrad={wgrad}")
 
 

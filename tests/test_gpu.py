@@ -1,19 +1,22 @@
-"""The GPU test tier (issue 10): ``pytest -m gpu`` on a CUDA machine; skipped without CUDA
-(tests/conftest.py). One GPU means NCCL world size 1, so every test here runs TP1xPP1; the
-multi-rank layouts stay covered by the gloo tests.
+"""The GPU test tier (issue 10): ``pytest -m gpu`` on a CUDA machine; skipped without CUDA, and
+failed instead with ``MRL_REQUIRE_GPU=1`` (tests/conftest.py). One GPU means NCCL world size 1,
+so every test here runs TP1xPP1; the multi-rank layouts stay covered by the gloo tests.
 
-* a bf16 actor update on CUDA vs the fp32 update on CPU of the same weights and batch. Tolerance
-  (as in tests/test_precision.py, and why): one Adam step moves each weight by ~``±lr``; bf16
-  rounds the starting weights and perturbs the gradient, which flips the step's sign only where
-  the gradient is ~0, so the steps of the fp32 main weights agree to ``0.1*lr`` on >= 90% of the
-  elements and never differ by more than ``2*lr`` (+ weight decay); loss and gradient norm agree
-  to 2e-2 relative. The update runs under the device spy (tests/test_device_discipline.py) with
-  the batch on CUDA: any project-code tensor left on the CPU fails the test;
-* the fused head on vs off on CUDA inside a real bf16 update (same tolerance: the fused GEMM
-  accumulates in fp32 before rounding, the unfused logits are rounded to bf16);
+* a bf16 actor update on CUDA vs the fp32 update on CPU of the same weights and batch, compared
+  by their gradients (the fp32 gradient buffers after the update: an Adam step at step 1 is
+  ~``lr * sign(g)`` and says little): the gradients, each normalised to unit global norm (the
+  update clips to norm 1 in place), agree to 0.1 relative L2 (bf16 vs fp32 on CPU measures
+  0.027 on this batch); loss and gradient norm agree to 2e-2 relative; the bf16 model starts
+  from the bf16-rounded fp32 weights. The update runs under the device spy
+  (tests/test_device_discipline.py) with the batch on CUDA: any project-code tensor left on the
+  CPU fails the test;
+* the fused head on vs off on CUDA inside a real bf16 update (same gradient tolerance: the fused
+  GEMM accumulates in fp32 before rounding, the unfused logits are rounded to bf16);
+* out-of-range labels fail on CUDA in the fused and the unfused head (async device assert);
 * a checkpoint saved on the GPU loads on the CPU (fp32) and back, with the fp32 main weights
   restored exactly;
-* the tiny main job at TP1xPP1 on one GPU finishes and its training reward goes up.
+* the tiny main job at TP1xPP1 on one GPU finishes on CUDA in bf16 (read back from its
+  checkpoint) and its training reward goes up.
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ import sys
 import pytest
 import torch
 from test_precision import (
-    LR,
     _actor,
     _one_update,
     assert_metrics_close,
     main_weights,
-    step_agreement,
 )
 
 from megatron_rl.parallel.launch import spawn
@@ -56,12 +57,29 @@ def _update_worker(precision: str, fused: bool | None, spy: bool) -> dict:
         violations = s.report()
     else:
         history = _one_update(actor)
+    grads = main_grads(actor)
     after = main_weights(actor)
     out = {"before": before, "after": after, "history": history, "device": str(dev),
+           "grads": grads, "dtypes": sorted({str(p.dtype) for p in actor.model.parameters()}),
            "violations": violations,
            "param_device": str(next(actor.model.parameters()).device)}
     runtime.shutdown()
     return out
+
+
+def main_grads(actor) -> dict[str, torch.Tensor]:
+    """The fp32 gradient buffers (megatron DDP ``main_grad``) after the update, on the host."""
+    return {n: p.main_grad.detach().float().cpu() for n, p in actor.model.named_parameters()}
+
+
+def grad_agreement(a: dict, b: dict) -> float:
+    """Relative L2 gap of two runs' gradients, each normalised to unit global norm."""
+    def unit(g: dict) -> torch.Tensor:
+        flat = torch.cat([g[k].flatten().double() for k in sorted(g)])
+        return flat / flat.norm()
+
+    assert sorted(a["grads"]) == sorted(b["grads"])
+    return float((unit(a["grads"]) - unit(b["grads"])).norm())
 
 
 def _run(precision: str, fused: bool | None = None, cpu: bool = False, spy: bool = False) -> dict:
@@ -81,10 +99,11 @@ def test_bf16_cuda_update_matches_fp32_cpu_update(fp32_cpu):
     gpu = _run("bf16", fused=False, spy=True)
     assert gpu["device"].startswith("cuda") and gpu["param_device"].startswith("cuda")
     assert gpu["violations"] == "", gpu["violations"]
+    assert gpu["dtypes"] == ["torch.bfloat16"] and fp32_cpu["dtypes"] == ["torch.float32"]
     for k, w in fp32_cpu["before"].items():
         assert torch.equal(gpu["before"][k], w.bfloat16().float()), k
-    frac, worst = step_agreement(fp32_cpu, gpu)
-    assert frac >= 0.9 and worst <= 2.2 * LR, (frac, worst)
+    gap = grad_agreement(fp32_cpu, gpu)
+    assert gap <= 0.1, gap
     assert_metrics_close(fp32_cpu["history"], gpu["history"])
 
 
@@ -93,8 +112,8 @@ def test_fused_head_on_vs_off_on_cuda():
     assert on["violations"] == "", on["violations"]
     for k, w in off["before"].items():
         assert torch.equal(on["before"][k], w), k
-    frac, worst = step_agreement(off, on)
-    assert frac >= 0.9 and worst <= 2.2 * LR, (frac, worst)
+    gap = grad_agreement(off, on)
+    assert gap <= 0.1, gap
     assert_metrics_close(off["history"], on["history"])
 
 
@@ -149,3 +168,33 @@ def test_tiny_main_job_learns_on_one_gpu(tmp_path):
     assert len(acc) == 30
     assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.05, acc
     assert all(r.get("actor/skipped", 0.0) == 0.0 for r in rows)
+    # it ran on CUDA in bf16: the checkpoint's precision and its RNG states' device say so
+    ckpt = tmp_path / "checkpoints" / open(tmp_path / "checkpoints" / "latest").read().strip()
+    assert torch.load(ckpt / "trainer.pt", weights_only=False)["precision"] == "bf16"
+    rng = torch.load(ckpt / "rng" / "rank_00000.pt", weights_only=False)
+    assert rng["device"] == "cuda" and rng["cuda"] is not None
+
+
+def _bad_label_worker(fused: bool) -> str:
+    from megatron_rl.kernels.fused_head import fused_linear_logprob_entropy
+    from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy
+
+    dev = torch.device("cuda", 0)
+    h, w = torch.randn(3, 4, device=dev), torch.randn(8, 4, device=dev)
+    bad = torch.tensor([0, 8, 1], device=dev)
+    try:
+        if fused:
+            fused_linear_logprob_entropy(h, w, bad)
+        else:
+            vocab_parallel_logprob_entropy(h @ w.t(), bad)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:  # the async device assert surfaces at the sync
+        return f"raised: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_out_of_range_labels_fail_on_cuda(fused):
+    # own process each: a device-side assert leaves the CUDA context unusable
+    (out,) = spawn(_bad_label_worker, 1, (fused,), timeout_s=300)
+    assert out.startswith("raised"), out

@@ -19,7 +19,10 @@ CPU in well under a minute.
 MFU = (6 * P * tokens + 6 * L * S^2 * d_attn * sequences) / time / peak, with P the parameters
 that multiply activations (all but the input embedding; a tied output head counts), the second
 term the causal attention matmuls (QK^T and AV, forward + backward); recomputed FLOPs are not
-counted. Peak: ``--peak-tflops``, else 989 TFLOP/s bf16 dense on H100/H200, 312 on A100.
+counted. MFU(12) counts the full S x S square instead (12 * L * S^2 * d_attn, Megatron-LM's and
+PaLM's convention, which most published MFU numbers use); the table prints both. Peak:
+``--peak-tflops``, else by full device name (:data:`PEAK_TFLOPS`: H100 SXM 989, H100 PCIe 756,
+H100 NVL 835, H200 989, A100 312 TFLOP/s bf16 dense).
 """
 
 from __future__ import annotations
@@ -71,28 +74,44 @@ def _worker(tp: int, pp: int, dp: int, seqs: int, seq_len: int, steps: int, pres
 
 
 # ---- throughput and MFU ------------------------------------------------------------------------
+# Dense bf16 peak TFLOP/s by device name, most specific first (NVIDIA data sheets, no sparsity).
+PEAK_TFLOPS = (("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100 SXM", 989.0),
+               ("H100 80GB HBM3", 989.0), ("H200", 989.0), ("H800", 989.0), ("GH200", 989.0),
+               ("A100", 312.0))
+
+
+def peak_tflops_of(name: str) -> float | None:
+    """Dense bf16 peak of a ``torch.cuda.get_device_name()`` string (None: unknown; a bare
+    "H100" is ambiguous between SXM, PCIe and NVL and is not guessed)."""
+    for key, tf in PEAK_TFLOPS:
+        if key in name:
+            return tf
+    return None
+
+
 def peak_flops(arg_tflops: float | None) -> float | None:
     """Peak dense bf16 FLOP/s of this device (None when unknown, e.g. on CPU)."""
     if arg_tflops:
         return arg_tflops * 1e12
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, tf in (("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("A100", 312.0)):
-        if key in name:
-            return tf * 1e12
-    return None
+    tf = peak_tflops_of(torch.cuda.get_device_name())
+    return None if tf is None else tf * 1e12
 
 
-def model_flops(cfg, seqs: int, seq_len: int) -> float:
-    """Training FLOPs of one pass over ``seqs x seq_len`` tokens (see module docstring)."""
+def model_flops(cfg, seqs: int, seq_len: int, attention_factor: int = 6) -> float:
+    """Training FLOPs of one pass over ``seqs x seq_len`` tokens (see module docstring).
+
+    ``attention_factor``: 6 counts the causal half of the ``S x S`` scores (6·L·S²·d, the work
+    done); 12 counts the full square (12·L·S²·d, Megatron-LM's / PaLM's convention, which most
+    published MFU numbers use). The table prints both."""
     head = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     heads_dim, kv_dim = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
     h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     per_layer = h * (heads_dim + 2 * kv_dim) + heads_dim * h + 3 * h * f
     params = layers * per_layer + cfg.vocab_size * h  # + output head (tied or not)
     tokens = seqs * seq_len
-    attention = 6 * layers * seq_len * seq_len * heads_dim * seqs
+    attention = attention_factor * layers * seq_len * seq_len * heads_dim * seqs
     return 6.0 * params * tokens + attention
 
 
@@ -192,11 +211,15 @@ def mfu_table(presets: list[str], seqs: int, seq_len: int, micro: int, steps: in
     print(f"device={dev} batch={seqs}x{seq_len} micro={micro} precision={precision} "
           f"timed steps={steps} (+1 warm-up, best kept); peak="
           f"{peak / 1e12 if peak else float('nan'):.0f} TFLOP/s")
-    print(f"{'model':>14} {'variant':>26} {'tokens/s':>10} {'MFU':>6} {'peak mem GiB':>13}")
+    print("MFU(6) counts causal attention as 6·L·S²·d (the work done); MFU(12) as 12·L·S²·d "
+          "(Megatron-LM/PaLM convention, used by most published numbers)")
+    print(f"{'model':>14} {'variant':>26} {'tokens/s':>10} {'MFU(6)':>7} {'MFU(12)':>8} "
+          f"{'peak mem GiB':>13}")
     variants = [(f"actor fused={f} recompute={r}", (f, r)) for f in (True, False)
                 for r in ("none", "full")] + [("transformers+sdpa anchor", None)]
     for preset in presets:
         flops = model_flops(get_preset(preset), seqs, seq_len)
+        flops12 = model_flops(get_preset(preset), seqs, seq_len, attention_factor=12)
         for label, v in variants:
             try:
                 if v is None:
@@ -210,9 +233,10 @@ def mfu_table(presets: list[str], seqs: int, seq_len: int, micro: int, steps: in
                 print(f"{preset:>14} {label:>26} failed: {msg}", flush=True)
                 continue
             tps = seqs * seq_len / res["s"]
-            mfu = f"{100 * flops / res['s'] / peak:5.1f}%" if peak else "    -"
-            print(f"{preset:>14} {label:>26} {tps:>10.0f} {mfu:>6} {res['mem']:>13.2f}",
-                  flush=True)
+            mfu = f"{100 * flops / res['s'] / peak:6.1f}%" if peak else "     -"
+            mfu12 = f"{100 * flops12 / res['s'] / peak:7.1f}%" if peak else "      -"
+            print(f"{preset:>14} {label:>26} {tps:>10.0f} {mfu:>7} {mfu12:>8} "
+                  f"{res['mem']:>13.2f}", flush=True)
 
 
 def main() -> None:

@@ -143,6 +143,13 @@ def latest_checkpoint(root: str) -> str | None:
     return full
 
 
+def _rng_device() -> str:
+    """The device type whose generators the megatron RNG tracker holds here."""
+    from megatron_rl.parallel.runtime import device
+
+    return device().type
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
@@ -150,12 +157,19 @@ def _rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"torch": torch.get_rng_state(),
             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-            "python": list(random.getstate()),
+            "python": list(random.getstate()), "device": _rng_device(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": {k: v.clone() for k, v in tracker.get_states().items()}}
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def saved_rng_device(state: dict[str, Any]) -> str:
+    """Device type the tracker states of ``state`` belong to (older checkpoints: inferred)."""
+    return state.get("device") or ("cuda" if state.get("cuda") is not None else "cpu")
+
+
+def _set_rng_state(state: dict[str, Any]) -> bool:
+    """Restore host RNGs always; CUDA and tracker states only when saved on this device type
+    (a CPU generator state is not a CUDA one). Returns whether the tracker was restored."""
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
@@ -164,9 +178,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
+    if saved_rng_device(state) != _rng_device():
+        return False
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    return True
 
 
 def _layout_key() -> tuple[int, int, int]:
@@ -385,7 +402,8 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     """Load a checkpoint saved at any TP/PP/DP layout into this layout; collective.
 
     Returns ``{"step", "trainer", "rng_restored"}``. RNG states are restored only when the layout is
-    unchanged (per-rank states do not map across layouts).
+    unchanged (per-rank states do not map across layouts) and the device type is (a checkpoint
+    saved on CPU resumed on GPU restores only the host RNGs).
     """
     from megatron.core import dist_checkpointing
 
@@ -422,8 +440,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     if restore_rng and tuple(meta["layout"]) == _layout_key():
         rng_path = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
         if os.path.exists(rng_path):
-            _set_rng_state(safe_torch_load(rng_path))
-            rng_ok = True
+            rng_ok = _set_rng_state(safe_torch_load(rng_path))
     return {"step": meta["step"], "trainer": meta["trainer"], "rng_restored": rng_ok}
 
 

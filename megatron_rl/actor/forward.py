@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_rl.models.heads import response_logprob_entropy
+from megatron_rl.models.heads import response_indices, response_logprob_entropy
 
 
 def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -55,8 +55,14 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     call_kwargs = model_call_kwargs(model)  # half precision: keep the hidden states as they are
     head = bare_model(model)
 
+    from megatron.core import parallel_state as ps
+
+    # the response positions of every micro-batch: one host sync here, none per micro-batch
+    index = response_indices([mb["mask"].to(device) for mb in micro_batches]) \
+        if ps.is_pipeline_last_stage() else [None] * len(micro_batches)
+
     def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
+        i, mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         mask = mb["mask"].to(device)
         hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs)
@@ -65,7 +71,7 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
             logp, ent = response_logprob_entropy(
                 head, hidden_states, tokens, mask, temperature=temperature,
                 compute_entropy=compute_entropy, entropy_grad=False, chunk_size=chunk_size,
-                fused=fused)
+                fused=fused, index=index[i])
             return {"logp": logp, "entropy": ent}
 
         return hidden, collect
@@ -74,7 +80,7 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     model.eval()
     try:
         out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(list(micro_batches)),
+            forward_step_func=forward_step, data_iterator=iter(list(enumerate(micro_batches))),
             model=[model], num_microbatches=len(micro_batches), seq_length=seq,
             micro_batch_size=bsz, forward_only=True, collect_non_loss_data=True)
     finally:

@@ -39,7 +39,7 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
-from megatron_rl.models.heads import response_logprob_entropy
+from megatron_rl.models.heads import response_indices, response_logprob_entropy
 
 COV_LOSSES = ("clip_cov", "kl_cov")
 
@@ -223,6 +223,8 @@ class PolicyUpdater:
         compute_ent, ent_grad = needs_entropy(cfg, self.entropy_controller is not None)
         module = bare_model(self.model)  # the GPTModel under DDP / Float16Module (the head)
         half_kwargs = model_call_kwargs(self.model)
+        # response positions of every micro-batch: one host sync per mini-batch, not per micro
+        index = response_indices([mb["mask"] for mb in mbs]) if last else None
 
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
@@ -234,7 +236,8 @@ class PolicyUpdater:
                 logp, ent = response_logprob_entropy(
                     module, hidden_states, tokens, mask, temperature=self.cfg.temperature,
                     compute_entropy=compute_ent, entropy_grad=ent_grad,
-                    chunk_size=self.cfg.logprob_chunk_size, fused=self.cfg.use_fused_head)
+                    chunk_size=self.cfg.logprob_chunk_size, fused=self.cfg.use_fused_head,
+                    index=index[i])
                 out = compute_loss(LossInputs(
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),

@@ -207,10 +207,9 @@ def _validate(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if labels.numel() and not labels.is_cuda:   # no host sync on GPU
-        lo, hi = int(labels.min()), int(labels.max())  # device-spy: ok (CPU labels only)
-        if lo < 0 or hi >= vocab_global:
-            raise ValueError(f"labels out of range [0, {vocab_global}): min {lo}, max {hi}")
+    from megatron_rl.ops.vocab_parallel import check_label_range
+
+    check_label_range(labels, vocab_global)  # CUDA: an async device assert, no host sync
 
 
 def fused_linear_logprob_entropy(

@@ -158,17 +158,18 @@ def _wgrad_kernel(dz_ptr, h_ptr, acc_ptr, K, M, N, stride_dz, stride_h, stride_a
 # --------------------------------------------------------------------------------------------
 @functools.cache
 def _cublas_fp32_accumulate_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`` works (and is right) here."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(64, 48, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(64, 40, generator=g).to(device=device, dtype=dtype)
-    acc = torch.randn(48, 40, generator=g).to(device)
+    """Whether ``torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`` works (and is right) on
+    ``device``; probed once per device and dtype, with every tensor made there."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(64, 48, generator=g, device=device).to(dtype)
+    b = torch.randn(64, 40, generator=g, device=device).to(dtype)
+    acc = torch.randn(48, 40, generator=g, device=device)
     want = acc + a.float().t() @ b.float()
     try:
         torch.addmm(acc, a.t(), b, out_dtype=_FP32, out=acc)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
-    return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-3))
+    return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-3))  # once per device and dtype
 
 
 class TritonChunkOps:

@@ -46,6 +46,7 @@ def fused_response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor,
                                    temperature: float = 1.0, compute_entropy: bool = True,
                                    entropy_grad: bool = True, chunk_size: int | None = None,
                                    backend: str = "auto",
+                                   index: tuple[torch.Tensor, torch.Tensor] | None = None,
                                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-prob and entropy as ``[B, S]`` fp32 tensors (zero outside ``mask``).
 
@@ -57,8 +58,9 @@ def fused_response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor,
         chunk_size: rows per chunk (None: sized to ~8% of the ``[N, V/TP]`` logits).
         backend: ``"auto"`` (Triton on CUDA when installed, torch otherwise), ``"torch"``,
             ``"triton"``.
+        index: precomputed ``(b, t)`` of ``mask`` (``heads.response_indices``); None: here.
     """
-    b, t = response_index(mask)
+    b, t = response_index(mask) if index is None else index
     weight = output_weight(model)
     h = hidden[t - 1, b]                          # [N, H] response rows only
     logp, ent = fused_linear_logprob_entropy(

@@ -294,9 +294,15 @@ def _validate(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    check_label_range(labels, vocab_global)
+
+
+def check_label_range(labels: torch.Tensor, vocab_global: int) -> None:
+    """Labels ``[N]`` must lie in ``[0, vocab_global)``. CPU labels: a ``ValueError`` now; device
+    labels: an async device assert (no host sync; the error surfaces at the next sync)."""
     if labels.numel() == 0:
         return
-    if labels.is_cuda:  # no host sync: the check runs on the device stream
+    if labels.device.type != "cpu":  # no host sync: the check runs on the device stream
         torch._assert_async(((labels >= 0) & (labels < vocab_global)).all(),
                             f"labels out of range [0, {vocab_global})")
     else:

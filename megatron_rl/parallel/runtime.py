@@ -4,8 +4,11 @@ One entry point, :func:`init_parallel`, does all of it:
 
 1. read the launcher's environment (:func:`read_dist_env`: torchrun variables first, then SLURM's
    ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` / first host of ``SLURM_JOB_NODELIST``);
-2. pick the backend (NCCL when CUDA is usable, gloo otherwise) and initialise torch.distributed with
-   a finite timeout, so a collective that can never complete raises instead of hanging forever;
+2. pick the backend (:func:`resolve_backend`: ``auto`` is NCCL when CUDA is usable, gloo
+   otherwise; more ranks on a node than visible GPUs is refused; ``gloo`` hides CUDA from the rank)
+   and initialise torch.distributed with a finite timeout, so a collective that can never complete
+   raises instead of hanging forever; host objects travel over a separate gloo group with its own
+   (long) timeout, since ranks wait there while rank 0 generates;
 3. on CPU, enable the megatron-core CPU compatibility layer
    (:mod:`megatron_rl.parallel.cpu_compat`);
 4. validate ``world = TP x PP x DP`` and call ``parallel_state.initialize_model_parallel``.
@@ -91,9 +94,79 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                    master_port=int(env.get("MASTER_PORT", "29500")), source="single")
 
 
+BACKENDS = ("auto", "nccl", "gloo")
+BACKEND_ENV = "MRL_PARALLEL_BACKEND"  # used when the caller passes None or "auto"
+
+
 def default_backend() -> str:
     """NCCL when CUDA is usable, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_world_size(denv: DistEnv, environ: Mapping[str, str] | None = None) -> int:
+    """Ranks on this node: ``LOCAL_WORLD_SIZE`` (torchrun, our spawn, srun plan), else SLURM's
+    tasks per node of this node, else the whole world (one node); at least ``local_rank + 1``."""
+    from megatron_rl.parallel.hostlist import tasks_per_node
+
+    env = os.environ if environ is None else environ
+    n = 0
+    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        n = int(env["LOCAL_WORLD_SIZE"])
+    elif denv.source == "slurm":
+        per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE")
+                                  or env.get("SLURM_TASKS_PER_NODE") or "")
+        node = int(env.get("SLURM_NODEID", "0") or 0)
+        n = per_node[node] if node < len(per_node) else 0
+    return max(n or denv.world_size, denv.local_rank + 1)
+
+
+def resolve_backend(requested: str, local_world: int, cuda_count: int) -> str:
+    """The backend to run: ``"nccl"`` or ``"gloo"`` (pure: no CUDA or environment access).
+
+    ``requested`` is ``parallel.backend``: ``gloo`` always runs (CPU ranks); ``auto`` is NCCL when
+    any GPU is visible and gloo otherwise; NCCL needs one visible GPU per rank of this node, so
+    ``local_world > cuda_count`` is refused with the two ways out (gloo, or fewer ranks).
+    """
+    if requested not in BACKENDS:
+        raise ParallelConfigError(f"parallel.backend={requested!r} is not one of {BACKENDS}")
+    if requested == "gloo":
+        return "gloo"
+    if cuda_count == 0:
+        if requested == "nccl":
+            raise ParallelConfigError(
+                "parallel.backend=nccl needs CUDA GPUs but none is visible; use "
+                "parallel.backend: gloo (or auto) to run the ranks on the CPU")
+        return "gloo"
+    if local_world > cuda_count:
+        raise ParallelConfigError(
+            f"{local_world} ranks on this node but only {cuda_count} visible GPU(s): NCCL needs "
+            f"one GPU per rank. Use parallel.backend: gloo (CPU ranks; {BACKEND_ENV}=gloo for "
+            f"`check`, `convert` and the tests) or start at most {cuda_count} rank(s) per node "
+            "(smaller parallel.tp x pp x dp, or more nodes)")
+    return "nccl"
+
+
+def hide_cuda() -> None:
+    """Make this process a CPU process (``parallel.backend: gloo``): ``CUDA_VISIBLE_DEVICES=""``.
+
+    Only works before CUDA is initialised in the process; raises a clear error otherwise."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if torch.cuda.is_available():
+        raise ParallelConfigError(
+            "parallel.backend=gloo runs the ranks on the CPU, but CUDA was already initialised in "
+            "this process; start it with CUDA_VISIBLE_DEVICES= (empty)")
+
+
+def choose_backend(requested: str | None = None) -> str:
+    """Resolve ``requested`` (None or ``"auto"``: ``$MRL_PARALLEL_BACKEND``, else ``auto``) for
+    this process. Chosen gloo on a machine with GPUs hides CUDA (:func:`hide_cuda`)."""
+    req = requested if requested not in (None, "auto") else os.environ.get(BACKEND_ENV) or "auto"
+    if req == "gloo":
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+            hide_cuda()
+        return "gloo"
+    denv = read_dist_env()
+    return resolve_backend(req, local_world_size(denv), torch.cuda.device_count())
 
 
 def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
@@ -117,36 +190,65 @@ def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp
     return implied
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
-    """Initialise torch.distributed from the environment (idempotent)."""
+def set_deterministic(enabled: bool) -> None:
+    """``trainer.deterministic``: bit-reproducible GPU kernels at a cost (docs/gpu.md). Sets
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (read when cuBLAS starts: call before the first GEMM),
+    ``torch.use_deterministic_algorithms`` (ops without a deterministic kernel warn), cuDNN
+    deterministic without autotuning, and SDPA's math backend only (flash / memory-efficient /
+    cuDNN attention backward passes accumulate in a nondeterministic order)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+                     host_timeout_s: float | None = None) -> DistEnv:
+    """Initialise torch.distributed from the environment (idempotent).
+
+    ``backend``: ``auto`` | ``nccl`` | ``gloo`` (None: ``$MRL_PARALLEL_BACKEND`` or auto; see
+    :func:`choose_backend`). ``timeout_s`` bounds every collective of the default (and megatron's)
+    groups; ``host_timeout_s`` (default ``timeout_s``) bounds the host-object group, where ranks
+    wait while rank 0 generates a rollout.
+    """
     denv = read_dist_env()
     if dist.is_initialized():
         return denv
-    backend = backend or default_backend()
+    backend = choose_backend(backend)
+    extra: dict[str, Any] = {}
     if backend == "nccl":
-        torch.cuda.set_device(denv.local_rank % torch.cuda.device_count())
+        dev = torch.device("cuda", denv.local_rank)  # resolve_backend: local_rank < GPU count
+        torch.cuda.set_device(dev)
+        extra["device_id"] = dev  # binds the communicator to this rank's GPU up front
     dist.init_process_group(
         backend=backend, init_method=f"tcp://{denv.master_addr}:{denv.master_port}",
         rank=denv.rank, world_size=denv.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s))
-    _make_host_group(timeout_s)
+        timeout=datetime.timedelta(seconds=timeout_s), **extra)
+    _make_host_group(timeout_s if host_timeout_s is None else host_timeout_s, timeout_s)
     return denv
 
 
 def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                   seed: int = 1234, backend: str | None = None,
-                  timeout_s: float = 600.0) -> ParallelLayout:
+                  timeout_s: float = 600.0, host_timeout_s: float | None = None
+                  ) -> ParallelLayout:
     """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout.
 
-    Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world.
+    Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world
+    or the backend cannot run this many ranks on this node's GPUs.
     """
     denv = read_dist_env()
     dp = validate_layout(denv.world_size, tp, pp, dp, cp)
-    backend = backend or default_backend()
+    backend = choose_backend(backend) if not dist.is_initialized() else dist.get_backend()
     if backend == "gloo" and not torch.cuda.is_available():
         from megatron_rl.parallel import cpu_compat
         cpu_compat.enable()
-    init_distributed(backend, timeout_s)
+    init_distributed(backend, timeout_s, host_timeout_s)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -231,10 +333,13 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _make_host_group(timeout_s: float = 600.0) -> None:
-    """Create the gloo host group (collective: every rank calls it, right after init)."""
+def _make_host_group(timeout_s: float = 600.0, world_timeout_s: float | None = None) -> None:
+    """Create the gloo host group (collective: every rank calls it, right after init).
+
+    WORLD itself when the default backend is gloo and the timeouts are equal; a separate gloo group
+    with ``timeout_s`` otherwise."""
     global _HOST_GROUP
-    if not backend_is_nccl():
+    if not backend_is_nccl() and (world_timeout_s is None or world_timeout_s == timeout_s):
         _HOST_GROUP = dist.group.WORLD
         return
     _HOST_GROUP = dist.new_group(backend="gloo",

@@ -36,6 +36,17 @@ def build_hf_model(cfg: ModelConfig) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(conf).float().eval()
 
 
+def engine_placement(precision: str | None, dev: torch.device) -> tuple[torch.device,
+                                                                         torch.dtype]:
+    """Where the embedded engine generates: on a GPU in the actor's precision (bf16 by default);
+    on the CPU in fp32 (half-precision CPU kernels are slow)."""
+    from megatron_rl.actor.precision import params_dtype
+
+    if dev.type == "cuda":
+        return dev, params_dtype(precision)
+    return torch.device("cpu"), torch.float32
+
+
 def _digest(items: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, t in sorted(items, key=lambda x: x[0]):
@@ -48,9 +59,11 @@ class EmbeddedEngine:
     """A ``transformers`` model held by one process (rank 0 of the trainer)."""
 
     def __init__(self, cfg: ModelConfig, eos_id: int, pad_id: int,
-                 per_request_seed: bool = False) -> None:
+                 per_request_seed: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.cfg = cfg
-        self.model = build_hf_model(cfg)
+        self.model = build_hf_model(cfg).to(device=device or "cpu", dtype=dtype or torch.float32)
+        self.device = next(self.model.parameters()).device
         self.eos_id, self.pad_id = eos_id, pad_id
         self.weight_version = -1
         self.per_request_seed = per_request_seed  # sample like a `serve` fleet (sampling.py)
@@ -106,11 +119,12 @@ class EmbeddedEngine:
             torch.manual_seed(seed)
         rows = [p for p in prompts for _ in range(params.n)]
         width = max(len(p) for p in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(rows):
-            ids[i, width - len(p):] = torch.tensor(p)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device="cpu")
+        attn = torch.zeros((len(rows), width), dtype=torch.long, device="cpu")
+        for i, p in enumerate(rows):  # built on the host, moved once
+            ids[i, width - len(p):] = torch.tensor(p, device="cpu")
             attn[i, width - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
         sample = not params.greedy and params.temperature > 0
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, do_sample=sample,
@@ -121,7 +135,8 @@ class EmbeddedEngine:
         gen = out.sequences[:, width:]
         temp = params.temperature if sample else 1.0
         logp = torch.stack([torch.log_softmax(lg.float() / temp, dim=-1) for lg in out.logits], 1)
-        tok_logp = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1)  # [R, new]
+        tok_logp = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1).cpu()  # [R, new], one copy
+        gen = gen.cpu()
         results: list[list[Completion]] = [[] for _ in prompts]
         for i, p in enumerate(rows):
             resp = gen[i].tolist()

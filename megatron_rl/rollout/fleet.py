@@ -69,8 +69,9 @@ def validate_sglang_section(s) -> None:
     if s.python is not None and not os.path.isfile(str(s.python)):
         raise ConfigError(f"rollout.sglang.python={s.python!r} is not a file (an interpreter "
                           "with sglang installed; unset: the trainer's)")
-    if not s.probe_tolerance > 0:
-        raise ConfigError("rollout.sglang.probe_tolerance must be > 0")
+    if s.probe_tolerance is not None and not s.probe_tolerance > 0:
+        raise ConfigError("rollout.sglang.probe_tolerance must be > 0 (or null: from the "
+                          "actor's and the servers' precisions)")
     if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
         raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
                           f"= {s.num_servers * s.tp_size} are needed")

@@ -218,8 +218,37 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
     engine.sync.flush_retries = s.flush_retries
     if hasattr(engine.sync, "address_override"):
         engine.sync.address_override = s.sender_address
-    engine.probe_length, engine.probe_tolerance = s.probe_length, s.probe_tolerance
+    engine.probe_length, engine.probe_tolerance = s.probe_length, probe_tolerance_of(cfg)
     return engine
+
+
+# Largest probe log-prob gap accepted per precision (the looser side wins). fp32 on both sides:
+# only summation order differs (measured ~2e-6). bf16 keeps 8 mantissa bits: logits of size ~10
+# round by ~0.04, so a correct bf16 sync differs by up to a few 1e-2; a missed or wrong sync
+# differs by O(1), which 0.05 still catches. fp16 keeps 11 bits (8x finer).
+PROBE_TOLERANCE = {"fp32": 1e-4, "fp16": 0.02, "bf16": 0.05}
+
+
+def server_precision(s) -> str:
+    """Precision the servers compute in: ``fp32`` for our ``serve``; SGLang's ``--dtype auto``
+    serves fp32 and bf16 checkpoints in half precision (bf16 assumed)."""
+    return "fp32" if s.launcher == "serve" else "bf16"
+
+
+def default_probe_tolerance(actor_precision: str, engine_precision: str) -> float:
+    """The probe tolerance for an actor and engine precision (the looser of the two)."""
+    return max(PROBE_TOLERANCE[actor_precision], PROBE_TOLERANCE[engine_precision])
+
+
+def probe_tolerance_of(cfg) -> float:
+    """``rollout.sglang.probe_tolerance``, or (None) the default of the run's precisions. Called in
+    the rank process (the actor's default precision depends on CUDA being usable there)."""
+    from megatron_rl.actor.precision import resolve_precision
+
+    s = cfg.rollout.sglang
+    if s.probe_tolerance is not None:
+        return s.probe_tolerance
+    return default_probe_tolerance(resolve_precision(cfg.actor.precision), server_precision(s))
 
 
 def write_model_config(cfg, out_dir: str) -> str:

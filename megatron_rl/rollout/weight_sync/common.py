@@ -196,7 +196,7 @@ class SyncStrategy:
         """The first tensor of each of the first ``spots_per_send`` buckets (2 rows of it)."""
         if bucket and len(self.spots) < self.spots_per_send:
             name, t = bucket[0]
-            self.spots.append((name, t.detach().float().cpu()[:2].tolist()))
+            self.spots.append((name, t.detach()[:2].float().cpu().tolist()))  # 2 rows only
 
     def spot_check(self, atol: float = 0.0) -> list[str]:
         """``/get_weights_by_name`` of the remembered tensors on every server; mismatches.
