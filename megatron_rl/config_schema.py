@@ -60,6 +60,7 @@ SEED = Range(0, SEED_MAX)
 
 RANGES: dict[str, Range] = {
     "parallel.tp": ONE_UP, "parallel.pp": ONE_UP, "parallel.dp": ONE_UP,
+    "parallel.timeout_s": POS, "parallel.host_timeout_s": POS,
     "data.max_prompt_length": NONNEG, "data.train_size": ONE_UP, "data.val_size": ONE_UP,
     "data.seed": SEED,
     "rollout.sglang.num_servers": ONE_UP, "rollout.sglang.router_port": Range(1, 65535),
@@ -67,7 +68,7 @@ RANGES: dict[str, Range] = {
     "rollout.sglang.concurrency": ONE_UP, "rollout.sglang.request_timeout_s": POS,
     "rollout.sglang.max_retries": NONNEG, "rollout.sglang.max_offpolicy_lag": Range(-1),
     "rollout.sglang.probe_tolerance": POS, "rollout.sglang.probe_length": NONNEG,
-    "rollout.sglang.spot_checks": NONNEG, "rollout.sglang.server_threads": ONE_UP,
+    "rollout.sglang.spot_checks": NONNEG, "rollout.sglang.flush_retries": NONNEG, "rollout.sglang.server_threads": ONE_UP,
     "rollout.n": ONE_UP, "rollout.temperature": POS, "rollout.top_p": UNIT_OPEN_LOW,
     "rollout.max_new_tokens": ONE_UP, "rollout.val_temperature": NONNEG, "rollout.val_n": ONE_UP,
     "rollout.gen_batch_size": NONNEG, "rollout.max_num_gen_batches": ONE_UP,
@@ -113,7 +114,9 @@ def _choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:
 # closest known name, by megatron_rl.config_checks: model.preset, data.task, loss.algorithm).
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.preset": lambda: tuple(sorted(_choices("megatron_rl.models.config", "PRESETS")())),
+    "parallel.backend": _choices("megatron_rl.parallel.runtime", "BACKENDS"),
     "data.split_by": lambda: ("prompt", "row"),
+    "rollout.sglang.serve_rules": _choices("megatron_rl.rollout.serve", "RULES"),
     "rollout.engine": lambda: ("embedded", "sglang"),
     "rollout.sglang.launcher": _choices("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": _choices("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
@@ -142,6 +145,8 @@ FREE_TEXT: dict[str, str] = {
     "rollout.sglang.router_url": "an http(s):// URL: checked at load",
     "rollout.sglang.host": "the interface started servers bind to (127.0.0.1 by default)",
     "rollout.sglang.sync_dir": "a directory on shared storage, created when needed",
+    "rollout.sglang.python": "an interpreter with sglang installed: must be a file (checked at load)",
+    "rollout.sglang.sender_address": "an address of this host the servers can reach (routed by default)",
     "rollout.reward_fn": "'module:function': imported and probed before the run (input check)",
     "trainer.output_dir": "the run directory, created when needed",
     "logging.project": "a name for wandb / tensorboard",
