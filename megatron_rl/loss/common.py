@@ -46,4 +46,4 @@ def ppo_clip_stats(loss1: Tensor, loss2: Tensor, advantages: Tensor, mask: Tenso
 
 def ppo_kl_stat(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, TokenStat]:
     """``policy/ppo_kl`` = mean(old_logp - logp), the k1 estimate of KL(pi_old || pi)."""
-    return {"policy/ppo_kl": mean_stat(old_logp - logp, mask.float())}
+    return {"policy/ppo_kl": mean_stat(old_logp - logp, mask)}
