@@ -70,15 +70,21 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """``G_t = sum_{s >= t} gamma^(s-t) r_s`` ``[B, T]``, the running return reset at padding."""
-    m = mask.to(torch.float64)
+    """``G_t = sum_{s >= t} gamma^(s-t) r_s`` over the valid tokens ``s`` of a row, ``[B, T]``.
+
+    Masked positions (padding, and the environment tokens between the turns of a multi-turn
+    episode) contribute no reward and **carry** the running return unchanged, so earlier turns
+    also receive the outcome; ``gamma`` applies once per valid token. The returns are 0 at masked
+    positions. This follows verl's ``compute_reinforce_plus_plus_outcome_advantage`` after verl
+    PR #7300 (ALGORITHMS.md §3.4); older verl reset the return at every masked position.
+    """
+    m = mask.bool()
     r = token_rewards.double()
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
-        running = r[:, t] + gamma * running
-        out[:, t] = running
-        running = running * m[:, t]
+        running = torch.where(m[:, t], r[:, t] + gamma * running, running)
+        out[:, t] = torch.where(m[:, t], running, 0.0)
     return out.float()
 
 
@@ -88,8 +94,14 @@ def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 
 
 
 def reinforce_pp_baseline_advantages(scores: Tensor, group_ids: Tensor, mask: Tensor) -> Tensor:
-    """§3.4 REINFORCE++-baseline: ``R - mean_g`` broadcast to tokens, whitened over the batch."""
-    mean, _, _ = group_mean_std(scores, group_ids)
+    """§3.4 REINFORCE++-baseline: ``R - mean_g`` broadcast to tokens, whitened over the batch.
+
+    A singleton group (one response per prompt, ``rollout.n = 1``) uses group mean 0, as verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage`` does: subtracting a response's own
+    score would make every advantage exactly 0. ``scores``/``group_ids`` ``[N]``, ``mask [N, T]``.
+    """
+    mean, _, size = group_mean_std(scores, group_ids)
+    mean = torch.where(size <= 1, 0.0, mean)
     centred = (scores.double() - mean).float()
     return masked_whiten(broadcast_to_tokens(centred, mask), mask)
 

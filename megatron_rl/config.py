@@ -439,9 +439,6 @@ def validate_env_critic(cfg: RunConfig) -> None:
                 raise ConfigError(f"env.{name} must be >= 1, got {getattr(e, name)}")
         if e.invalid_penalty < 0 or e.step_penalty < 0:
             raise ConfigError("env.invalid_penalty and env.step_penalty must be >= 0")
-        if cfg.trainer.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
-            raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not available "
-                              "with env.name (allowed: grpo, dr_grpo, rloo, gae)")
     elif cfg.trainer.advantage == "gae":
         raise ConfigError("trainer.advantage='gae' needs a multi-turn environment (set env.name "
                           f"to one of {('frozenlake', 'sokoban')})")

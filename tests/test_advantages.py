@@ -122,3 +122,33 @@ def test_advantage_metrics():
     m = advantage_metrics(adv, torch.ones(4, 2, dtype=bool), scores, gid)
     close(m["adv/zero_std_group_frac"], 0.5)
     close(m["reward/score_mean"], 0.75)
+
+
+def test_reinforce_pp_returns_carry_through_mask_holes():
+    """§3.4 (verl after PR #7300): environment tokens between turns neither add reward nor reset
+    the running return, so the first turn also receives the outcome (old: [0, 0, ., ., 1, 1])."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    rewards = torch.tensor([[0.0, 0, 0, 0, 0, 1]])
+    ret = discounted_returns(rewards, mask)
+    close(ret[mask], [1, 1, 1, 1])
+    close(ret[~mask], [0, 0])
+    # gamma applies per valid token (the hole does not discount) and masked rewards are ignored
+    leaky = torch.tensor([[0.0, 0, 5.0, 5.0, 0, 1]])
+    close(discounted_returns(leaky, mask, gamma=0.5)[mask], [0.125, 0.25, 0.5, 1.0])
+
+
+def test_reinforce_pp_baseline_singleton_groups_use_mean_zero():
+    """§3.4: with one response per prompt the baseline is 0 (verl), not the response's own score
+    (which made every advantage exactly 0)."""
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    adv = reinforce_pp_baseline_advantages(scores, torch.arange(4), mask)
+    vals = scores.double().repeat_interleave(3)  # R broadcast to 3 tokens each, then whitened
+    expected = (vals - vals.mean()) / (vals.var(unbiased=True) + 1e-8).sqrt()
+    close(adv.flatten(), expected)
+    assert adv.abs().max() > 0.5
+    # groups of two or more keep subtracting their mean
+    mixed = reinforce_pp_baseline_advantages(torch.tensor([1.0, 0.0, 0.7]),
+                                             torch.tensor([0, 0, 9]), torch.ones(3, 1, dtype=bool))
+    c = torch.tensor([0.5, -0.5, 0.7], dtype=torch.float64)
+    close(mixed.flatten(), (c - c.mean()) / (c.var(unbiased=True) + 1e-8).sqrt())

@@ -122,6 +122,54 @@ def test_episodes_to_batch_rewards_on_turn_ends(episodes):
     assert not grpo["advantages"][~grpo["mask"]].any()
 
 
+def _returns_over_valid_tokens(rewards, mask, gamma=1.0):
+    """Independent float64 reward-to-go over the valid tokens of one row (env tokens skipped)."""
+    out, running = [0.0] * len(mask), 0.0
+    for t in reversed(range(len(mask))):
+        if mask[t]:
+            running = float(rewards[t]) + gamma * running
+            out[t] = running
+    return out
+
+
+def test_reinforce_pp_multiturn_every_turn_receives_the_outcome(episodes):
+    """REINFORCE++ on multi-turn episodes (ALGORITHMS.md §3.4): the outcome reward and the KL of
+    later turns reach the earlier turns across the environment tokens between them."""
+    from megatron_rl.rollout.late_advantages import reinforce_pp, token_rewards
+    from megatron_rl.rollout.multiturn import episodes_to_batch
+
+    _, recs = episodes
+    batch = episodes_to_batch(recs, "reinforce_pp", pad_id=0, rows_multiple=4)
+    mask = batch["mask"]
+    assert not batch["advantages"].any()  # filled in after the old/ref passes
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(mask.shape, generator=g) - 2
+    ref = old + 0.1 * torch.randn(mask.shape, generator=g)
+    adv, _ = reinforce_pp(batch["reward"], mask, old, ref, kl_coef=0.05)
+    r, _ = token_rewards(batch["reward"], mask, old, ref, 0.05)
+    ret = torch.zeros(mask.shape, dtype=torch.float64)
+    for i in range(mask.shape[0]):
+        ret[i] = torch.tensor(_returns_over_valid_tokens(r[i].double(), mask[i].tolist()))
+    vals = ret[mask]
+    expected = torch.where(mask, (ret - vals.mean()) / (vals.var() + 1e-8).sqrt(), 0.0)
+    torch.testing.assert_close(adv.double(), expected, atol=1e-5, rtol=0)
+    # without KL every reply token of an episode, first turn included, has the episode's outcome
+    adv0, _ = reinforce_pp(batch["reward"], mask, old, None, kl_coef=0.0)
+    for i, rec in enumerate(recs):
+        p = len(rec["prompt_ids"])
+        first, last = p + rec["turn_ends"][0], p + rec["turn_ends"][-1]
+        assert rec["turns"] > 1 and adv0[i, first] == adv0[i, last]
+    assert adv0[0, len(recs[0]["prompt_ids"]) + recs[0]["turn_ends"][0]] != 0
+
+
+@pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_is_accepted_with_multi_turn_envs(advantage):
+    from megatron_rl.config import load_config
+
+    cfg = load_config("examples/sweeps/tiny_frozenlake.yaml", [f"trainer.advantage={advantage}"])
+    assert cfg.trainer.advantage == advantage and cfg.env.name == "frozenlake"
+
+
 def _mask_worker(records):
     """One actor update per variant from the same seeded weights; the updated weights."""
     import dataclasses
@@ -182,7 +230,6 @@ def test_environment_tokens_never_reach_the_loss(episodes):
     ("env.size=1", "env.size=1 is out of range for frozenlake"),
     ("env.success_rate=0", "env.success_rate must be in"),
     ("critic.gamma=1.5", "critic.gamma and critic.lam"),
-    ("trainer.advantage=reinforce_pp", "not available with env.name"),
     ("critic.mini_batch_size=12", "critic.mini_batch_size=12 must divide"),
 ])
 def test_env_and_critic_config_errors_name_the_field(override, match):

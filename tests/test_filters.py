@@ -146,3 +146,15 @@ def test_rv_top_p_all_zero():
     assert kept == ["a", "b"]  # uniform probs 1/3: mass 2/3 >= .5
     with pytest.raises(ValueError):
         reward_variance_top_p(recs, 0.0)
+
+
+@pytest.mark.parametrize("n", [6, 7, 10, 20])
+def test_rv_top_p_exact_ties_keep_what_exact_arithmetic_keeps(n):
+    """Equal reward spreads: every group has probability 1/n, so top_p = k/n keeps exactly k
+    groups. The float64 running sum lands a few ulps low (8 x 0.1 = 0.7999999999999999), which
+    kept k + 1 before the relative tolerance."""
+    recs = [{"uid": g, "reward": float(r)} for g in range(n) for r in (0, 1, 1)]
+    for k in range(1, n + 1):
+        kept, st = reward_variance_top_p(recs, k / n, include_zero=False)
+        assert st["kept"] == k, (k, n, kept)
+        assert kept == list(range(k))  # ties: first appearance first

@@ -10,13 +10,14 @@ import torch
 
 from megatron_rl.loss.config import AGG_MODES, LossConfigError
 from megatron_rl.loss.context import ReductionContext
+from megatron_rl.loss.masking import masked_zero
 
 Tensor = torch.Tensor
 
 
 def masked_sum_rows(values: Tensor, mask: Tensor) -> Tensor:
     """``[B]`` per-sequence sums of ``values`` over valid tokens (padding values are ignored)."""
-    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum(-1)
+    return masked_zero(values, mask.bool()).sum(-1)
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, ctx: ReductionContext,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_rl.loss.metrics import TokenStat, mean_stat
@@ -10,13 +12,17 @@ Tensor = torch.Tensor
 
 
 def log_ratio(logp: Tensor, old_logp: Tensor, clamp: float | None) -> Tensor:
-    """``logp - old_logp`` ``[B, T]``, clamped to ``[-clamp, clamp]`` when ``clamp`` is given."""
+    """``logp - old_logp`` ``[B, T]``, clamped to ``[-clamp, clamp]`` when ``clamp`` is finite
+    (``None`` or ``inf``: no clamp)."""
     d = logp - old_logp
-    return d if clamp is None else d.clamp(-clamp, clamp)
+    return d if clamp is None or math.isinf(clamp) else d.clamp(-clamp, clamp)
 
 
 def dual_clip(loss_clip: Tensor, advantages: Tensor, clip_c: float) -> Tensor:
-    """Hard dual clip (§1): for A < 0 cap the loss at ``-A * c``; other tokens unchanged."""
+    """Hard dual clip (§1): for A < 0 cap the loss at ``-A * c``; other tokens unchanged.
+    ``c = inf`` switches it off (plain PPO-clip)."""
+    if math.isinf(clip_c):
+        return loss_clip
     capped = torch.minimum(loss_clip, -advantages * clip_c)
     return torch.where(advantages < 0, capped, loss_clip)
 
@@ -40,4 +46,4 @@ def ppo_clip_stats(loss1: Tensor, loss2: Tensor, advantages: Tensor, mask: Tenso
 
 def ppo_kl_stat(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, TokenStat]:
     """``policy/ppo_kl`` = mean(old_logp - logp), the k1 estimate of KL(pi_old || pi)."""
-    return {"policy/ppo_kl": mean_stat(old_logp - logp, mask.float())}
+    return {"policy/ppo_kl": mean_stat(old_logp - logp, mask)}

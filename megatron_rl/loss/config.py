@@ -39,8 +39,8 @@ class LossConfig:
     # PPO-family clip [1, 2.1, 7, 10.2]
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0  # dual clip, must be > 1
-    log_ratio_clamp: float = 20.0
+    clip_ratio_c: float = 3.0  # dual clip, must be > 1; inf = no dual clip
+    log_ratio_clamp: float = 20.0  # inf = no clamp
     # Clip-Cov / KL-Cov [4]
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
@@ -152,28 +152,59 @@ class LossConfig:
         return replace(LossConfig(**PRESETS[name]), **overrides).validate()
 
 
+INF = math.inf  # clip_ratio_c = inf: no dual clip; log_ratio_clamp = inf: no log-ratio clamp
+
+# Published settings of each named recipe (ALGORITHMS.md section and the reference code in the
+# comments). A preset overrides every LossConfig default its recipe does not have: the generic
+# defaults are verl's ``compute_policy_loss_vanilla`` (dual clip c = 3, log-ratio clamp +-20), so
+# recipes whose reference loss is plain PPO-clip set both to ``inf``. tests/test_presets.py checks
+# each preset's effective settings against this list of sources.
 PRESETS: dict[str, dict] = {
+    # §1: verl compute_policy_loss_vanilla + actor.yaml (eps 0.2/0.2, c = 3, clamp 20, token-mean)
     "ppo": dict(policy_loss="ppo"),
-    "grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-mean", use_kl_loss=True),
+    # §3.1: the original GRPO objective (DeepSeekMath Eq. 3, restated in DAPO Eq. 5): plain
+    # PPO-clip, sample-level loss (seq-mean-token-mean, verl docs/algo/grpo.md), KL in the loss
+    # (verl docs/algo/grpo.md: use_kl_loss=True, kl_loss_coef 0.001, low_var_kl); no dual clip.
+    "grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-mean", use_kl_loss=True,
+                 clip_ratio_c=INF, log_ratio_clamp=INF),
+    # §3.2: Dr.GRPO reference code (sail-sg/oat PPOLearner): plain PPO-clip (no dual clip, no
+    # clamp), per-sequence token sum / constant C then mean over sequences, no KL (beta = 0).
     # C = the max response length: a run config sets loss_scale_factor=rollout.max_new_tokens
-    "dr_grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm"),
+    "dr_grpo": dict(policy_loss="ppo", loss_agg_mode="seq-mean-token-sum-norm",
+                    clip_ratio_c=INF, log_ratio_clamp=INF),
+    # §2.1: DAPO recipe run_dapo_qwen2.5_32b.sh on verl's vanilla loss (clamp 20 kept)
     "dapo": dict(policy_loss="ppo", clip_ratio_high=0.28, clip_ratio_c=10.0),
+    # §5: verl compute_policy_loss_gspo + test_gspo_3b_math.sh (no dual clip / clamp in the loss)
     "gspo": dict(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
                  loss_agg_mode="seq-mean-token-mean"),
     "gspo_token": dict(policy_loss="gspo_token", clip_ratio_low=3e-4, clip_ratio_high=4e-4,
                        loss_agg_mode="seq-mean-token-mean"),
+    # §6: verl compute_policy_loss_cispo (clamp 20) + run_cispo_qwen2_5_0_5b_gsm8k.sh
     "cispo": dict(policy_loss="cispo", clip_ratio_low=10.0, clip_ratio_high=0.2),
+    # §7: KlearReasoner compute_gppo_loss (c = 10, no clamp) + paper §4, positive_loss_coeff 0.1
     "gppo": dict(policy_loss="gppo", clip_ratio_high=0.28, clip_ratio_c=10.0,
                  positive_nll_coef=0.1),
+    # §8: Archer2.0 compute_policy_loss_archer (clamp 20, c_pos = c_neg = 3, quantile 0.8,
+    # widths 0.2/0.4) + run_archer2.0_qwen2.5_1.5b_code.sh (KL loss 0.001 low_var_kl)
     "aspo": dict(policy_loss="aspo", use_kl_loss=True, kl_loss_coef=0.001),
+    # §4: Entropy-Mechanism recipe/dapo/*_clip_cov.sh, *_kl_cov.sh (the loss has no dual clip
+    # and no clamp; c = 10 is what the scripts pass and is unused by these losses)
     "clip_cov": dict(policy_loss="clip_cov", clip_ratio_low=1.0, clip_ratio_high=1.0,
                      clip_ratio_c=10.0),
     "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=2e-4, kl_cov_coef=1.0, clip_ratio_c=10.0),
+    # §9: Kwai-Klear/ERC recipe/dapo/*erc_1_05.sh: grpo_erc = DAPO + ERC (eps 0.2/0.28, c = 10),
+    # gppo_erc = GPPO + ERC (eps 0.2/0.2, c = 10), both with the 0.1 positive NLL; ERC code clamps
     "dapo_erc": dict(policy_loss="ppo", clip_ratio_high=0.28, clip_ratio_c=10.0, erc=True,
                      positive_nll_coef=0.1),
     "gppo_erc": dict(policy_loss="gppo", clip_ratio_c=10.0, erc=True, positive_nll_coef=0.1),
-    "dcpo": dict(policy_loss="dcpo", clip_ratio_high=0.28, clip_ratio_c=10.0),
-    "skywork_or1": dict(policy_loss="ppo"),
+    # §10.2: lime-RL/DCPO compute_policy_loss_dcpo (dynamic bounds + dual clip c = 10; its
+    # log-ratio clamp is commented out) + run_dcpo.sh (eps 0.2/0.28)
+    "dcpo": dict(policy_loss="dcpo", clip_ratio_high=0.28, clip_ratio_c=10.0,
+                 log_ratio_clamp=INF),
+    # §10.1: Skywork-OR1 dp_actor + or1_scripts/train/*.sh: plain PPO-clip, eps 0.2, token-mean,
+    # no KL, no dual clip and no log-ratio clamp (A = -1, r = 5 gives loss 5 and gradient 5);
+    # the adaptive entropy controller is added by the trainer (run_setup.entropy_controller)
+    "skywork_or1": dict(policy_loss="ppo", clip_ratio_c=INF, log_ratio_clamp=INF),
 }
 
 # The 2025-26 losses (docs/losses-2025.md); defaults of their fields are the references' own.

@@ -25,13 +25,15 @@ import torch
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.config import LossConfig, LossConfigError
 from megatron_rl.loss.context import ReductionContext, as_list
+from megatron_rl.loss.masking import mask_bits, masked_zero, zero_where_not
 from megatron_rl.loss.metrics import mean_stat
 from megatron_rl.loss.select import (
     composite_key,
     float_order_key,
     global_token_index,
     global_topk_mask,
-    token_hash32,
+    token_hash32_flat,
+    topk_bound,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
@@ -67,18 +69,28 @@ def token_covariance(ctx: ReductionContext, logp: TensorList, advantages: Tensor
     """Per-token ``Cov_t`` (fp32 ``[B_m, T_m]``, 0 at padding) with global fp64 means, and the
     global batch covariance ``mean_t Cov_t`` (0-dim fp64). One ``all_reduce`` of 3 numbers."""
     ms = [m.bool() for m in as_list(masks)]
-    lp = [x.detach().double() for x in as_list(logp)]
-    adv = [a.detach().double() for a in as_list(advantages)]
-    parts = [torch.stack([torch.where(m, x, 0.0).sum(), torch.where(m, a, 0.0).sum(),
-                          torch.where(m, x * a, 0.0).sum()])
-             for x, a, m in zip(lp, adv, ms, strict=True)]
+    cov, batch_cov = _flat_covariance(ctx, _flat([x.detach() for x in as_list(logp)]),
+                                      _flat([a.detach() for a in as_list(advantages)]),
+                                      _flat(ms), [m.numel() for m in ms])
+    return _unflat(cov, ms), batch_cov
+
+
+def _flat_covariance(ctx: ReductionContext, logp: Tensor, adv: Tensor, valid: Tensor,
+                     sizes: list[int]) -> tuple[Tensor, Tensor]:
+    """:func:`token_covariance` on flat ``[N]`` tensors (micro-batches of ``sizes`` elements
+    concatenated): fp32 ``Cov [N]`` and the fp64 batch covariance. The fp64 sums run per
+    micro-batch, then over micro-batches (the summation order of the per-list version)."""
+    bits = mask_bits(valid, torch.float64)
+    logp, adv = logp.double(), adv.double()
+    x, a = zero_where_not(logp, bits), zero_where_not(adv, bits)
+    parts = [torch.stack([xs.sum(), as_.sum(), (xs * as_).sum()])
+             for xs, as_ in zip(x.split(sizes), a.split(sizes), strict=True)]
     sums = torch.stack(parts).sum(0)
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / n, sums[1] / n
     batch_cov = sums[2] / n - mean_lp * mean_a
-    cov = [torch.where(m, (x - mean_lp) * (a - mean_a), 0.0).float()
-           for x, a, m in zip(lp, adv, ms, strict=True)]
+    cov = zero_where_not((logp - mean_lp) * (adv - mean_a), bits).float()
     return cov, batch_cov
 
 
@@ -114,33 +126,43 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
     order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
-    Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k), no host sync.
+    Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k; none with a DP group of one), no host
+    sync. Ties in the score go to the smaller global token index: with one DP rank the flat
+    position stands in for it (same order, see ``context.py``).
     """
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
     device = lp[0].device
-    cov, batch_cov = token_covariance(ctx, lp, adv, ms)
-    idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
-    valid, cov_f = _flat(ms), _flat(cov)
+    sizes = [m.numel() for m in ms]
+    valid = _flat(ms)
+    lp_f, adv_f = _flat([x.detach() for x in lp]), _flat([a.detach() for a in adv])
+    cov_f, batch_cov = _flat_covariance(ctx, lp_f, adv_f, valid, sizes)
+    one_rank = ctx.group is None or ctx.dp_size == 1
+    if one_rank:  # only the order of the tie-break index matters
+        idx = torch.arange(valid.numel(), dtype=torch.int64, device=device)
+    else:
+        idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
     if cfg.policy_loss == "kl_cov":
         active = valid
         keys = composite_key(float_order_key(cov_f), idx)
-        k = _count_k(cfg.kl_cov_ratio, ctx.num_tokens)
+        ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
-        ratio = [torch.exp(log_ratio(x, o.detach(), None)) for x, o in zip(lp, old, strict=True)]
-        clipped = _flat([ppo_clipped(r, a, cfg) for r, a in zip(ratio, adv, strict=True)])
+        old_f = _flat([o.detach() for o in old])
+        clipped = ppo_clipped(torch.exp(log_ratio(lp_f, old_f, None)), adv_f, cfg)
         active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        rand = [token_hash32(seed, step, ctx.seq_index(i, m.shape[0], device),
-                             torch.arange(m.shape[1], device=device)) for i, m in enumerate(ms)]
-        keys = composite_key(_flat(rand), idx)
-        k = _count_k(cfg.clip_cov_ratio, ctx.num_tokens)
+        rand = token_hash32_flat(seed, step, [ctx.seq_index(i, m.shape[0], device)
+                                              for i, m in enumerate(ms)],
+                                 [m.shape[1] for m in ms])
+        keys = composite_key(rand, idx)
+        ratio_k = cfg.clip_cov_ratio
     else:
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    sel = global_topk_mask(keys, active, k, ctx)
-    sums = torch.stack([sel.double().sum(), torch.where(sel, cov_f.double(), 0.0).sum(),
-                        active.double().sum()])
+    sel = global_topk_mask(keys, active, _count_k(ratio_k, ctx.num_tokens), ctx,
+                           k_max=topk_bound(ratio_k, valid.numel()))
+    sel_cov = zero_where_not(cov_f, mask_bits(sel, torch.float32)).sum(dtype=torch.float64)
+    sums = torch.stack([sel.sum().double(), sel_cov, active.sum().double()])
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     name = cfg.policy_loss
@@ -188,10 +210,10 @@ def clip_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     a = inp.advantages
     loss1 = -a * ratio
     loss2 = -a * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    loss = torch.where(sel, torch.zeros_like(loss1), torch.maximum(loss1, loss2))
-    m = inp.mask.float()
-    stats = {"clip_cov/zeroed_frac": mean_stat(sel.float(), m),
-             "policy/clip_frac": mean_stat((loss2 > loss1).float(), m),
+    loss = masked_zero(torch.maximum(loss1, loss2), ~sel)
+    m = inp.mask
+    stats = {"clip_cov/zeroed_frac": mean_stat(sel, m),
+             "policy/clip_frac": mean_stat(loss2 > loss1, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
     return TokenLoss(loss, stats)
 
@@ -202,9 +224,9 @@ def kl_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     sel = _selected(inp, "kl_cov")
     lr = log_ratio(inp.logp, inp.old_logp, None)
     loss = -inp.advantages * torch.exp(lr)
-    loss = loss + torch.where(sel, cfg.kl_cov_coef * lr.abs(), torch.zeros_like(lr))
-    m = inp.mask.float()
-    stats = {"kl_cov/penalised_frac": mean_stat(sel.float(), m),
+    loss = loss + masked_zero(cfg.kl_cov_coef * lr.abs(), sel)
+    m = inp.mask
+    stats = {"kl_cov/penalised_frac": mean_stat(sel, m),
              "policy/abs_log_ratio": mean_stat(lr.abs(), m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
     return TokenLoss(loss, stats)

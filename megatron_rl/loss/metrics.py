@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.loss.context import ReductionContext
+from megatron_rl.loss.masking import mask_bits, zero_where_not
 
 Tensor = torch.Tensor
 KINDS = ("mean", "min", "max", "sum")
@@ -36,8 +37,15 @@ class TokenStat:
     kind: str = "mean"
 
 
+def as_float(x: Tensor) -> Tensor:
+    """``x.float()``; a bool tensor goes through its uint8 view (same values, a much cheaper
+    conversion on CPU)."""
+    x = x.detach()
+    return x.contiguous().view(torch.uint8).float() if x.dtype == torch.bool else x.float()
+
+
 def mean_stat(value: Tensor, weight: Tensor) -> TokenStat:
-    return TokenStat(value.detach().float(), weight.detach().float(), "mean")
+    return TokenStat(as_float(value), as_float(weight), "mean")
 
 
 class MetricAccumulator:
@@ -59,7 +67,9 @@ class MetricAccumulator:
         w = stat.weight.detach() > 0 if stat.weight is not None else torch.ones_like(v, dtype=bool)
         if stat.kind == "mean":
             wf = stat.weight.detach().to(v.dtype)
-            num = torch.where(w, v * wf, 0.0).sum(dtype=torch.float64)
+            vw = v * wf
+            num = (zero_where_not(vw, mask_bits(w, vw.dtype)) if vw.shape == w.shape
+                   else torch.where(w, vw, 0.0)).sum(dtype=torch.float64)
             self._num[name] = self._num.get(name, 0) + num
             self._den[name] = self._den.get(name, 0) + wf.sum(dtype=torch.float64)
         elif stat.kind == "min":

@@ -182,19 +182,23 @@ def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mult
                      ) -> dict[str, torch.Tensor]:
     """:func:`pad_records` plus ``advantages [N, S]`` of ``estimator``."""
     batch = pad_records(records, pad_id, rows_multiple)
-    n, (n_pad, seq) = len(records), batch["tokens"].shape
-    mask = batch["mask"]
+    return {**batch, "advantages": token_advantages(records, estimator, batch["mask"])}
+
+
+def token_advantages(records: list[dict], estimator: str, mask: torch.Tensor) -> torch.Tensor:
+    """``[N, S]`` advantages of ``estimator`` for ``records`` (padded to ``mask``'s N rows, which
+    get nothing). ``reinforce_pp`` needs the old/ref log-probs: zeros here, filled in by
+    :mod:`megatron_rl.rollout.late_advantages`; ``gae`` is filled in by the critic."""
+    n, (n_pad, seq) = len(records), mask.shape
     if estimator == "reinforce_pp_baseline":
         scores = torch.tensor([x["reward"] for x in records] + [0.0] * (n_pad - n))
         groups = torch.tensor([x["uid"] for x in records] + [-1 - i for i in range(n_pad - n)])
-        adv = reinforce_pp_baseline_advantages(scores, groups, mask)
-    elif estimator == "reinforce_pp":  # needs old/ref log-probs: rollout/late_advantages.py
-        adv = torch.zeros((n_pad, seq))
-    else:
-        seq_adv = torch.zeros(n_pad)
-        seq_adv[:n] = compute_advantages(records, estimator)
-        adv = broadcast_to_tokens(seq_adv, mask)
-    return {**batch, "advantages": adv}
+        return reinforce_pp_baseline_advantages(scores, groups, mask)
+    if estimator in ("reinforce_pp", "gae"):
+        return torch.zeros((n_pad, seq))
+    seq_adv = torch.zeros(n_pad)
+    seq_adv[:n] = compute_advantages(records, estimator)
+    return broadcast_to_tokens(seq_adv, mask)
 
 
 def dp_rows(n: int, dp: int, dp_rank: int, mini: int) -> torch.Tensor:

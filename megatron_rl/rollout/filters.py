@@ -20,6 +20,11 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 ZERO_STD_EPS = 1e-10  # RAGEN's "zero score" threshold (|std| <= 1e-10 counts as zero)
+# relative tolerance of the top-p mass comparison: the float64 running sum of exactly tied
+# probabilities lands a few ulps below the exact mass (8 x 0.1 = 0.7999999999999999 < 0.8), which
+# would keep one group more than exact arithmetic; 1e-9 is far above that rounding, far below any
+# real gap between two cumulative masses
+TOP_P_RTOL = 1e-9
 
 
 class DynamicSamplingError(RuntimeError):
@@ -210,8 +215,8 @@ def reward_variance_top_p(records: Sequence[dict], top_p: float, include_zero: b
     3. ``top_p >= 1``: keep every candidate.
     4. Otherwise probs = softmax(std) over the candidates (temperature 1, as RAGEN), sorted
        descending (ties: first appearance first); keep the smallest prefix whose cumulative mass
-       is >= ``top_p`` (at least one group; if rounding leaves the full mass below ``top_p`` all
-       candidates are kept).
+       is >= ``top_p`` up to a relative tolerance of ``TOP_P_RTOL`` (so exact ties keep what exact
+       arithmetic keeps: 10 equal groups at ``top_p = 0.8`` keep 8); at least one group.
 
     Edge case: with ``include_zero=False`` and every group at zero std there are no candidates and
     the kept set is EMPTY (as RAGEN; its trainer skips such a step — nothing to learn from, the
@@ -239,7 +244,7 @@ def reward_variance_top_p(records: Sequence[dict], top_p: float, include_zero: b
         cum, k = 0.0, len(cand)
         for pos, j in enumerate(order):
             cum += probs[j]
-            if cum >= top_p:
+            if cum >= top_p * (1.0 - TOP_P_RTOL):
                 k = pos + 1
                 break
         chosen = sorted(cand[j] for j in order[:k])

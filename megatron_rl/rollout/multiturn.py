@@ -155,24 +155,20 @@ def episodes_to_batch(records: list[dict], estimator: str, pad_id: int, rows_mul
     """``tokens/mask/advantages/rollout_logp/token_rewards [N, S]``, ``reward/positive [N]``.
 
     ``mask`` is true on the model's reply tokens only; ``token_rewards`` holds each turn's reward on
-    its last reply token. Outcome estimators (grpo, dr_grpo, rloo) give one advantage per episode,
-    broadcast over its reply tokens; for ``gae`` the advantages are zeros here and are filled in
-    by the critic (:func:`megatron_rl.critic.gae.gae_advantages`). Rows are padded with empty
-    rows to a multiple of ``rows_multiple``.
+    its last reply token. Outcome estimators (grpo, dr_grpo, rloo, reinforce_pp_baseline) give
+    one advantage per episode, broadcast over its reply tokens; for ``gae`` (the critic,
+    :func:`megatron_rl.critic.gae.gae_advantages`) and ``reinforce_pp`` (returns carried across the
+    environment tokens, :mod:`megatron_rl.rollout.late_advantages`) the advantages are zeros here
+    and filled in later. Rows are padded with empty rows to a multiple of ``rows_multiple``.
     """
-    from megatron_rl.advantages import broadcast_to_tokens
-    from megatron_rl.rollout.collect import compute_advantages, pad_records
+    from megatron_rl.rollout.collect import pad_records, token_advantages
 
     batch = pad_records(records, pad_id, rows_multiple)
-    n, (n_pad, _) = len(records), batch["tokens"].shape
     tok_r = torch.zeros_like(batch["rollout_logp"])
     for i, x in enumerate(records):
         for end, r in zip(x["turn_ends"], x["turn_rewards"]):
             tok_r[i, len(x["prompt_ids"]) + end] += r
-    seq_adv = torch.zeros(n_pad)
-    if estimator != "gae":
-        seq_adv[:n] = compute_advantages(records, estimator)
-    return {**batch, "advantages": broadcast_to_tokens(seq_adv, batch["mask"]),
+    return {**batch, "advantages": token_advantages(records, estimator, batch["mask"]),
             "token_rewards": tok_r}
 
 

@@ -1,0 +1,112 @@
+"""The fast single-process Clip-Cov / KL-Cov selection (one ``topk``, int32 hash, bit masking) is
+the exact global selection: identical tokens to the radix selection with global token indices
+(the multi-rank path), including ties, signed zeros and fewer candidates than ``k`` (issue 23
+item 4). Layout invariance across DP/micro-batch splits is tested in ``test_loss_layout.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.loss import LossConfig, ReductionContext, select_cov_tokens
+from megatron_rl.loss.cov import _count_k, _flat, ppo_clipped, token_covariance
+from megatron_rl.loss.masking import masked_zero, zero_where_not
+from megatron_rl.loss.select import (
+    composite_key,
+    float_order_key,
+    global_token_index,
+    global_topk_mask,
+    mask_bits,
+    token_hash32,
+    token_hash32_flat,
+)
+
+
+def _fmix32_py(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_token_hash_matches_a_pure_python_murmur3_reference():
+    seq, pos = torch.tensor([0, 5, 2**33 + 7]), torch.arange(40)
+    out = token_hash32(123, 9, seq, pos)
+    for i, s in enumerate(seq.tolist()):
+        hs = _fmix32_py(_fmix32_py(_fmix32_py((s & 0xFFFFFFFF) ^ 123) ^ (s >> 32)) ^ 9)
+        for p in pos.tolist():
+            assert out[i, p].item() == _fmix32_py(hs ^ _fmix32_py(_fmix32_py(p ^ 0x9E3779B9)))
+    seqs, lens = [torch.tensor([3, 4]), torch.tensor([9]), torch.tensor([2**32 + 1, 2])], [5, 9, 3]
+    flat = token_hash32_flat(7, 2, seqs, lens)
+    assert torch.equal(flat, torch.cat([token_hash32(7, 2, s, torch.arange(t)).reshape(-1)
+                                        for s, t in zip(seqs, lens)]))
+
+
+def test_topk_path_equals_radix_path():
+    g = torch.Generator().manual_seed(0)
+    for n, k, frac in [(1000, 7, 0.5), (1000, 600, 0.5), (300, 5, 0.0), (1, 1, 1.0),
+                       (5000, 1, 0.01), (64, 64, 1.0)]:
+        keys = torch.randperm(4 * n, generator=g)[:n].to(torch.int64) * 977 + 3
+        active = torch.rand(n, generator=g) < frac
+        ctx = ReductionContext.from_minibatch(torch.ones(1, n, dtype=torch.bool), group=None)
+        kt = torch.tensor(k)
+        radix = global_topk_mask(keys, active, kt, ctx)
+        fast = global_topk_mask(keys, active, kt, ctx, k_max=k + 3)
+        assert torch.equal(radix, fast), (n, k, frac)
+        assert int(fast.sum()) == min(k, int(active.sum()))
+
+
+def _reference_selection(cfg, lp, old, adv, masks, step):
+    """The selection with global-index composite keys and the radix top-k (multi-rank form)."""
+    ctx = ReductionContext.from_minibatch(masks, group=None)
+    cov, _ = token_covariance(ctx, lp, adv, masks)
+    idx = _flat(global_token_index(ctx, [m.shape for m in masks], torch.device("cpu")))
+    valid, cov_f = _flat(masks), _flat(cov)
+    if cfg.policy_loss == "kl_cov":
+        active, keys = valid, composite_key(float_order_key(cov_f), idx)
+        k = _count_k(cfg.kl_cov_ratio, ctx.num_tokens)
+    else:
+        clipped = _flat([ppo_clipped(torch.exp(x - o), a, cfg) for x, o, a in zip(lp, old, adv)])
+        active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
+        rand = [token_hash32(cfg.cov_seed, step, ctx.seq_index(i, m.shape[0]),
+                             torch.arange(m.shape[1])) for i, m in enumerate(masks)]
+        keys = composite_key(_flat(rand), idx)
+        k = _count_k(cfg.clip_cov_ratio, ctx.num_tokens)
+    return global_topk_mask(keys, active, k, ctx)
+
+
+def test_single_process_selection_equals_the_global_index_radix_selection():
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3, 50), (4, 37), (2, 61)]
+    masks = [torch.arange(t)[None] < torch.randint(1, t + 1, (b, 1), generator=g)
+             for b, t in shapes]
+    # quantised log-probs and advantages: many exactly tied and signed-zero covariances
+    lp = [-(torch.randint(0, 6, (b, t), generator=g).float() / 2) for b, t in shapes]
+    old = [x + torch.randn(x.shape, generator=g) * 0.1 for x in lp]
+    adv = [torch.randint(-2, 3, (b, 1), generator=g).float().expand(b, t) for b, t in shapes]
+    for cfg in (LossConfig(policy_loss="kl_cov", kl_cov_ratio=0.03),
+                LossConfig(policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=0.1)):
+        ctx = ReductionContext.from_minibatch(masks, group=None)
+        got = _flat(select_cov_tokens(ctx, cfg, lp, old, adv, masks, step=3).selected)
+        want = _reference_selection(cfg, lp, old, adv, masks, 3)
+        assert want.sum() > 1 and torch.equal(got, want), cfg.policy_loss
+
+
+def test_bit_masking_equals_where_in_value_and_gradient():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), -0.0
+    m = torch.rand(4, 9, generator=g) < 0.5
+    m[0, 0] = m[1, 1] = False
+    m[2, 2] = True
+    for dtype in (torch.float32, torch.float64):
+        xd = x.to(dtype)
+        ref = torch.where(m, xd, 0.0)
+        out = zero_where_not(xd, mask_bits(m, dtype))
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))  # bit for bit
+        a = xd.nan_to_num(0.0, 0.0, 0.0).clone().requires_grad_(True)
+        b = a.detach().clone().requires_grad_(True)
+        w = torch.randn(4, 9, generator=g, dtype=dtype)
+        (masked_zero(a, m) * w).sum().backward()
+        (torch.where(m, b, 0.0) * w).sum().backward()
+        assert torch.equal(a.grad, b.grad)
