@@ -63,6 +63,19 @@ RECIPES: dict[str, dict] = {
     "dcpo": row("dcpo", 10.0, INF, clip_ratio_high=0.28),
     # §10.1 Skywork-OR1 dp_actor + or1_scripts/train/*.sh: plain PPO-clip, no KL
     "skywork_or1": row("ppo", INF, INF),
+    # GMPO: verl compute_policy_loss_geo_mean + the authors' train_zero_math_gmpo.py (log-space
+    # clip 0.4, sequence-level aggregation); the dual clip c is unused by this loss
+    "gmpo": row("gmpo", 3.0, 20.0, loss_agg_mode="seq-mean-token-mean", gmpo_clip_low=0.4,
+                gmpo_clip_high=0.4),
+    # SAPO: verl's soft gate, actor.yaml tau_pos 1.0 / tau_neg 1.05, seq-mean-token-mean
+    "sapo": row("sapo", 3.0, 20.0, loss_agg_mode="seq-mean-token-mean", sapo_tau_pos=1.0,
+                sapo_tau_neg=1.05),
+    # DPPO: the authors' run_qwen30b_dppo.sh (TV 0.15, KL 0.05), verl's ratio cap 20, no squared
+    # log-ratio term (verl and the paper)
+    "dppo_tv": row("dppo_tv", 3.0, 20.0, dppo_tv_delta_low=0.15, dppo_tv_delta_high=0.15,
+                   dppo_ratio_cap=20.0, dppo_sq_log_ratio_coef=0.0),
+    "dppo_kl": row("dppo_kl", 3.0, 20.0, dppo_kl_delta_low=0.05, dppo_kl_delta_high=0.05,
+                   dppo_ratio_cap=20.0, dppo_sq_log_ratio_coef=0.0),
 }
 
 
