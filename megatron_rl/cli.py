@@ -37,10 +37,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "check_only", False):
         print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
         return 0
+    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    lock = None
+    if args.command in ("train", "sft") and rank0:  # one live trainer per run directory
+        from megatron_rl.parallel.lifecycle import RunDirBusy, RunLock
+
+        try:
+            lock = RunLock(cfg.trainer.output_dir).acquire()
+        except RunDirBusy as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if lock.taken_over:
+            print(f"[{args.command}] took over the lock of {lock.path} left by pid "
+                  f"{lock.taken_over.get('pid')} (no longer running)", flush=True)
     if args.command == "train":  # resume preflight: changed config, finished run
         from megatron_rl.run_guard import preflight
 
-        rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
         try:
             done = preflight(cfg, log=print if rank0 else (lambda *_: None))
         except ConfigError as exc:
@@ -59,15 +71,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 2
     if plan.mode in ("torchrun", "srun"):  # this process is one rank
         return _run_in_place(cfg, args.command, plan, world)
-    from megatron_rl.parallel.launch import WorkerError, spawn
+    return _launch_local(cfg, args.command, world)
 
-    print(f"[{args.command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
+
+def _launch_local(cfg, command: str, world: int) -> int:
+    """Spawn the ranks here; a stop signal (SIGTERM/SIGINT/SIGHUP) stops them all and exits
+    ``128 + signal``; a rank that dies or fails stops the job (exit 1) naming it."""
+    import time
+
+    from megatron_rl.parallel.launch import WorkerError, spawn
+    from megatron_rl.parallel.lifecycle import StopSignal, signal_name
+
+    print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
     try:
-        spawn(_train_worker, world, (cfg, args.command), timeout_s=7 * 24 * 3600)
+        spawn(_train_worker, world, (cfg, command), timeout_s=7 * 24 * 3600, handle_signals=True)
     except WorkerError as exc:
-        print(f"[{args.command}] failed: {exc}", file=sys.stderr)
+        print(f"[{command}] failed: {exc}", file=sys.stderr)
         return 1
+    except StopSignal as exc:
+        print(f"[{command}] stopped by {signal_name(exc.signum)}: all {world} rank(s) and their "
+              f"helper processes ended within {time.monotonic() - exc.at:.1f} s; the newest "
+              "complete checkpoint is kept (resume with the same command)", file=sys.stderr,
+              flush=True)
+        return 128 + exc.signum
     return 0
 
 
