@@ -80,16 +80,18 @@ def _launch_local(cfg, command: str, world: int) -> int:
     import time
 
     from megatron_rl.parallel.launch import WorkerError, spawn
-    from megatron_rl.parallel.lifecycle import StopSignal, signal_name
+    from megatron_rl.parallel.lifecycle import StopSignal, remove_partial_checkpoints, signal_name
 
     print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
     try:
         spawn(_train_worker, world, (cfg, command), timeout_s=7 * 24 * 3600, handle_signals=True)
     except WorkerError as exc:
+        remove_partial_checkpoints(cfg.trainer.output_dir)
         print(f"[{command}] failed: {exc}", file=sys.stderr)
         return 1
     except StopSignal as exc:
+        remove_partial_checkpoints(cfg.trainer.output_dir)
         print(f"[{command}] stopped by {signal_name(exc.signum)}: all {world} rank(s) and their "
               f"helper processes ended within {time.monotonic() - exc.at:.1f} s; the newest "
               "complete checkpoint is kept (resume with the same command)", file=sys.stderr,

@@ -9,18 +9,25 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rl.chaos_hook import phase_begins
+
 PROGRESS_KEYS = {"reward": ("rollout/reward",), "acc": ("rollout/acc",),
                  "entropy": ("policy/entropy",)}
 
 
 class Phases:
-    """Wall time per phase of one step: ``with phases("rollout"): ...`` -> ``time/rollout``."""
+    """Wall time per phase of one step: ``with phases("rollout"): ...`` -> ``time/rollout``.
+    With ``step`` given, each phase's start is also a fault-injection marker
+    (:func:`megatron_rl.chaos_hook.phase_begins`, inert unless enabled)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.step = step
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.step is not None:
+            phase_begins(name, self.step)
         t0 = time.perf_counter()
         try:
             yield

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.distopt_compat import SHARDING_TYPE
+from megatron_rl.chaos_hook import phase_begins
 
 LATEST = "latest"
 
@@ -137,6 +138,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
         torch.save({"step": step, "layout": _layout_key(), "precision": precision_of(model),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "trainer": trainer_state or {}}, os.path.join(tmp, "trainer.pt"))
+    phase_begins("checkpoint", step)  # fault injection: files written, not yet renamed
     dist.barrier()
     if rank == 0:
         if os.path.exists(final):

@@ -133,6 +133,18 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return left
 
 
+def remove_partial_checkpoints(run_dir: str) -> list[str]:
+    """Delete the unfinished ``step_*.tmp`` checkpoint directories of a stopped run (the complete
+    checkpoints and ``latest`` are untouched). Call only when no rank of the run is alive."""
+    import glob
+    import shutil
+
+    doomed = sorted(glob.glob(os.path.join(run_dir, "*checkpoints", "step_*.tmp")))
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Ask Linux to send ``sig`` to this process when its parent exits (``PR_SET_PDEATHSIG``);
     if ``parent`` (the expected parent pid) is already gone, send it now. No-op elsewhere."""
