@@ -38,19 +38,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
         return 0
     rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    lock = None
-    if args.command in ("train", "sft") and rank0:  # one live trainer per run directory
-        from megatron_rl.parallel.lifecycle import RunDirBusy, RunLock
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    from megatron_rl.parallel.launch import launch_mode
 
-        try:
-            lock = RunLock(cfg.trainer.output_dir).acquire()
-        except RunDirBusy as exc:
-            print(f"error: {exc}", file=sys.stderr)
+    plan = launch_mode(os.environ)
+    if plan.mode == "refuse":
+        print(f"[{args.command}] {plan.message}", file=sys.stderr)
+        return 2
+    lock = None
+    if (args.command in ("train", "sft") and rank0 and
+            (plan.mode == "local" or plan.world_size == world)):
+        lock = _lock_run_dir(cfg.trainer.output_dir, args.command)
+        if lock is None:
             return 2
-        if lock.taken_over:
-            print(f"[{args.command}] took over the lock of {lock.path} left by pid "
-                  f"{lock.taken_over.get('pid')} (no longer running)", flush=True)
-    if args.command == "train":  # resume preflight: changed config, finished run
+    try:
+        return _preflight_and_run(cfg, args.command, plan, world, rank0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool) -> int:
+    from megatron_rl.config import ConfigError
+
+    if command == "train":  # resume preflight: changed config, finished run
         from megatron_rl.run_guard import preflight
 
         try:
@@ -62,16 +73,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if rank0:
                 print(done, flush=True)
             return 0
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    from megatron_rl.parallel.launch import launch_mode
-
-    plan = launch_mode(os.environ)
-    if plan.mode == "refuse":
-        print(f"[{args.command}] {plan.message}", file=sys.stderr)
-        return 2
     if plan.mode in ("torchrun", "srun"):  # this process is one rank
-        return _run_in_place(cfg, args.command, plan, world)
-    return _launch_local(cfg, args.command, world)
+        return _run_in_place(cfg, command, plan, world)
+    return _launch_local(cfg, command, world)
+
+
+def _lock_run_dir(run_dir: str, command: str):
+    """The run directory's lock (one live trainer per directory), or None after printing why
+    not (another live trainer holds it)."""
+    from megatron_rl.parallel.lifecycle import RunDirBusy, RunLock
+
+    try:
+        lock = RunLock(run_dir).acquire()
+    except RunDirBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    if lock.taken_over:
+        print(f"[{command}] took over the lock of {lock.path} left by pid "
+              f"{lock.taken_over.get('pid')} (no longer running)", flush=True)
+    return lock
 
 
 def _launch_local(cfg, command: str, world: int) -> int:

@@ -322,6 +322,8 @@ def reference(engine: str, work: str, overrides: list[str]) -> dict:
 def plan(args) -> list[Outcome]:
     if args.quick:
         return [Outcome(*q) for q in QUICK]
+    if args.faults:
+        return [Outcome(*f.split("/")) for f in args.faults]
     return [Outcome(e, t, s, p) for e in args.engines for t in args.targets for s in args.signals
             for p in args.phases if not (t == "server" and e == "embedded")]
 
@@ -352,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
     ap.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS)
     ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    ap.add_argument("--faults", nargs="+", default=None, metavar="ENGINE/TARGET/SIGNAL/PHASE",
+                    help="an explicit list instead of the cross product, e.g. "
+                         "fleet/server/KILL/rollout embedded/rank/TERM/validation")
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args(argv)
     faults = plan(args)
