@@ -56,8 +56,10 @@ BASE = ("parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3", "trainer.test
         "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false", "rollout.val_n=1",
         "actor.micro_batch_size=8", "sft.steps=3", "data.val_size=8",
         "rollout.per_request_seed=true", "rollout.temperature=0.9")
-# Keys that may differ after a fault: wall times, and the fleet's bookkeeping of retried requests.
-VOLATILE_PREFIXES = ("time/", "gpu/", "rollout/request_retries", "rollout/aborted_requests")
+# Keys that may differ after a fault: wall times and rates, and the fleet's count of retried
+# requests.
+VOLATILE_PREFIXES = ("time/", "gpu/", "rollout/request_retries", "rollout/aborted_requests",
+                     "rollout/weight_sync_s", "rollout/weight_sync_gbps")
 VOLATILE_KEYS = ("time", "wall_s")
 
 
@@ -197,6 +199,15 @@ def _alive(procs) -> list[int]:
     return left
 
 
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _server_pid(tree, port: int) -> int | None:
     """The ``serve`` process listening on ``port`` among ``tree``."""
     for p in tree:
@@ -244,6 +255,12 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900) -> 
     t0 = time.monotonic()
     if victim is not None:
         os.kill(victim, sig)
+        if o.target == "server":  # the server must really be gone (SIGTERM: within 5 s)
+            end = time.monotonic() + 5
+            while _pid_alive(victim) and time.monotonic() < end:
+                time.sleep(0.05)
+            if _pid_alive(victim):
+                o.note = f"server pid {victim} survived SIG{o.sig}"
     open(marker + ".go", "w").close()  # release the held rank (if it still lives)
     bound = BOUND_S if o.target != "server" else timeout
     try:
