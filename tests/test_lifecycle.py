@@ -75,6 +75,37 @@ def test_second_trainer_refused_and_stale_lock_taken_over(tmp_path):
     again.release()
 
 
+def _helpers_then_die(pid_file: str) -> None:
+    """Rank 0 starts two helpers (one in its own session, like a rollout server's guard) and
+    waits in a barrier; rank 1 dies by SIGKILL once they run."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        helpers = [subprocess.Popen(["sleep", "600"]),
+                   subprocess.Popen(["sleep", "600"], start_new_session=True)]
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(" ".join(str(h.pid) for h in helpers))
+        os.replace(pid_file + ".tmp", pid_file)
+        dist.barrier()  # never returns: rank 1 dies
+    else:
+        while not os.path.exists(pid_file):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_dead_rank_stops_group_naming_it_and_no_helper_survives(tmp_path):
+    from megatron_rl.parallel.launch import WorkerError, spawn
+
+    pid_file = str(tmp_path / "helpers")
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\) "
+                                          r"without a report"):
+        spawn(_helpers_then_die, 2, (pid_file,), timeout_s=300)
+    helpers = [psutil.Process(int(p)) for p in open(pid_file).read().split()
+               if psutil.pid_exists(int(p))]
+    assert not _alive(helpers)
+
+
 def _alive(procs) -> list[int]:
     left = []
     for p in procs:

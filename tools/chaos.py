@@ -314,7 +314,8 @@ def one_fault(o: Outcome, work: str, ref: dict, overrides: list[str]) -> Outcome
         return o
     if o.rc != 0:
         o.resumed = True
-        rc = run(out, overrides)
+        # fleet: fresh ports (another process may have taken the old ones meanwhile)
+        rc = run(out, engine_overrides(o.engine) if o.engine == "fleet" else overrides)
         if rc != 0:
             o.note = f"resume exited {rc} (log {out}.log)"
             return o

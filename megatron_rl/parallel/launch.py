@@ -157,19 +157,24 @@ def _dead_ranks_message(procs: list, dead: list[int]) -> str:
     said = "; ".join(f"rank {r} (pid {procs[r].pid}) died ({describe_exit(procs[r].exitcode)})"
                      for r in dead)
     alive = [r for r, p in enumerate(procs) if p.exitcode is None]
-    return f"{said} without a report; stopping the other ranks {alive}"
+    return f"{said} without a report" + (f"; stopping the other ranks {alive}" if alive else "")
 
 
 def _stop_ranks(procs: list) -> None:
     """Stop every rank and every process below them (SIGTERM, then SIGKILL after 10 s), reap
     the ranks, and kill what is left of their process groups."""
-    from megatron_rl.parallel.lifecycle import stop_tree
+    from megatron_rl.parallel.lifecycle import STOP_SIGNALS, stop_tree
 
-    stop_tree([p.pid for p in procs if p.pid is not None and p.exitcode is None])
-    for p in procs:
-        if p.pid is not None:
-            p.join(timeout=5)
-            _kill_group(p.pid)
+    # A stop signal arriving now waits until the cleanup is done (then it is handled as usual).
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        stop_tree([p.pid for p in procs if p.pid is not None and p.exitcode is None])
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=5)
+                _kill_group(p.pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _kill_group(pgid: int | None) -> None:
