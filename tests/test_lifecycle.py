@@ -175,3 +175,25 @@ def test_chaos_quick_subset_survives(tmp_path):
                          timeout=1700)
     assert res.stdout.strip().splitlines()[-1] == "chaos: injected=2 survived=2", \
         res.stdout[-4000:] + res.stderr[-3000:]
+
+
+def test_two_routers_on_one_machine_both_start(tmp_path):
+    """The router's Prometheus exporter must not take a fixed port: a second fleet on the same
+    machine (another run, a resumed run while an old router exits) would fail to start."""
+    pytest.importorskip("sglang_router")
+    from megatron_rl.parallel.launch import free_port
+    from megatron_rl.rollout.fleet import router_command, wait_healthy
+
+    procs = []
+    try:
+        for i in range(2):
+            port = free_port()
+            log = open(tmp_path / f"router{i}.log", "w")
+            procs.append((subprocess.Popen(router_command("127.0.0.1", port), stdout=log,
+                                           stderr=subprocess.STDOUT), port))
+        for proc, port in procs:
+            wait_healthy(f"http://127.0.0.1:{port}", 120, proc)
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait(timeout=30)

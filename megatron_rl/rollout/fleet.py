@@ -111,11 +111,18 @@ def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[st
     return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)])
 
 
-def router_command(host: str, port: int) -> list[str]:
-    """``sglang-router`` with no workers yet (they are added through its API); round robin."""
+def router_command(host: str, port: int, metrics_port: int | None = None) -> list[str]:
+    """``sglang-router`` with no workers yet (they are added through its API); round robin.
+    Its Prometheus exporter gets a free port on ``host`` (the router's default, 29000 on every
+    interface, makes a second router on the machine fail to start)."""
+    if metrics_port is None:
+        from megatron_rl.parallel.launch import free_port
+
+        metrics_port = free_port()
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
             str(port), "--policy", "round_robin", "--worker-startup-timeout-secs", "120",
-            "--log-level", "warn"]
+            "--log-level", "warn", "--prometheus-host", host, "--prometheus-port",
+            str(metrics_port)]
 
 
 class Fleet:
