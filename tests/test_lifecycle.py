@@ -76,16 +76,21 @@ def test_second_trainer_refused_and_stale_lock_taken_over(tmp_path):
 
 
 def _helpers_then_die(pid_file: str) -> None:
-    """Rank 0 starts two helpers (one in its own session, like a rollout server's guard) and
-    waits in a barrier; rank 1 dies by SIGKILL once they run."""
+    """Rank 0 starts two helpers (a plain child, and a server under its guard in its own
+    session, as the rollout fleet does) and waits in a barrier; rank 1 dies by SIGKILL once
+    they run."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
+        guard = [sys.executable, "-m", "megatron_rl.rollout.guard", str(os.getpid())]
         helpers = [subprocess.Popen(["sleep", "600"]),
-                   subprocess.Popen(["sleep", "600"], start_new_session=True)]
+                   subprocess.Popen([*guard, "sleep", "600"], start_new_session=True)]
+        while not psutil.Process(helpers[1].pid).children():
+            time.sleep(0.05)
+        served = psutil.Process(helpers[1].pid).children()[0].pid
         with open(pid_file + ".tmp", "w") as f:
-            f.write(" ".join(str(h.pid) for h in helpers))
+            f.write(" ".join(str(p) for p in [helpers[0].pid, helpers[1].pid, served]))
         os.replace(pid_file + ".tmp", pid_file)
         dist.barrier()  # never returns: rank 1 dies
     else:
@@ -103,6 +108,9 @@ def test_dead_rank_stops_group_naming_it_and_no_helper_survives(tmp_path):
         spawn(_helpers_then_die, 2, (pid_file,), timeout_s=300)
     helpers = [psutil.Process(int(p)) for p in open(pid_file).read().split()
                if psutil.pid_exists(int(p))]
+    deadline = time.monotonic() + STOP_BOUND_S
+    while _alive(helpers) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _alive(helpers)
 
 
