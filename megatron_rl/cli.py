@@ -31,6 +31,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config, overrides = split_config_arg(args.config, args.overrides)
     try:  # no YAML: the built-in recipe (a tiny DAPO demo that learns)
         cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
+        from megatron_rl.input_checks import check_inputs
+
+        check_inputs(cfg)  # data, tokenizer, reward plugin: before anything is written
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -236,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_rl.repro import add_repro_subcommand
 
     add_repro_subcommand(sub)
+    from megatron_rl.config_doc import add_config_subcommand
+
+    add_config_subcommand(sub)
 
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")

@@ -59,7 +59,7 @@ class DataSection:
 
 @dataclass
 class SGLangSection:
-    """The SGLang rollout fleet (``rollout.engine: sglang``; README "SGLang rollout fleet")."""
+    """The SGLang rollout fleet (``rollout.engine: sglang``; docs/rollout.md)."""
 
     servers: list = field(default_factory=list)  # URLs of running servers; empty: start some
     num_servers: int = 2  # servers to start when ``servers`` is empty
@@ -70,6 +70,7 @@ class SGLangSection:
     tp_size: int = 1  # --tp-size of each started SGLang server
     mem_fraction_static: float = 0.8  # --mem-fraction-static of each started SGLang server
     gpus: list = field(default_factory=list)  # CUDA ids for started servers (tp_size per server)
+    colocate: bool = False  # share the trainer's GPUs, taking turns with memory (colocation.md)
     concurrency: int = 32  # requests in flight
     request_timeout_s: float = 600.0
     max_retries: int = 3  # per request, on another server
@@ -78,8 +79,14 @@ class SGLangSection:
     sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
     probe_tolerance: float = 1e-4  # max |engine - actor| probe log-prob (fp32; ~0.05 for bf16)
     probe_length: int = 16  # tokens of the probe sequence (0: no probe)
-    spot_checks: int = 2  # /get_weights_by_name checks per sender per sync
+    spot_checks: int = 0  # /get_weights_by_name checks per sender per sync (Llama/serve only)
     server_threads: int = 1  # torch threads of each started `serve`
+    python: str | None = None  # interpreter of started servers (SGLang's venv); None: trainer's
+    extra_args: list = field(default_factory=list)  # appended to each started server's command
+    sender_address: str | None = None  # from_distributed: address servers reach senders at
+    #   (None: the interface routed to the servers, else the one routed to MASTER_ADDR)
+    serve_rules: str = "0.5.21"  # launcher serve imitates SGLang >= 0.5.21 | "0.5.20" (older)
+    flush_retries: int = 60  # /flush_cache refused while requests drain: retries, 1 s apart
 
 
 @dataclass
@@ -151,7 +158,7 @@ class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
     rollout_correction: str = "none"  # training/inference mismatch: none | tis | mis
-    rollout_correction_threshold: float = 2.0  # C (README "SGLang rollout fleet")
+    rollout_correction_threshold: float = 2.0  # C of TIS min(rho, C) / MIS (docs/rollout.md)
 
     def build(self):
         from megatron_rl.loss import LossConfig
@@ -377,6 +384,9 @@ def validate_run_config(cfg: RunConfig) -> None:
         from megatron_rl.rollout.fleet import validate_sglang_section
 
         validate_sglang_section(cfg.rollout.sglang)
+    from megatron_rl.colocation import validate_colocation
+
+    validate_colocation(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
         if getattr(cfg.trainer, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1")

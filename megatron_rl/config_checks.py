@@ -197,8 +197,11 @@ def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     """All load-time checks (``raw``: the merged YAML + overrides mapping the config was built
     from). May normalise ``cfg`` in place: the actor temperature, loss override numbers, the
     Dr.GRPO constant."""
+    from megatron_rl.config_schema import check_ranges
+
     check_advantage(cfg.trainer.advantage)
     check_names(cfg)
+    check_ranges(cfg)  # every number in its range, every choice allowed
     check_sampling(cfg)
     one_temperature(cfg, raw)
     normalize_loss(cfg)

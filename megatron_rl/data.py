@@ -23,6 +23,7 @@ import random
 from typing import Any, Iterator, Sequence
 
 DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
+ID_KEYS = ("id", "uid")  # row identifiers that must be unique within a dataset
 
 
 def _get(row: dict, key: str) -> Any:
@@ -78,12 +79,21 @@ class PromptDataset:
                               DEFAULT_ANSWER_KEYS[0])
             hint = f" (nor {DEFAULT_ANSWER_KEYS[1]!r}; set data.answer_key)"
         answer = _get(raw, answer_key)
-        if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
+        if prompt is None:
             raise ValueError(f"{where}: row has no prompt field {prompt_key!r} "
-                             f"(fields: {sorted(raw)})")
+                             f"(fields: {sorted(raw)}); set data.prompt_key to the field that "
+                             "holds the prompt")
+        if isinstance(prompt, bytes):
+            prompt = _utf8(prompt, f"{where}: prompt field {prompt_key!r}")
+        if not isinstance(prompt, (str, int, float)) or not str(prompt).strip():
+            raise ValueError(f"{where}: prompt field {prompt_key!r} is empty or not text (got "
+                             f"{prompt!r:.80}); every row needs a non-empty prompt string or a "
+                             "list of chat messages (fix or remove the row)")
         if answer is None or (isinstance(answer, str) and not answer.strip()):
             raise ValueError(f"{where}: row has no answer field {answer_key!r}{hint} "
                              f"(fields: {sorted(raw)}); every prompt needs an answer to score")
+        if isinstance(answer, bytes):
+            answer = _utf8(answer, f"{where}: answer field {answer_key!r}")
         if hasattr(answer, "tolist"):
             answer = answer.tolist()
         row = {k: v for k, v in raw.items() if k not in (prompt_key, answer_key)}
@@ -98,11 +108,12 @@ class PromptDataset:
     def from_jsonl(cls, path: str, prompt_key: str = "prompt", answer_key: str | None = None
                    ) -> PromptDataset:
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw_line in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                line = _utf8(raw_line, where)
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -117,7 +128,15 @@ class PromptDataset:
             import pyarrow.parquet as pq
         except ImportError as e:  # pragma: no cover
             raise ImportError("reading Parquet needs pyarrow: pip install pyarrow") from e
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - arrow raises several types for a bad file
+            raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})"
+                             ) from None
+        top = prompt_key.split(".")[0]
+        if top not in table.column_names:
+            raise ValueError(f"{path}: no column {top!r} for data.prompt_key={prompt_key!r} "
+                             f"(columns: {table.column_names}); set data.prompt_key")
         rows = [cls._normalise(raw, prompt_key, answer_key, f"{path} row {i}")
                 for i, raw in enumerate(table.to_pylist())]
         return cls(rows, path)
@@ -129,6 +148,7 @@ class PromptDataset:
         if isinstance(paths, str):
             paths = [paths]
         rows: list[dict] = []
+        n_before = 0
         for p in paths:
             if not os.path.exists(p):
                 raise FileNotFoundError(f"prompt dataset file not found: {p}")
@@ -140,6 +160,10 @@ class PromptDataset:
             else:
                 raise ValueError(f"{p}: unsupported dataset format {ext!r} "
                                  "(expected .jsonl, .json or .parquet)")
+            if len(rows) == n_before:
+                raise ValueError(f"{p}: the file has no rows")
+            n_before = len(rows)
+        check_unique_ids(rows, ",".join(paths))
         return cls(rows, ",".join(paths))
 
     @classmethod
@@ -150,6 +174,32 @@ class PromptDataset:
 
         name = name or DEFAULT_TASK
         return cls(make_task_dataset(name, size, seed, **task_kwargs), f"task:{name}")
+
+
+def _utf8(data: bytes, where: str) -> str:
+    """``data`` decoded as UTF-8; a ``ValueError`` naming ``where`` and the bad byte otherwise."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}); re-encode the file as UTF-8, e.g. "
+                         "`iconv -f latin1 -t utf-8 IN > OUT`") from None
+
+
+def check_unique_ids(rows: Sequence[dict], source: str) -> None:
+    """Rows that carry an ``id`` (or ``uid``) field must not share one: ``ValueError`` naming the
+    id and both rows (0-based, in file order)."""
+    for key in ID_KEYS:
+        seen: dict[str, int] = {}
+        for i, row in enumerate(rows):
+            if key not in row:
+                continue
+            ident = json.dumps(row[key], sort_keys=True, default=str)
+            if ident in seen:
+                raise ValueError(f"{source}: duplicate {key} {row[key]!r} in rows {seen[ident]} "
+                                 f"and {i}; ids must be unique (drop the duplicate row or give it "
+                                 "a new id)")
+            seen[ident] = i
 
 
 def train_val_split(dataset: PromptDataset, val_size: int | float, seed: int = 0,

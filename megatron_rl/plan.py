@@ -11,6 +11,10 @@
   when offloaded to CPU between its passes;
 * one **rollout server** GPU (SGLang, ``server_tp`` GPUs per server): weights + the KV cache of the
   configured concurrency at full length, against the ``mem_fraction_static`` budget;
+* with ``rollout.sglang.colocate`` (servers on the actor's GPUs, taking turns): each phase of the
+  colocated step on one shared GPU -- rollout (the server's static budget), update (the actor;
+  the server released), weight sync (the actor's parameters + the resumed server) -- and their
+  **peak**, not their sum, against the GPU; plus the time of the host<->device swaps;
 * the step time from FLOPs at a stated MFU (communication is not modelled).
 
 Every number is a closed-form estimate from the model shape (:class:`PlanInputs`); the README states
@@ -33,6 +37,8 @@ RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("gpu", "cpu")
 RUNTIME_RESERVE_GIB = 3.0  # CUDA context + NCCL buffers + allocator fragmentation, per GPU
 MAX_CHUNK_ROWS = 4096  # the fused head's largest row chunk (kernels/fused_head_torch.py)
+SERVER_RESERVE_GIB = 1.0  # a released SGLang server: CUDA context and what it does not release
+HOST_LINK_GBPS = 25.0  # pinned host<->device copies (PCIe Gen4 x16 class), for the swap time
 
 
 class PlanError(ValueError):
@@ -66,6 +72,8 @@ class PlanInputs:
     server_tp: int = 1
     server_mem_fraction: float = 0.85
     concurrency: int = 0  # requests in flight per server; 0 = responses_per_step / servers
+    colocate: bool = False  # servers on the actor's GPUs, taking turns with the memory
+    sync_bucket_mb: int = 64  # rollout.weight_sync_bucket_mb (the colocated sync's buffer)
     gpu_mem_gb: float = 80.0
     peak_tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
     mfu: float = 0.35
@@ -94,6 +102,10 @@ class PlanInputs:
         for name in ("tp", "pp", "dp", "micro_batch_size", "n_micro", "server_tp"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.colocate and self.servers * self.server_tp > self.actor_gpus:
+            raise PlanError(f"colocate: {self.servers} servers x TP{self.server_tp} need "
+                            f"{self.servers * self.server_tp} GPUs, the actor has "
+                            f"{self.actor_gpus}")
         if not 0 < self.server_mem_fraction <= 1:
             raise PlanError(f"server_mem_fraction must be in (0, 1], got "
                             f"{self.server_mem_fraction}")
@@ -273,6 +285,30 @@ def server_breakdown(x: PlanInputs) -> dict[str, Any]:
             "weights_fit": weights < budget, "kv_fits": need <= pool}
 
 
+def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
+                     server: dict[str, Any]) -> dict[str, float]:
+    """Bytes on one shared GPU in each phase of the colocated step (megatron_rl/colocation.py):
+    rollout = the server's static budget (weights + KV pool) + the trainer's runtime reserve
+    (the actor is on the host); update = the actor's whole breakdown + a released server's
+    reserve; weight sync = the actor's parameters (training dtype) + the resumed server + one
+    bucket (grads and optimizer state are already on the host)."""
+    budget = server["weights (bf16)"] + server["kv_pool"]
+    reserve = RUNTIME_RESERVE_GIB * GIB if x.device == "gpu" else 0.0
+    params = stage_params(x.model, x.tp, x.pp, stage) * _dtype_bytes(x.precision)
+    return {"rollout (server budget + trainer runtime)": budget + reserve,
+            "update (actor + released server)": sum(actor.values()) + SERVER_RESERVE_GIB * GIB,
+            "weight sync (actor params + server + bucket)": params + budget + reserve
+            + x.sync_bucket_mb * 2**20}
+
+
+def swap_seconds(x: PlanInputs, stage: int) -> float:
+    """Host<->device copy time of one colocated step: the actor's parameters, fp32 gradients
+    and optimizer state leave and come back once (each way at ``HOST_LINK_GBPS``)."""
+    n = stage_params(x.model, x.tp, x.pp, stage)
+    state = optimizer_state_bytes(n, x)
+    return 2 * sum(state.values()) / (HOST_LINK_GBPS * 1e9)
+
+
 # --------------------------------------------------------------------------------------------
 # Step time
 # --------------------------------------------------------------------------------------------
@@ -321,6 +357,12 @@ class Plan:
     actor: dict[str, float]
     server: dict[str, Any] | None
     seconds: dict[str, float] = field(default_factory=dict)
+    colocated: dict[str, float] | None = None  # bytes per phase on a shared GPU (colocate)
+
+    @property
+    def colocated_peak(self) -> float:
+        """The shared GPU's peak: the largest phase (phases take turns, they do not add)."""
+        return max(self.colocated.values()) if self.colocated else 0.0
 
     @property
     def actor_total(self) -> float:
@@ -332,6 +374,9 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        if self.colocated:
+            return self.colocated_peak <= self.inputs.gpu_mem_gb * GIB and \
+                self.server["weights_fit"]
         return self.actor_fits and (self.server is None or self.server["weights_fit"])
 
     @property
@@ -345,7 +390,12 @@ def make_plan(x: PlanInputs) -> Plan:
     x.validate()
     stage, items = actor_breakdown(x)
     server = server_breakdown(x) if x.servers else None
-    return Plan(x, stage, items, server, step_seconds(x))
+    seconds = step_seconds(x)
+    colocated = None
+    if x.colocate and server is not None:
+        colocated = colocated_phases(x, stage, items, server)
+        seconds["colocation swaps (host<->device)"] = swap_seconds(x, stage)
+    return Plan(x, stage, items, server, seconds, colocated)
 
 
 def _gib(b: float) -> str:
@@ -405,6 +455,14 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
                   " -> the server queues the rest (KV-bound; shorter responses admit more)"),
                   "  weights " + ("fit" if s["weights_fit"] else "DO NOT FIT") +
                   " in the static budget"]
+    if p.colocated:
+        lines += ["", "colocated (servers on the actor's GPUs, taking turns): one shared GPU per "
+                      "phase"]
+        lines += [f"  {k:<58} {_gib(v)}" for k, v in p.colocated.items()]
+        gpu = x.gpu_mem_gb * GIB
+        lines.append(f"  {'peak (max of the phases, not their sum)':<58} "
+                     f"{_gib(p.colocated_peak)}  / {x.gpu_mem_gb:g} GiB -> "
+                     f"{'fits' if p.colocated_peak <= gpu else 'DOES NOT FIT'}")
     total = sum(p.seconds.values())
     lines += ["", f"step time at MFU {x.mfu:.0%} (actor), {x.rollout_mfu:.0%} (rollout), "
                   f"{x.peak_tflops:g} TFLOP/s peak, padded max lengths (upper bound), no "
@@ -500,7 +558,9 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
         servers=servers if r.engine == "sglang" or servers else 0,
         server_tp=int(_sglang_field(cfg, "tp_size", 1)),
         server_mem_fraction=float(_sglang_field(cfg, "mem_fraction_static", 0.85)),
-        concurrency=int(_sglang_field(cfg, "max_running_requests", 0)))
+        concurrency=int(_sglang_field(cfg, "max_running_requests", 0)),
+        colocate=bool(_sglang_field(cfg, "colocate", False)) and r.engine == "sglang",
+        sync_bucket_mb=int(getattr(r, "weight_sync_bucket_mb", 64)))
     vals.update({k: v for k, v in overrides.items() if v is not None})
     if "dp" in overrides and overrides["dp"] is not None and "n_micro" not in overrides:
         vals["n_micro"] = max(1, mini // vals["dp"] // vals["micro_batch_size"])
@@ -523,7 +583,7 @@ def _cmd_plan(args) -> int:
                     distributed_optimizer=args.distributed_optimizer, device=args.device,
                     prompt_len=args.prompt_len, response_len=args.response_len, mfu=args.mfu,
                     rollout_mfu=args.rollout_mfu, peak_tflops=args.peak_tflops,
-                    tp=args.tp, pp=args.pp, dp=args.dp)
+                    tp=args.tp, pp=args.pp, dp=args.dp, colocate=args.colocate)
         if args.gpus is not None and not args.search:
             tp = args.tp or cfg.parallel.tp
             pp = args.pp or cfg.parallel.pp
@@ -580,6 +640,8 @@ def add_plan_subcommand(sub) -> None:
                    help="rollout servers (default: rollout.sglang.servers)")
     p.add_argument("--server-tp", type=int, default=None,
                    help="GPUs per server (default: rollout.sglang.tp_size, else 1)")
+    p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=None,
+                   help="servers on the actor's GPUs (default: rollout.sglang.colocate)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight per server (default: responses / servers)")
     p.add_argument("--mem-fraction", type=float, default=None,

@@ -59,9 +59,9 @@ def _saved_config(run_dir: str) -> dict | None:
 
 def early_stopped(ckpt_path: str) -> tuple[int, str] | None:
     """``(steps done, reason)`` when the checkpoint was written by an early stop, else None."""
-    import torch
+    from megatron_rl.actor.checkpoint import read_meta
 
-    meta = torch.load(os.path.join(ckpt_path, "trainer.pt"), weights_only=False)
+    meta = read_meta(ckpt_path)  # weights_only: a shared checkpoint cannot run code
     trainer = meta.get("trainer") or {}
     reason = (trainer.get("early_stop") or {}).get("stopped_reason")
     return (int(trainer.get("next_step", meta["step"] + 1)), reason) if reason else None

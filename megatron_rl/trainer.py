@@ -7,6 +7,9 @@ prompts, the rollout engine, logging and early stopping, and broadcasts what the
         metrics  = actor.update(batch)               # losses of ALGORITHMS.md
         sync_weights(actor -> engine)
         validate / log / early stop / checkpoint
+
+With ``rollout.sglang.colocate`` the servers and the actor take turns with the GPUs around these
+phases (:mod:`megatron_rl.colocation`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import time
 from typing import Any
 
+from megatron_rl.colocation import Colocation
 from megatron_rl.config import RunConfig
 from megatron_rl.driver import RolloutDriver, broadcast_object
 from megatron_rl.rollout.sync import sync_weights
@@ -27,6 +31,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 
     from megatron_rl import run_setup as setup
     from megatron_rl.actor.checkpoint import latest_checkpoint
+    from megatron_rl.host_stats import host_stats
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.collect import dp_rows
     from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
@@ -66,8 +71,11 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 
     if resuming and runtime.is_rank0():
         print(f"[train] resumed from checkpoint at step {start}", flush=True)
+    colo = Colocation(cfg, actor, driver)  # rollout.sglang.colocate: take turns with the GPUs
+    colo.before_engine_start()
     driver.start(setup.make_engine, start, resuming)
-    sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb, version=start)
+    colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
+              version=start)
     driver.validate_start()
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -83,6 +91,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         if batch is None:  # every group filtered out (RV filter): nothing to train this step
             driver.skip_step(step, metrics)
             continue
+        colo.after_rollout(ph)  # colocated: servers release their memory, the actor returns
         local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, mini)]
                  for k, v in batch.items()}
         runtime.move_batch_(local, runtime.device())  # once: every pass below reads it there
@@ -100,8 +109,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             upd = actor.update(local, step) if critic is None or critic.actor_trains(step) else []
             upd = critic.update(local, step, upd) if critic is not None else upd
         with ph("weight_sync"):
-            sync_weights(actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
-                         version=step + 1)
+            colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
+                      version=step + 1)
         if controller is not None and "old_logp" in local:
             controller.update(measured_entropy(local))
         do_val = (step + 1) % t.test_freq == 0 or step + 1 == t.total_steps
@@ -110,10 +119,11 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
                 val_acc = driver.validate()
         step_upd = {**aggregate_updates(upd), **extra}  # all mini-batches and epochs
         metrics = {**metrics, **last_stage_metrics([step_upd], reporter), **ph.times,
-                   **gpu_stats()}
+                   **gpu_stats(), **host_stats()}
         decision = driver.finish_step(step, metrics, val_acc if do_val else None)
         if (step + 1) % t.save_freq == 0 or step + 1 == t.total_steps or decision.stop:
-            actor.save(ckpt_root, step, driver.state_dict(step + 1))
+            with colo.resident():
+                actor.save(ckpt_root, step, driver.state_dict(step + 1))
             if critic is not None:
                 critic.save(critic_root, step)
             if runtime.is_rank0():

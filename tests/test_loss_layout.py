@@ -54,6 +54,16 @@ CASES: dict[str, dict] = {
                      erc_low=0.9, erc_high=1.1),
     "gppo_erc": dict(policy_loss="gppo", clip_ratio_c=10.0, erc=True, erc_low=0.9, erc_high=1.1,
                      positive_nll_coef=0.1),
+    # the 2025-26 losses, narrow bounds so that the tiny data hits them (test_new_losses_bite)
+    "gmpo": dict(policy_loss="gmpo", gmpo_clip_low=0.1, gmpo_clip_high=0.1,
+                 loss_agg_mode="seq-mean-token-mean"),
+    "sapo_erc": dict(policy_loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=4.0, erc=True,
+                     erc_low=0.9, erc_high=1.1),
+    "dppo_tv_dr_grpo_norm": dict(policy_loss="dppo_tv", dppo_tv_delta_low=0.03,
+                                 dppo_tv_delta_high=0.03, loss_agg_mode="seq-mean-token-sum-norm",
+                                 loss_scale_factor=16.0),
+    "dppo_kl_sq": dict(policy_loss="dppo_kl", dppo_kl_delta_low=0.003, dppo_kl_delta_high=0.003,
+                       dppo_sq_log_ratio_coef=0.01, loss_agg_mode="seq-mean-token-mean"),
 }
 
 
@@ -236,6 +246,14 @@ def test_selection_is_nontrivial(reference):
         n = int(reference[case]["selected"].sum())
         assert n >= 2, (case, n)
     assert 0 < float(reference["dapo_erc"]["metrics"]["erc/kept_frac"]) < 1
+
+
+def test_new_losses_bite(reference):
+    """The GMPO clip and the DPPO masks are active on part of the data, so the layout comparison
+    covers their zero-gradient branches too; SAPO's soft gate is away from 1."""
+    for case in ("gmpo", "dppo_tv_dr_grpo_norm", "dppo_kl_sq"):
+        assert 0 < float(reference[case]["metrics"]["policy/clip_frac"]) < 0.5, case
+    assert float(reference["sapo_erc"]["metrics"]["sapo/grad_weight_min"]) < 0.9
 
 
 @pytest.mark.slow

@@ -169,3 +169,50 @@ def test_dapo_32b_config_has_the_fleet_and_the_memory_settings():
     assert (cfg.actor.precision, cfg.actor.recompute, cfg.actor.offload_ref) == ("bf16", "full",
                                                                                  True)
     assert cfg.rollout.n == 16 and cfg.parallel.tp == 8
+
+
+def test_colocated_layout_memory_is_the_peak_of_its_phases(capsys):
+    """Qwen2.5-7B on 8 x 80 GiB, servers on the actor's GPUs: each phase by hand, the verdict
+    from the largest phase; the same numbers as a sum would not fit."""
+    from megatron_rl.plan import HOST_LINK_GBPS, RUNTIME_RESERVE_GIB, SERVER_RESERVE_GIB
+
+    m = get_preset("qwen2.5-7b")
+    x = PlanInputs(model=m, tp=2, pp=1, dp=4, precision="bf16", recompute="full",
+                   distributed_optimizer=True, micro_batch_size=1, prompt_len=1024,
+                   response_len=4096, n_micro=16, responses_per_step=512, servers=4,
+                   server_tp=2, server_mem_fraction=0.6, gpu_mem_gb=80, colocate=True,
+                   sync_bucket_mb=64)
+    p = make_plan(x)
+    sep = make_plan(dataclasses.replace(x, colocate=False))
+    assert sep.colocated is None and p.actor == sep.actor
+    weights = total_params(m) * 2 / 2  # bf16 over server TP2
+    budget = 0.6 * 80 * GIB
+    assert p.server["weights (bf16)"] == weights
+    params = stage_params(m, 2, 1, 0) * 2
+    reserve = RUNTIME_RESERVE_GIB * GIB
+    want = {"rollout (server budget + trainer runtime)": budget + reserve,
+            "update (actor + released server)": sep.actor_total + SERVER_RESERVE_GIB * GIB,
+            "weight sync (actor params + server + bucket)": params + budget + reserve + 64 * 2**20}
+    assert p.colocated == pytest.approx(want)
+    assert p.colocated_peak == max(want.values())
+    assert p.fits  # the peak fits ...
+    assert want["rollout (server budget + trainer runtime)"] + \
+        want["update (actor + released server)"] > 80 * GIB  # ... the sum would not
+    swap = 2 * sum(optimizer_state_bytes(stage_params(m, 2, 1, 0), x).values()) / \
+        (HOST_LINK_GBPS * 1e9)
+    assert p.seconds["colocation swaps (host<->device)"] == pytest.approx(swap)
+    # a larger server budget makes the sync phase the peak, and it stops fitting
+    big = make_plan(dataclasses.replace(x, server_mem_fraction=0.95))
+    assert max(big.colocated, key=big.colocated.get).startswith("weight sync")
+    assert not big.fits
+    with pytest.raises(PlanError, match="colocate: 8 servers x TP2 need 16 GPUs"):
+        make_plan(dataclasses.replace(x, servers=8))
+
+
+def test_plan_cli_reads_colocate_from_the_config(capsys):
+    rc = main(["plan", os.path.join(ROOT, "examples", "tiny_dapo.yaml"), "rollout.engine=sglang",
+               "rollout.sglang.colocate=true", "rollout.sglang.weight_sync=from_tensor",
+               "rollout.sglang.num_servers=1", "--gpu-mem-gb", "80"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "peak (max of the phases, not their sum)" in out
+    assert "colocation swaps (host<->device)" in out

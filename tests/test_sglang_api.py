@@ -76,9 +76,6 @@ def test_info_endpoints(server):
     assert info["is_generation"] and info["model_type"] == "qwen2"
     assert "weight_version" in http_json("GET", url + "/server_info")
     assert http_json("POST", url + "/flush_cache").startswith("Cache flushed")
-    w = http_json("POST", url + "/get_weights_by_name", {"name": "model.norm.weight",
-                                                         "truncate_size": 3})
-    assert len(w) == 3
 
 
 def test_pause_blocks_and_abort_ends_requests(server):
@@ -139,13 +136,19 @@ def _random_buckets(seed: int):
     return other, [sd[i:i + 5] for i in range(0, len(sd), 5)]
 
 
-@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor", "from_distributed"])
-def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy):
+@pytest.mark.parametrize("rules", ["0.5.21", "0.5.20"])
+@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor"])
+def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy, rules):
     url, state = server
+    state.rules = rules  # SGLang >= 0.5.21 (sessions) or older
     eng = _engine(url, tmp_path, strategy)
     other, buckets = _random_buckets({"from_disk": 1, "from_tensor": 2,
                                       "from_distributed": 3}[strategy])
-    push_single_process(eng, buckets, version=7)
+    try:
+        push_single_process(eng, buckets, version=7)
+    finally:
+        state.rules = "0.5.21"
+    assert not state.session and not eng.sync.sessions
     for (n, p), (n2, q) in zip(other.named_parameters(), state.model.named_parameters()):
         assert n == n2 and torch.equal(p, q), n
     assert http_json("GET", url + "/get_model_info")["weight_version"] == "7"
@@ -154,29 +157,75 @@ def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy):
     assert not errors and worst <= 1e-4
     _, bad = probe_check([url], ids, [x + 1e-2 for x in teacher_forced_logprobs(other, ids)], 1e-4)
     assert bad  # the probe does catch a mismatch
-    if strategy == "from_distributed":
+
+
+def _checksum(model) -> str:
+    """What ``serve``'s ``/weights_checker`` hashes: every parameter's name and bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("rules", ["0.5.21", "0.5.20"])
+def test_from_distributed_joins_through_sglang_rendezvous(tmp_path, rules):
+    """A server process joins the sender's group the way SGLang's ranks do (a group name is
+    registered once per process, so the server runs in its own process here, as in a fleet)."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_rl.rollout.fleet import wait_healthy
+    from megatron_rl.rollout.weight_sync.from_distributed import free_port
+
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl", "serve", "--preset", "tiny",
+                             "--port", str(port), "--eos-id", str(EOS), "--sglang-rules", rules],
+                            env={**os.environ, "PYTHONPATH": root})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 120, proc)
+        eng = _engine(url, tmp_path, "from_distributed")
+        for version, seed in ((3, 5), (4, 6)):  # twice: a second sync reuses the group
+            other, buckets = _random_buckets(seed)
+            push_single_process(eng, buckets, version=version)
+            got = http_json("POST", url + "/weights_checker", {"action": "checksum"}) \
+                if rules == "0.5.21" else None
+            if got is not None:
+                assert got["per_engine_checksum"] == _checksum(other)
+            ids = probe_tokens(get_preset("tiny").vocab_size, 12)
+            worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-4)
+            assert not errors and worst <= 1e-4
+        assert (url in eng.sync.no_session) == (rules == "0.5.20")
         eng.sync.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
-def test_spot_check_catches_wrong_weights(server, tmp_path):
-    url, state = server
-    eng = _engine(url, tmp_path, "from_disk")
-    _, buckets = _random_buckets(4)
-    push_single_process(eng, buckets, version=8)
-    with torch.no_grad():
-        dict(state.model.named_parameters())[eng.sync.spots[0][0]].add_(1.0)
-    assert eng.sync.spot_check()
-
-
-def test_requests_validate_against_sglang_io_struct():
-    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
-    req = generate_request([1, 2, 3], SamplingParams(max_new_tokens=4), [EOS], 5, "rid")
-    io_struct.GenerateReqInput(**req)
-    io_struct.UpdateWeightFromDiskReqInput(model_path="/x", weight_version="1",
-                                           flush_cache=True, abort_all_requests=False)
-    io_struct.UpdateWeightsFromDistributedReqInput(names=["a"], dtypes=["float32"],
-                                                   shapes=[[2]], group_name="g",
-                                                   flush_cache=False)
+def test_spot_check_catches_wrong_weights(tmp_path):
+    torch.manual_seed(0)  # a Llama: SGLang's Qwen2/Qwen3 have no get_weights_by_name
+    state = ServeState(build_hf_model(get_preset("tiny-llama")), "preset:tiny-llama", EOS, 0)
+    srv = make_server(state, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{state.port}"
+    try:
+        eng = _engine(url, tmp_path, "from_disk")
+        eng.sync.spots_per_send = 2
+        torch.manual_seed(4)
+        other = build_hf_model(get_preset("tiny-llama"))
+        push_single_process(eng, [[(n, p.detach().clone()) for n, p in
+                                   other.named_parameters()]], version=8)
+        assert not eng.sync.spot_check()
+        with torch.no_grad():
+            dict(state.model.named_parameters())[eng.sync.spots[0][0]].add_(1.0)
+        assert eng.sync.spot_check()
+    finally:
+        srv.shutdown()
 
 
 def test_prefix_stop_rule_waits_for_the_complete_prefix():

@@ -188,3 +188,44 @@ def test_rl_run_through_router_matches_embedded(tmp_path):
                                     for r in synced)
     logs = os.listdir(tmp_path / "fleet" / "sglang" / "logs")
     assert sorted(logs) == ["router.log", "server0.log", "server1.log"]
+
+
+class _KillOnIter(list):
+    """Buckets that kill a server when the sync starts reading them (mid-sync)."""
+
+    def __init__(self, items, kill) -> None:
+        super().__init__(items)
+        self.kill, self.done = kill, False
+
+    def __iter__(self):
+        if not self.done:
+            self.done = True
+            self.kill()
+        return super().__iter__()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_server_killed_during_sync_is_removed_and_the_sync_retried(tmp_path, capsys):
+    s = SGLangSection(num_servers=2, router_port=free_port_block(3))
+    fleet = Fleet(s, _tiny_model_dir(tmp_path / "model"), EOS, str(tmp_path / "logs")).start()
+    try:
+        eng = SGLangEngine(fleet, EOS, concurrency=4)
+        eng.sync = make_strategy("from_disk", fleet, str(tmp_path / "sync"))
+        torch.manual_seed(7)
+        ref = build_hf_model(get_preset("tiny"))
+        victim = fleet.urls[1]
+
+        def kill() -> None:
+            psutil.Process(fleet.procs[victim].pid).children()[0].send_signal(signal.SIGKILL)
+
+        sd = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
+        push_single_process(eng, _KillOnIter([sd[:6], sd[6:]], kill), version=1)
+        assert "died during the sync" in capsys.readouterr().out
+        assert victim not in fleet.urls and eng.weight_version == 1
+        assert [w["url"] for w in fleet.router_workers()] == fleet.urls
+        ids = probe_tokens(get_preset("tiny").vocab_size, 16)
+        worst, errors = probe_check(fleet.urls, ids, teacher_forced_logprobs(ref, ids), 1e-4)
+        assert not errors and worst <= 1e-4  # the survivor holds the new weights
+    finally:
+        fleet.stop()

@@ -150,8 +150,11 @@ def bench_model(name: str, args) -> list[tuple[str, float, float]]:
             if strat == "from_distributed":
                 st.close()
             rows.append((strat, dt, total / dt / 1e9))
+            link, ceiling = ("loopback TCP", args.loopback) if strat == "from_distributed" \
+                else ("memcpy", args.memcpy)
             print(f"  {name} {strat:17s} {total / 1e9:6.2f} GB in {dt:7.2f} s = "
-                  f"{total / dt / 1e9:6.3f} GB/s", flush=True)
+                  f"{total / dt / 1e9:6.3f} GB/s = {total / dt / 1e9 / ceiling:6.1%} of "
+                  f"{link} ({ceiling:.2f} GB/s)", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mem = memcpy_gbps()
     lo = loopback_gbps()
+    args.memcpy, args.loopback = mem, lo
     print(f"link: memcpy {mem:.2f} GB/s, loopback TCP {lo:.2f} GB/s "
           f"({os.cpu_count()} CPUs, torch {torch.__version__})", flush=True)
     for name in args.models.split(","):

@@ -7,14 +7,25 @@ Layout of a checkpoint root::
     ROOT/step_0000012/trainer.pt common state: step, scheduler, trainer/controller state, data pos
     ROOT/step_0000012/rng/rank_00003.pt   per-rank RNG states (restored when the layout is equal)
 
-A save writes ``step_N.tmp`` first; only after every rank finished does rank 0 rename it and then
-replace ``latest`` (write a temp file, ``os.replace``). A crash at any point leaves the previous
-checkpoint and ``latest`` intact; stale ``*.tmp`` dirs are ignored and cleaned up on the next save.
+A save writes ``step_N.tmp`` first; only after every rank finished does rank 0 fsync its files,
+rename it and then replace ``latest`` (temp file + fsync + ``os.replace`` + fsync of the directory).
+A crash at any point leaves the previous checkpoint and ``latest`` intact; stale ``*.tmp`` dirs are
+ignored and cleaned up on the next save. A write that fails on any rank (disk full, read-only run
+directory) fails the save on every rank together (no rank is left waiting in a collective) with a
+:class:`CheckpointWriteError` that names the checkpoint kept; the partial ``step_N.tmp`` is removed.
+
+Loading never unpickles arbitrary objects: ``trainer.pt`` and the RNG files are read with
+``torch.load(weights_only=True)`` (plain containers, numbers, strings, tensors; old checkpoints'
+numpy RNG states through an explicit allow-list), and the sharded checkpoint's pickled
+``.metadata`` is screened by an allow-list unpickler before megatron reads it
+(:func:`check_pickle_globals`). A checkpoint that needs anything else is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import random
 import shutil
 from typing import Any
@@ -31,6 +42,89 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be read or does not fit this run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written; the previous one is kept (named in the message)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file needs objects outside the allow-list to load (refused, never run)."""
+
+
+# Globals the pickled DCP ``.metadata`` of a sharded checkpoint may name: torch's checkpoint
+# metadata classes, torch dtypes/sizes/memory formats, a few containers.
+DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+               "torch.distributed.checkpoint._extension")
+SAFE_GLOBALS = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                ("builtins", "slice"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("torch._utils", "_rebuild_tensor_v2"),
+                ("torch.storage", "_load_from_bytes"), ("datetime", "timedelta"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")}
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    if (module, name) in SAFE_GLOBALS or module in DCP_MODULES:
+        return True
+    import torch as _torch
+
+    # torch.float32, torch.contiguous_format, ...: plain attributes, not callables that run code
+    return module == "torch" and isinstance(getattr(_torch, name, None),
+                                            (_torch.dtype, _torch.memory_format, _torch.layout))
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed_global(module, name):
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+def check_pickle_globals(path: str) -> None:
+    """Unpickle ``path`` with an allow-list of globals (no other code can run); raises
+    :class:`UnsafeCheckpointError` naming the file and the refused global."""
+    try:
+        with open(path, "rb") as f:
+            _AllowListUnpickler(f).load()
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path}: refusing to load: {exc} (a checkpoint holds only tensors and plain data; "
+            "this file may run code when unpickled - do not load it)") from None
+
+
+def safe_torch_load(path: str) -> Any:
+    """``torch.load(path, weights_only=True)``, allowing only old numpy RNG states beyond plain
+    data; anything else is an :class:`UnsafeCheckpointError` naming the file."""
+    import numpy as _np
+
+    extra = [_np.ndarray, _np.dtype]
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            extra.append(__import__(mod, fromlist=["_reconstruct"])._reconstruct)
+            break
+        except (ImportError, AttributeError):
+            continue
+    dtypes = getattr(_np, "dtypes", None)
+    if dtypes is not None and hasattr(dtypes, "UInt32DType"):
+        extra.append(dtypes.UInt32DType)
+    try:
+        with torch.serialization.safe_globals(extra):
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeCheckpointError(
+            f"{path}: refusing to load: it needs objects outside the allow-list ({first}); a "
+            "checkpoint holds only tensors and plain data - this file may run code when "
+            "unpickled, do not load it") from None
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The common state of checkpoint ``path`` (``trainer.pt``), loaded without running code."""
+    meta_path = os.path.join(path, "trainer.pt")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{path} is not a megatron_rl checkpoint (no trainer.pt)")
+    return safe_torch_load(meta_path)
 
 
 def step_dir_name(step: int) -> str:
@@ -54,8 +148,10 @@ def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate(),
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+            "python": list(random.getstate()),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": {k: v.clone() for k, v in tracker.get_states().items()}}
 
@@ -64,8 +160,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
@@ -114,44 +213,173 @@ def _sharded_state(model, optimizer, is_loading: bool, main_from=None
 
 def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
                     trainer_state: dict[str, Any] | None = None) -> str:
-    """Save atomically; collective over all ranks. Returns the checkpoint path."""
+    """Save atomically; collective over all ranks. Returns the checkpoint path.
+
+    Raises :class:`CheckpointWriteError` on every rank when any rank's write fails (disk full,
+    read-only directory, ...): ``latest`` still names the previous checkpoint, which stays
+    loadable, and the partial directory is removed."""
     from megatron.core import dist_checkpointing
+
+    from megatron_rl.actor.precision import precision_of
 
     rank = dist.get_rank()
     final = os.path.join(root, step_dir_name(step))
     tmp = final + ".tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of a crashed save
-            if name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    from megatron_rl.actor.precision import precision_of
+    kept = _kept_checkpoint(root)  # named by every rank's error
 
+    def fail(exc: BaseException | None) -> None:
+        _agree_or_raise(exc, step, root, tmp, kept, rank)
+
+    err = None
+    if rank == 0:
+        try:
+            _prepare_tmp(root, tmp)
+        except OSError as exc:
+            err = exc
+    fail(err)
     # The model part holds the fp32 main weights whatever the precision.
     sharded, _ = _sharded_state(model, optimizer, is_loading=False, main_from=optimizer)
-    dist_checkpointing.save(sharded, tmp)
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        torch.save({"step": step, "layout": _layout_key(), "precision": precision_of(model),
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "trainer": trainer_state or {}}, os.path.join(tmp, "trainer.pt"))
+    err = None
+    try:
+        dist_checkpointing.save(sharded, tmp)
+    except Exception as exc:  # noqa: BLE001 - a write error on any rank (DCP re-raises it)
+        err = exc
+    if err is None:
+        try:
+            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+            _durable_save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+            if rank == 0:
+                _durable_save({"step": step, "layout": _layout_key(),
+                               "precision": precision_of(model),
+                               "scheduler": scheduler.state_dict() if scheduler is not None
+                               else None, "trainer": trainer_state or {}},
+                              os.path.join(tmp, "trainer.pt"))
+        except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError too
+            err = exc
     phase_begins("checkpoint", step)  # fault injection: files written, not yet renamed
-    dist.barrier()
+    fail(err)
+    err = None
     if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = os.path.join(root, LATEST + ".tmp")
+        try:
+            _publish(root, tmp, final, step)
+        except OSError as exc:
+            err = exc
+    fail(err)
+    return final
+
+
+def _kept_checkpoint(root: str) -> str | None:
+    try:
+        return latest_checkpoint(root)
+    except (OSError, CheckpointError):
+        return None
+
+
+def _prepare_tmp(root: str, tmp: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # leftovers of a crashed save
+        if name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    os.makedirs(tmp)
+
+
+def _durable_save(obj: Any, path: str) -> None:
+    """``torch.save`` then fsync, so that a later rename publishes complete bytes."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(path: str) -> None:
+    """fsync every file under ``path`` and the directories themselves."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems cannot fsync a directory
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _publish(root: str, tmp: str, final: str, step: int) -> None:
+    """Rank 0: make ``tmp`` durable, rename it to ``final``, then point ``latest`` at it."""
+    _fsync_tree(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    pointer = os.path.join(root, LATEST + ".tmp")
+    try:
         with open(pointer, "w") as f:
             f.write(step_dir_name(step))
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer, os.path.join(root, LATEST))
-    dist.barrier()
-    return final
+    except OSError:
+        _remove_quietly(pointer)
+        raise
+    _fsync_dir(root)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def _diagnose(root: str) -> str:
+    """``" (the file system of ROOT is full / read-only)"`` when it is, else ``""``."""
+    path = root
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return ""
+    if st.f_flag & os.ST_RDONLY:
+        return f" (the file system of {root} is read-only)"
+    free = st.f_bavail * st.f_frsize
+    if free < (1 << 20):
+        return f" (the file system of {root} is full: {free} bytes free)"
+    return ""
+
+
+def _agree_or_raise(exc: BaseException | None, step: int, root: str, tmp: str, kept: str | None,
+                    rank: int) -> None:
+    """Collective: every rank learns whether any rank failed; then all raise together."""
+    from megatron_rl.parallel.runtime import host_group
+
+    flag = torch.tensor([0 if exc is None else 1], dtype=torch.int64)  # host int, gloo group
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
+    if not int(flag.item()):
+        return
+    if rank == 0:
+        _remove_quietly(tmp)  # a partial write must not fill the disk or look like a checkpoint
+    dist.barrier(group=host_group())  # every rank raises after the cleanup
+    kept_msg = (f"the previous checkpoint {kept} is kept and loadable (`latest` still names it)"
+                if kept else "no earlier checkpoint exists")
+    why = (f"{type(exc).__name__}: {exc}" if exc is not None else "another rank's write failed"
+           ) + _diagnose(root)
+    raise CheckpointWriteError(f"checkpoint {step_dir_name(step)} was not written ({why}); "
+                               f"{kept_msg}; free disk space or make the run directory "
+                               "writable, then resume") from exc
 
 
 def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
@@ -163,10 +391,9 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     """
     from megatron.core import dist_checkpointing
 
-    meta_path = os.path.join(path, "trainer.pt")
-    if not os.path.exists(meta_path):
-        raise CheckpointError(f"{path} is not a megatron_rl checkpoint (no trainer.pt)")
-    meta = torch.load(meta_path, weights_only=False)
+    meta = read_meta(path)
+    if os.path.exists(os.path.join(path, ".metadata")):
+        check_pickle_globals(os.path.join(path, ".metadata"))  # before megatron unpickles it
     from megatron_rl.actor.precision import copy_main_to_model, precision_of, set_distopt_main
 
     saved_precision = meta.get("precision", "fp32")
@@ -197,7 +424,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
     if restore_rng and tuple(meta["layout"]) == _layout_key():
         rng_path = os.path.join(path, "rng", f"rank_{dist.get_rank():05d}.pt")
         if os.path.exists(rng_path):
-            _set_rng_state(torch.load(rng_path, weights_only=False))
+            _set_rng_state(safe_torch_load(rng_path))
             rng_ok = True
     return {"step": meta["step"], "trainer": meta["trainer"], "rng_restored": rng_ok}
 

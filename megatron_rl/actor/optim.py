@@ -47,7 +47,8 @@ class OptimConfig:
             raise OptimConfigError(f"optim.lr_decay_style={self.lr_decay_style!r} is not one of "
                                    f"{LR_DECAY_STYLES}")
         if self.lr_warmup_steps < 0:
-            raise OptimConfigError("optim.lr_warmup_steps must be >= 0")
+            raise OptimConfigError(f"optim.lr_warmup_steps must be >= 0, got "
+                                   f"{self.lr_warmup_steps}")
 
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):

@@ -79,7 +79,8 @@ class ActorConfig:
             if getattr(self, name) < 1:
                 raise ActorConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
         if self.mini_batch_size < 0:
-            raise ActorConfigError("actor.mini_batch_size must be >= 0 (0 = whole batch)")
+            raise ActorConfigError(f"actor.mini_batch_size must be >= 0 (0 = whole batch), got "
+                                   f"{self.mini_batch_size}")
         if not self.temperature > 0:
             raise ActorConfigError(f"actor.temperature must be > 0, got {self.temperature}")
         from megatron_rl.actor.precision import validate_memory_fields

@@ -72,7 +72,13 @@ class HFCheckpoint:
         index = os.path.join(self.path, INDEX)
         if os.path.isfile(index):
             with open(index) as f:
-                return sorted(set(json.load(f)["weight_map"].values()))
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [f for f in files if not os.path.isfile(os.path.join(self.path, f))]
+            if missing:
+                raise ConvertError(f"{self.path}: {len(missing)} shard(s) listed in {INDEX} are "
+                                   f"missing: {missing[:5]} (an incomplete download or copy? "
+                                   "fetch the missing files)")
+            return files
         files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
         if not files:
             raise ConvertError(f"{self.path} has no *.safetensors files (only safetensors "

@@ -59,6 +59,19 @@ class LossConfig:
     aspo_eps_high_entropy: float = 0.4  # clip width of the top-entropy tokens
     aspo_c_pos: float = 3.0
     aspo_c_neg: float = 3.0
+    # GMPO (loss/gmpo.py): token log-ratio clip [-gmpo_clip_low, gmpo_clip_high] (log space)
+    gmpo_clip_low: float = 0.4
+    gmpo_clip_high: float = 0.4
+    # SAPO (loss/sapo.py): soft-gate temperatures for A > 0 / A <= 0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    # DPPO (loss/dppo.py): divergence thresholds, truncated-IS cap, prime-rl's (log r)^2 coef
+    dppo_tv_delta_low: float = 0.15
+    dppo_tv_delta_high: float = 0.15
+    dppo_kl_delta_low: float = 0.05
+    dppo_kl_delta_high: float = 0.05
+    dppo_ratio_cap: float = 20.0
+    dppo_sq_log_ratio_coef: float = 0.0
     # ERC gate [9]
     erc: bool = False
     erc_low: float = 0.95
@@ -106,6 +119,13 @@ class LossConfig:
             _range(name, getattr(self, name), 0.0, 1.0, "[0, 1]")
         for name in ("aspo_c_pos", "aspo_c_neg"):
             _open_low(name, getattr(self, name), 1.0, "(1, inf)")
+        for name in ("gmpo_clip_low", "gmpo_clip_high", "sapo_tau_pos", "sapo_tau_neg",
+                     "dppo_kl_delta_low", "dppo_kl_delta_high"):
+            _open_low(name, getattr(self, name), 0.0, "(0, inf)")
+        for name in ("dppo_tv_delta_low", "dppo_tv_delta_high"):
+            _range(name, getattr(self, name), 0.0, 1.0, "[0, 1] (a probability change)")
+        _open_low("dppo_ratio_cap", self.dppo_ratio_cap, 1.0, "(1, inf]")
+        _range("dppo_sq_log_ratio_coef", self.dppo_sq_log_ratio_coef, 0.0, math.inf, "[0, inf)")
         if not 0.0 <= self.erc_low < 1.0 < self.erc_high:
             raise LossConfigError(f"erc_low/erc_high must satisfy 0 <= erc_low < 1 < erc_high, got "
                                   f"{self.erc_low}/{self.erc_high}")
@@ -155,6 +175,14 @@ PRESETS: dict[str, dict] = {
     "dcpo": dict(policy_loss="dcpo", clip_ratio_high=0.28, clip_ratio_c=10.0),
     "skywork_or1": dict(policy_loss="ppo"),
 }
+
+# The 2025-26 losses (docs/losses-2025.md); defaults of their fields are the references' own.
+PRESETS.update({
+    "gmpo": dict(policy_loss="gmpo", loss_agg_mode="seq-mean-token-mean"),
+    "sapo": dict(policy_loss="sapo", loss_agg_mode="seq-mean-token-mean"),
+    "dppo_tv": dict(policy_loss="dppo_tv"),
+    "dppo_kl": dict(policy_loss="dppo_kl"),
+})
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

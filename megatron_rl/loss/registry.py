@@ -8,10 +8,13 @@ from typing import Callable
 from megatron_rl.loss.aspo import aspo_token_loss
 from megatron_rl.loss.cispo import cispo_token_loss
 from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
+from megatron_rl.loss.dppo import dppo_kl_token_loss, dppo_tv_token_loss
+from megatron_rl.loss.gmpo import gmpo_token_loss
 from megatron_rl.loss.gppo import gppo_token_loss
 from megatron_rl.loss.gspo import gspo_token_level_loss, gspo_token_loss
 from megatron_rl.loss.nll import nll_token_loss
 from megatron_rl.loss.ppo import dcpo_token_loss, ppo_token_loss
+from megatron_rl.loss.sapo import sapo_token_loss
 
 
 class UnknownLossError(KeyError, ValueError):
@@ -70,6 +73,10 @@ for _spec in (
     PolicyLossSpec("clip_cov", clip_cov_token_loss, "§4", needs=("cov_selected",)),
     PolicyLossSpec("kl_cov", kl_cov_token_loss, "§4", needs=("cov_selected",)),
     PolicyLossSpec("dcpo", dcpo_token_loss, "§10.2"),
+    PolicyLossSpec("gmpo", gmpo_token_loss, "GMPO (docs/losses-2025.md)", token_level=False),
+    PolicyLossSpec("sapo", sapo_token_loss, "SAPO (docs/losses-2025.md)"),
+    PolicyLossSpec("dppo_tv", dppo_tv_token_loss, "DPPO Binary-TV (docs/losses-2025.md)"),
+    PolicyLossSpec("dppo_kl", dppo_kl_token_loss, "DPPO Binary-KL (docs/losses-2025.md)"),
     PolicyLossSpec("nll", nll_token_loss, "supervised warm start (not in ALGORITHMS.md)"),
 ):
     register_policy_loss(_spec)

@@ -12,6 +12,7 @@ the router (its requests are retried elsewhere by the client).
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import subprocess
@@ -58,6 +59,16 @@ def validate_sglang_section(s) -> None:
     if not 0 < s.mem_fraction_static <= 1:
         raise ConfigError(f"rollout.sglang.mem_fraction_static must be in (0, 1], got "
                           f"{s.mem_fraction_static}")
+    if s.serve_rules not in ("0.5.21", "0.5.20"):
+        raise ConfigError(f"rollout.sglang.serve_rules={s.serve_rules!r} is not one of "
+                          "('0.5.21', '0.5.20')")
+    if s.flush_retries < 0:
+        raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
+    if not isinstance(s.extra_args, list):
+        raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
+    if s.python is not None and not os.path.isfile(str(s.python)):
+        raise ConfigError(f"rollout.sglang.python={s.python!r} is not a file (an interpreter "
+                          "with sglang installed; unset: the trainer's)")
     if not s.probe_tolerance > 0:
         raise ConfigError("rollout.sglang.probe_tolerance must be > 0")
     if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
@@ -76,7 +87,9 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) ->
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         raise ServerError(f"{method} {url}: HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+    except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as exc:
+        # HTTPException: e.g. a TCP self-connect while polling a port nobody listens on yet
+        # (the reply is our own request line)
         raise ServerError(f"{method} {url}: {exc}") from None
     try:
         return json.loads(raw) if raw.strip() else None
@@ -102,27 +115,32 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
 
 def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[str]:
     """The command line of one server started by the fleet."""
+    python = getattr(s, "python", None) or sys.executable  # rollout.sglang.python
+    extra = [str(a) for a in getattr(s, "extra_args", None) or []]
     if s.launcher == "sglang":
-        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+        return [python, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", s.host, "--port", str(port), "--tp-size", str(s.tp_size),
-                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init"]
-    cmd = [sys.executable, "-m", "megatron_rl", "serve", "--model-path", model_path,
-           "--host", s.host, "--port", str(port), "--threads", str(s.server_threads)]
-    return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)])
+                "--mem-fraction-static", str(s.mem_fraction_static), "--skip-tokenizer-init",
+                *extra] + \
+            (["--enable-memory-saver"] if getattr(s, "colocate", False) else [])  # release/resume
+    cmd = [python, "-m", "megatron_rl", "serve", "--model-path", model_path,
+           "--host", s.host, "--port", str(port), "--threads", str(s.server_threads),
+           "--sglang-rules", getattr(s, "serve_rules", "0.5.21")]
+    return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)]) + extra
 
 
-def router_command(host: str, port: int, metrics_port: int | None = None) -> list[str]:
-    """``sglang-router`` with no workers yet (they are added through its API); round robin.
-    Its Prometheus exporter gets a free port on ``host`` (the router's default, 29000 on every
-    interface, makes a second router on the machine fail to start)."""
-    if metrics_port is None:
-        from megatron_rl.parallel.launch import free_port
+def router_command(host: str, port: int) -> list[str]:
+    """``sglang-router`` with no workers yet (they are added through its API); round robin; its
+    Prometheus exporter on a free port (the default 29000 is taken by a second router on the
+    same machine, which makes the router exit)."""
+    import socket
 
-        metrics_port = free_port()
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        metrics_port = sock.getsockname()[1]
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
             str(port), "--policy", "round_robin", "--worker-startup-timeout-secs", "120",
-            "--log-level", "warn", "--prometheus-host", host, "--prometheus-port",
-            str(metrics_port)]
+            "--log-level", "warn", "--prometheus-port", str(metrics_port)]
 
 
 class Fleet:
@@ -158,9 +176,10 @@ class Fleet:
         port = s.router_port + 1 + i
         url = f"http://{s.host}:{port}"
         env = dict(os.environ)
-        if s.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in
-                                                   s.gpus[i * s.tp_size:(i + 1) * s.tp_size])
+        from megatron_rl.colocation import server_gpus  # colocate: the trainer's GPUs
+
+        if gpus := server_gpus(s, i):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
                                                                    self.eos_id), env)
         return url

@@ -22,18 +22,34 @@ def alive(pid: int) -> bool:
     return True
 
 
+def descendants(pid: int) -> list:
+    """Every process below ``pid`` (psutil handles; [] when psutil or the process is gone)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001
+        return []
+
+
 def main(argv: list[str]) -> int:
     parent, cmd = int(argv[0]), argv[1:]
     watch_ppid = os.getppid() == parent  # started by PARENT: also notice its exit as a zombie
     child = subprocess.Popen(cmd)
 
     def stop(*_args) -> None:
+        tree = descendants(child.pid)  # SGLang's scheduler/detokenizer processes too
         if child.poll() is None:
             child.terminate()
             try:
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
+        for p in tree:
+            try:
+                p.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)

@@ -11,7 +11,16 @@ Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/abort_request``,
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
 ``/destroy_weights_update_group`` (a gloo/NCCL group with the trainer's senders),
 ``/update_weight_version``, ``/get_weights_by_name``, ``/get_model_info``, ``/server_info``
-(alias ``/get_server_info``).
+(alias ``/get_server_info``), ``/release_memory_occupation`` + ``/resume_memory_occupation``
+(SGLang's contract: :mod:`megatron_rl.rollout.memory_occupation`); with ``--sglang-rules 0.5.21``
+(default) also ``/begin_weight_update``, ``/end_weight_update`` and ``/weights_checker``.
+
+Where the trainer depends on them it follows real SGLang's rules: ``--sglang-rules 0.5.21``
+refuses tensor/distributed updates outside a weight-update session (HTTP 400, SGLang's message;
+``0.5.20`` has no sessions: 404 on begin); ``/flush_cache`` is refused while requests run
+(``?timeout=S`` waits for idle first, 0.5.21); ``/get_weights_by_name`` answers 400 for Qwen2/Qwen3
+(SGLang's models lack it); ``/init_weights_update_group`` joins through SGLang's rendezvous
+(:mod:`megatron_rl.rollout.weight_sync.group`).
 """
 
 from __future__ import annotations
@@ -23,14 +32,19 @@ import os
 import threading
 import time
 import uuid
-from datetime import timedelta
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
+from megatron_rl.rollout.memory_occupation import MemoryOccupation
 from megatron_rl.rollout.sampling import sample_completion, teacher_forced_logprobs
+
+NEW_RULES, OLD_RULES = "0.5.21", "0.5.20"
+RULES = (NEW_RULES, OLD_RULES)  # SGLang >= 0.5.21 (weight-update sessions) | <= 0.5.20
+NO_WEIGHTS_BY_NAME = ("qwen2", "qwen3")  # SGLang's models without get_weights_by_name
+_SESSION_ERR = "{} must run between begin_weight_update() and end_weight_update()"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "torch.float32": torch.float32, "torch.float16": torch.float16,
@@ -93,8 +107,8 @@ def load_named(model: torch.nn.Module, items) -> int:
 def read_shm_bucket(meta: dict) -> list[tuple[str, torch.Tensor]]:
     """Tensors of one flattened CPU bucket in a shared-memory file (``from_tensor`` on CPU):
     ``meta = {"path", "nbytes", "tensors": [[name, dtype, shape, byte_offset], ...]}``."""
-    flat = torch.from_file(meta["path"], shared=False, size=int(meta["nbytes"]),
-                           dtype=torch.uint8)
+    flat = torch.from_file(meta["path"], shared=True, size=int(meta["nbytes"]),
+                           dtype=torch.uint8)  # mapped, not read: one copy, into the weights
     out = []
     for name, dt, shape, off in meta["tensors"]:
         dtype = dtype_of(dt)
@@ -106,12 +120,45 @@ def read_shm_bucket(meta: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def read_shm_into(model: torch.nn.Module, meta: dict) -> int:
+    """Load a shared-memory bucket (layout as :func:`read_shm_bucket`) straight into the
+    model's CPU parameters: one kernel copy per tensor (``readinto`` the parameter's bytes), no
+    mapping of the file (whose page faults cost as much as the copy). Returns the count."""
+    params = dict(model.named_parameters())
+    with open(meta["path"], "rb", buffering=0) as f, torch.no_grad():
+        for name, dt, shape, off in meta["tensors"]:
+            if name not in params:
+                raise KeyError(f"weight {name!r} is not a parameter of the served model")
+            p = params[name]
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
+            dtype = dtype_of(dt)
+            direct = p.dtype == dtype and p.device.type == "cpu" and p.is_contiguous()
+            dst = p.detach() if direct else torch.empty(shape, dtype=dtype)
+            buf = dst.reshape(-1).view(torch.uint8).numpy()
+            f.seek(int(off))
+            got = f.readinto(buf)
+            if got != buf.nbytes:
+                raise ValueError(f"weight {name!r}: {got} of {buf.nbytes} bytes in the bucket")
+            if not direct:
+                p.copy_(dst)
+    return len(meta["tensors"])
+
+
+class RefusedError(RuntimeError):
+    """A request real SGLang refuses (HTTP 400 with its message)."""
+
+
 class ServeState:
     """Model, weight version, pause state and in-flight requests of one server."""
 
     def __init__(self, model: torch.nn.Module, model_path: str, eos_id: int | None,
-                 port: int) -> None:
+                 port: int, rules: str = NEW_RULES) -> None:
         self.model, self.model_path, self.eos_id, self.port = model, model_path, eos_id, port
+        if rules not in RULES:
+            raise ValueError(f"serve rules {rules!r} is not one of {RULES}")
+        self.rules = rules  # which SGLang release's rules this server imitates
+        self.session = False  # a weight-update session is open (rules >= 0.5.21)
         self.lock = threading.Lock()  # held per forward and for a whole weight update
         self.weight_version = "default"
         self.running = threading.Event()
@@ -120,6 +167,7 @@ class ServeState:
         self.inflight_lock = threading.Lock()
         self.groups: dict[str, Any] = {}
         self.started = time.time()
+        self.memory = MemoryOccupation(model)  # released regions (colocation)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate_one(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
@@ -128,6 +176,7 @@ class ServeState:
         self.running.wait()
         abort = threading.Event()
         with self.inflight_lock:
+            self.memory.check_can_generate()  # refused while weights / KV cache are released
             self.inflight[rid] = abort
         try:
             stop = set(int(s) for s in (sp.get("stop_token_ids") or []))
@@ -198,7 +247,18 @@ class ServeState:
         if version is not None:
             self.weight_version = str(version)
 
+    def release_memory(self, req: dict) -> None:
+        """``/release_memory_occupation`` (idle servers only)."""
+        with self.lock, self.inflight_lock:
+            self.memory.release(req.get("tags"), len(self.inflight))
+
+    def resume_memory(self, req: dict) -> None:
+        """``/resume_memory_occupation``."""
+        with self.lock:
+            self.memory.resume(req.get("tags"))
+
     def update_from_disk(self, req: dict) -> dict:
+        self.memory.check_weights_held()
         tensors = load_safetensors_dir(req["model_path"])
         with self.lock:
             n = load_named(self.model, tensors.items())
@@ -206,7 +266,55 @@ class ServeState:
         return {"success": True, "message": f"loaded {n} tensors from {req['model_path']}",
                 "num_paused_requests": 0}
 
+    def _require_session(self, what: str) -> None:
+        """SGLang >= 0.5.21 refuses tensor/distributed updates outside a session (HTTP 400)."""
+        if self.rules == NEW_RULES and not self.session:
+            raise RefusedError(_SESSION_ERR.format(what))
+
+    def begin_session(self) -> dict:
+        """``/begin_weight_update`` (SGLang >= 0.5.21; older servers answer 404)."""
+        if self.session:
+            raise RefusedError("a weight-update session is already open; call "
+                               "end_weight_update() first")
+        self.session = True
+        return {"success": True, "message": "Success"}
+
+    def end_session(self) -> dict:
+        if not self.session:
+            raise RefusedError("no weight-update session is open; call begin_weight_update() "
+                               "first")
+        self.session = False
+        return {"success": True, "message": "Success"}
+
+    def flush(self, query: dict) -> str:
+        """``/flush_cache``: refused (400) while requests are running, as SGLang's scheduler
+        does; ``?timeout=S`` (SGLang >= 0.5.21) first waits up to S seconds for idle."""
+        timeout = float(query.get("timeout", 0.0)) if self.rules == NEW_RULES else 0.0
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.inflight:
+            raise RefusedError("Timed out waiting for idle state." if timeout else
+                               "Flush cache failed: requests are running.")
+        return "Cache flushed.\n"
+
+    def checksum(self, req: dict) -> dict:
+        """``/weights_checker {"action": "checksum"}`` (SGLang >= 0.5.21): sha256 over every
+        parameter's name and bytes."""
+        import hashlib
+
+        if req.get("action", "checksum") != "checksum":
+            raise RefusedError(f"Unsupported action={req.get('action')!r}")
+        h = hashlib.sha256()
+        with self.lock:
+            for name, p in sorted(self.model.named_parameters()):
+                h.update(name.encode())
+                h.update(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        return {"success": True, "message": "Success.", "per_engine_checksum": h.hexdigest()}
+
     def update_from_tensor(self, req: dict) -> dict:
+        self.memory.check_weights_held()
+        self._require_session("update_weights_from_tensor")
         fmt = req.get("load_format")
         if fmt != "megatron_rl_shm":
             raise ValueError(f"load_format={fmt!r}: this CPU server reads shared-memory buckets "
@@ -214,27 +322,33 @@ class ServeState:
         n = 0
         with self.lock:
             for blob in req["serialized_named_tensors"]:
-                n += load_named(self.model, read_shm_bucket(json.loads(blob)))
+                n += read_shm_into(self.model, json.loads(blob))
             self.set_version(req.get("weight_version"))
         return {"success": True, "message": f"loaded {n} tensors"}
 
     def init_group(self, req: dict) -> dict:
-        """``/init_weights_update_group``: join the trainer's group as rank ``rank_offset``."""
-        import torch.distributed as dist
+        """``/init_weights_update_group``: join the trainer's group as rank ``rank_offset``
+        through the same rendezvous as SGLang's ranks (``init_custom_process_group``)."""
+        from megatron_rl.rollout.weight_sync.group import join_weight_group
 
-        store = dist.TCPStore(req["master_address"], int(req["master_port"]),
-                              int(req["world_size"]), is_master=False,
-                              timeout=timedelta(seconds=120))
-        backend = req.get("backend", "gloo")
+        backend = req.get("backend", "nccl")
         rank, world = int(req["rank_offset"]), int(req["world_size"])
-        if backend == "nccl":
-            pg = dist.ProcessGroupNCCL(store, rank, world)
-        else:
-            pg = dist.ProcessGroupGloo(store, rank, world)
-        self.groups[req.get("group_name", "weight_update_group")] = pg
+        name = req.get("group_name", "weight_update_group")
+        if name in self.groups:
+            raise RefusedError(f"group {name!r} already exists")
+        self.groups[name] = join_weight_group(backend, req["master_address"],
+                                              int(req["master_port"]), world, rank, name)
         return {"success": True, "message": f"joined as rank {rank} of {world} ({backend})"}
 
+    def destroy_group(self, req: dict) -> dict:
+        from megatron_rl.rollout.weight_sync.group import leave_weight_group
+
+        leave_weight_group(self.groups.pop(req.get("group_name", "weight_update_group"), None))
+        return {"success": True, "message": ""}
+
     def update_from_distributed(self, req: dict) -> dict:
+        self.memory.check_weights_held()
+        self._require_session("update_weights_from_distributed")
         pg = self.groups[req.get("group_name", "weight_update_group")]
         device = next(self.model.parameters()).device
         recv = []
@@ -248,6 +362,10 @@ class ServeState:
         return {"success": True, "message": f"received {n} tensors"}
 
     def weights_by_name(self, req: dict) -> list:
+        self.memory.check_weights_held()
+        if getattr(self.model.config, "model_type", "") in NO_WEIGHTS_BY_NAME:
+            raise RefusedError(f"{type(self.model).__name__} has no get_weights_by_name "
+                               "(as SGLang's Qwen2/Qwen3 models)")
         params = dict(self.model.named_parameters())
         name = req["name"]
         if name not in params:
@@ -268,7 +386,8 @@ class ServeState:
         return {"model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
                 "version": "megatron_rl-serve", "weight_version": self.weight_version,
                 "internal_states": [{"paused": not self.running.is_set(),
-                                     "num_running_reqs": len(self.inflight)}],
+                                     "num_running_reqs": len(self.inflight),
+                                     "memory_released": sorted(self.memory.released)}],
                 "max_total_num_tokens": 1 << 20}
 
 
@@ -295,7 +414,7 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
             return json.loads(raw) if raw.strip() else {}
 
         def do_GET(self) -> None:  # noqa: N802
-            self._route(self.path.split("?")[0], {})
+            self._route(*self._path(), {})
 
         def do_POST(self) -> None:  # noqa: N802
             try:
@@ -303,9 +422,16 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as exc:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"bad JSON: {exc}"}})
                 return
-            self._route(self.path.split("?")[0], body)
+            self._route(*self._path(), body)
 
-        def _route(self, path: str, req: dict) -> None:
+        def _path(self) -> tuple[str, dict]:
+            """``(path, {query parameter: last value})``."""
+            from urllib.parse import parse_qs, urlsplit
+
+            parts = urlsplit(self.path)
+            return parts.path, {k: v[-1] for k, v in parse_qs(parts.query).items()}
+
+        def _route(self, path: str, query: dict, req: dict) -> None:
             s = state
             ok = {"success": True, "message": ""}
             routes = {
@@ -317,15 +443,13 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
                 "/abort_request": lambda: (s.abort(req) or "", True),
                 "/pause_generation": lambda: (s.pause(req) or ok, False),
                 "/continue_generation": lambda: (s.running.set() or ok, False),
-                "/flush_cache": lambda: ("Cache flushed.\n", True),
+                "/flush_cache": lambda: (s.flush(query), True),
                 "/update_weights_from_disk": lambda: (s.update_from_disk(req), False),
                 "/update_weights_from_tensor": lambda: (s.update_from_tensor(req), False),
                 "/init_weights_update_group": lambda: (s.init_group(req), False),
                 "/update_weights_from_distributed": lambda: (s.update_from_distributed(req),
                                                              False),
-                "/destroy_weights_update_group": lambda: (
-                    s.groups.pop(req.get("group_name", "weight_update_group"), None) and ok or ok,
-                    False),
+                "/destroy_weights_update_group": lambda: (s.destroy_group(req), False),
                 "/update_weight_version": lambda: (s.set_version(req.get("new_version")) or ok,
                                                    False),
                 "/get_weights_by_name": lambda: (s.weights_by_name(req), False),
@@ -333,12 +457,21 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
                 "/model_info": lambda: (s.model_info(), False),
                 "/server_info": lambda: (s.server_info(), False),
                 "/get_server_info": lambda: (s.server_info(), False),
+                "/release_memory_occupation": lambda: (s.release_memory(req), False),
+                "/resume_memory_occupation": lambda: (s.resume_memory(req), False),
             }
+            if s.rules == NEW_RULES:
+                routes.update({"/begin_weight_update": lambda: (s.begin_session(), False),
+                               "/end_weight_update": lambda: (s.end_session(), False),
+                               "/weights_checker": lambda: (s.checksum(req), False)})
             if path not in routes:
                 self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {path}"}})
                 return
             try:
                 body, text = routes[path]()
+            except RefusedError as exc:  # SGLang's own refusals: 400 with its message
+                self._send(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)})
+                return
             except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": repr(exc)},
                                                     "success": False, "message": repr(exc)})
@@ -366,13 +499,16 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--eos-id", type=int, default=None, help="stop token added to every request")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--sglang-rules", default=NEW_RULES, choices=RULES,
+                   help="imitate SGLang >= 0.5.21 (weight-update sessions, /weights_checker, "
+                   "/flush_cache?timeout) or <= 0.5.20")
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model, path = build_model(args.preset, args.model_path)
-    state = ServeState(model, path, args.eos_id, args.port)
+    state = ServeState(model, path, args.eos_id, args.port, args.sglang_rules)
     srv = make_server(state, args.host, args.port)
     print(f"[serve] {path} on http://{args.host}:{state.port}", flush=True)
     try:

@@ -215,6 +215,9 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
     engine.sync = make_strategy(s.weight_sync, fleet, s.sync_dir or
                                 os.path.join(cfg.trainer.output_dir, "weight_sync"))
     engine.sync.spots_per_send = s.spot_checks
+    engine.sync.flush_retries = s.flush_retries
+    if hasattr(engine.sync, "address_override"):
+        engine.sync.address_override = s.sender_address
     engine.probe_length, engine.probe_tolerance = s.probe_length, s.probe_tolerance
     return engine
 

@@ -16,12 +16,12 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets
     from megatron_rl.driver import broadcast_object
-    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
+    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
     plan = broadcast_object(fleet_plan(engine) if torch.distributed.get_rank() == 0 else None)
     if plan is not None:
-        return sync_fleet(actor, engine, plan, bucket_mb, version)
+        return sync_fleet_retrying(actor, engine, plan, bucket_mb, version)
     if ps.get_data_parallel_rank() != 0:
         return None
     buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
@@ -42,3 +42,40 @@ def as_engine_dtype(buckets, engine):
         return
     for bucket in buckets:
         yield [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in bucket]
+
+
+def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
+                        retries: int = 1) -> str | None:
+    """:func:`~megatron_rl.rollout.weight_sync.megatron_sync.sync_fleet`, run again on the
+    surviving servers when servers died during it (the coordinator's health check removed them
+    from the router; a log line says so). Every rank takes the same decision (broadcast from
+    rank 0), so all retry or all raise: no step is lost to a dead server."""
+    from megatron_rl.driver import broadcast_object
+    from megatron_rl.rollout.weight_sync.common import WeightSyncError
+    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
+
+    rank0 = torch.distributed.get_rank() == 0
+    for attempt in range(retries + 1):
+        err, out = None, None
+        try:
+            out = sync_fleet(actor, engine, plan, bucket_mb, version)
+        except WeightSyncError as exc:
+            err = exc
+        decision = None
+        if rank0:
+            try:
+                dead = engine.fleet.check_health() if err is not None else []
+            except Exception as exc:  # noqa: BLE001 - every server dead: raise on all ranks
+                dead, err = [], WeightSyncError(f"{err}; {exc}")
+            decision = "ok" if err is None else ("retry" if dead and attempt < retries
+                                                 else "raise")
+            if decision == "retry":
+                print(f"[weight_sync] v{version}: {dead} died during the sync ({err}); "
+                      f"removed from the router, retrying on {engine.fleet.urls}", flush=True)
+        decision = broadcast_object(decision)
+        if decision == "ok":
+            return out
+        if decision == "raise":
+            raise err or WeightSyncError(f"weight sync v{version} failed on another rank")
+        plan = broadcast_object(fleet_plan(engine) if rank0 else None)
+    raise AssertionError("unreachable")

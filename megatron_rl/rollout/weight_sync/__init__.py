@@ -8,16 +8,23 @@
   (``/init_weights_update_group``), then ``/update_weights_from_distributed`` per bucket with
   names/dtypes/shapes while the sender broadcasts the tensors (NCCL on GPU, gloo on CPU).
 
-Around a sync (:mod:`.common`): pause generation and flush the cache, send (every PP stage's
-sender in parallel), set the weight version, verify (``/get_weights_by_name`` spot checks and a
-probe sequence whose engine log-probs must match the actor's), continue generation.
+Around a sync (:mod:`.common`): pause generation and flush the cache (bounded retries), open
+SGLang's weight-update session (tensor, distributed), send (every PP stage's sender in parallel),
+close the session, set the weight version, continue generation, verify (a probe sequence whose
+engine log-probs must match the actor's; every server's ``/weights_checker`` checksum equal where
+servers have it; optional ``/get_weights_by_name`` spot checks).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from megatron_rl.rollout.weight_sync.common import SyncStrategy
+from megatron_rl.rollout.weight_sync.common import (
+    SyncStrategy,
+    WeightSyncError,
+    checksum_disagreement,
+    weights_checksums,
+)
 
 Bucket = list
 
@@ -41,22 +48,46 @@ def make_strategy(name: str, fleet, sync_dir: str, sender: int = 0) -> SyncStrat
     """Strategy ``name`` pushing to ``fleet``'s current servers."""
     s = getattr(fleet, "s", None)
     tp = s.tp_size if s is not None and s.launcher == "sglang" else 1
-    return strategy_class(name)(list(fleet.urls), sync_dir, sender,
-                                model_path=getattr(fleet, "model_path", None), server_tp=tp)
+    strat = strategy_class(name)(list(fleet.urls), sync_dir, sender,
+                                 model_path=getattr(fleet, "model_path", None), server_tp=tp)
+    strat.gpus = list(getattr(s, "gpus", None) or [])
+    return strat
 
 
-def push_single_process(engine, buckets: Iterable[Bucket], version: int) -> str:
-    """One-process sync (no Megatron groups): pause, send, commit, continue. Returns a summary."""
+def push_single_process(engine, buckets: Iterable[Bucket], version: int,
+                        retries: int = 1) -> str:
+    """One-process sync (no Megatron groups): pause, send, commit, continue. Returns a summary.
+
+    A sync that fails because servers died is retried on the survivors (after the health check
+    removed the dead ones from the router, with a log line) when ``buckets`` can be iterated
+    again (a list); otherwise, or when no server died, the error is raised."""
+    from megatron_rl.rollout.fleet import ServerError
+
     strat = engine.sync
-    strat.urls = list(engine.fleet.urls)
-    strat.begin(version)
-    try:
-        sent = strat.send(buckets, version)
-        strat.commit(version)
-        errors = strat.spot_check()
-    finally:
-        strat.resume()
+    reusable = isinstance(buckets, (list, tuple))
+    for attempt in range(retries + 1):
+        strat.urls = list(engine.fleet.urls)
+        try:
+            sent = _push_once(strat, buckets, version)
+            break
+        except (WeightSyncError, ServerError) as exc:
+            dead = engine.fleet.check_health()
+            if not dead or not reusable or attempt == retries:
+                raise
+            print(f"[weight_sync] v{version}: {dead} died during the sync ({exc}); removed "
+                  f"from the router, retrying on {engine.fleet.urls}", flush=True)
+    errors = strat.spot_check() + checksum_disagreement(weights_checksums(strat.urls))
     if errors:
         raise RuntimeError(f"weight sync v{version} failed its checks: {errors}")
     engine.weight_version = version
     return f"{strat.name} v{version}: {sent} bytes"
+
+
+def _push_once(strat: SyncStrategy, buckets, version: int) -> int:
+    try:
+        strat.begin(version)
+        sent = strat.send(buckets, version)
+        strat.commit(version)
+    finally:
+        strat.resume()
+    return sent

@@ -3,6 +3,7 @@ checks through ``/get_weights_by_name`` and the probe sequence."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -15,6 +16,13 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 class WeightSyncError(RuntimeError):
     """A server did not accept the weights, or its weights/log-probs differ from the actor's."""
+
+
+def post_each(urls: list[str], fn) -> None:
+    """``fn(url)`` for every server in parallel; the first error is raised."""
+    if urls:
+        with ThreadPoolExecutor(len(urls)) as pool:
+            list(pool.map(fn, urls))
 
 
 def post_all(urls: list[str], path: str, body: dict | None = None, timeout: float = 600.0
@@ -35,35 +43,125 @@ def post_all(urls: list[str], path: str, body: dict | None = None, timeout: floa
             raise WeightSyncError(str(exc)) from None
 
 
+def flush_cache(url: str, retries: int = 60, wait_s: float = 1.0, timeout_s: float = 30.0
+                ) -> None:
+    """``/flush_cache`` on one server, bounded. SGLang refuses a flush (HTTP 400) while its
+    scheduler still holds requests, and ``/pause_generation`` in abort mode can return before
+    the aborted requests are gone: ``?timeout=`` makes SGLang >= 0.5.21 wait for idle itself
+    (older servers ignore it), and a refused flush is retried ``retries`` times ``wait_s`` apart
+    (slime: 60 x 1 s)."""
+    last = None
+    for attempt in range(retries + 1):
+        try:
+            http_json("POST", f"{url}/flush_cache?timeout={timeout_s:g}",
+                      timeout=timeout_s + 30.0)
+            return
+        except ServerError as exc:
+            if "HTTP 400" not in str(exc):
+                raise WeightSyncError(str(exc)) from None
+            last = exc
+        if attempt < retries:
+            time.sleep(wait_s)
+    raise WeightSyncError(f"{url}/flush_cache refused {retries + 1} times (requests still "
+                          f"running): {last}")
+
+
+def flush_all(urls: list[str], retries: int = 60, wait_s: float = 1.0) -> None:
+    """:func:`flush_cache` on every server in parallel."""
+    if urls:
+        with ThreadPoolExecutor(len(urls)) as pool:
+            list(pool.map(lambda u: flush_cache(u, retries, wait_s), urls))
+
+
 class SyncStrategy:
     """Base class. ``begin``/``commit``/``resume`` run on the coordinator (one process);
     ``send`` on every sender (one per pipeline stage) in parallel; ``spot_check`` on each sender
-    after ``commit``."""
+    after ``commit``.
+
+    Strategies with ``needs_session`` (tensor, distributed) send inside SGLang's weight-update
+    session (``/begin_weight_update`` ... ``/end_weight_update``, required from SGLang 0.5.21;
+    a server that answers 404 to begin is older and is updated without one)."""
 
     name = "base"
+    needs_session = False
 
     def __init__(self, urls: list[str], sync_dir: str, sender: int = 0,
-                 model_path: str | None = None, spots_per_send: int = 2,
+                 model_path: str | None = None, spots_per_send: int = 0,
                  server_tp: int = 1) -> None:
         self.urls, self.sync_dir, self.sender = list(urls), sync_dir, sender
         self.server_tp = server_tp  # ranks per server (SGLang --tp-size) in a weight group
         self.model_path, self.spots_per_send = model_path, spots_per_send
         self.spots: list[tuple[str, list]] = []
+        self.flush_retries, self.flush_wait_s = 60, 1.0
+        self.sessions: set[str] = set()  # servers with an open weight-update session
+        self.no_session: set[str] = set()  # servers without sessions (SGLang <= 0.5.20)
 
     # ---- coordinator ---------------------------------------------------------------------------
     def begin(self, version: int) -> None:
-        """Pause generation (aborting leftovers) and flush the KV cache on every server."""
+        """Pause generation (aborting leftovers), flush the KV cache (bounded retries while the
+        aborted requests drain) and open the weight-update session on every server."""
         post_all(self.urls, "/pause_generation", {"mode": "abort"})
-        post_all(self.urls, "/flush_cache")
+        flush_all(self.urls, self.flush_retries, self.flush_wait_s)
+        if self.needs_session:
+            post_each(self.urls, self._begin_session)
+
+    def _begin_session(self, url: str) -> None:
+        """``/begin_weight_update`` on one server: 404 -> an older server (no sessions); a
+        session left open by a failed sync is closed and opened again."""
+        if url in self.no_session:
+            return
+        for _ in range(2):
+            try:
+                http_json("POST", url + "/begin_weight_update", {}, timeout=120.0)
+                self.sessions.add(url)
+                return
+            except ServerError as exc:
+                if "HTTP 404" in str(exc):
+                    self.no_session.add(url)
+                    return
+                if "already open" not in str(exc):
+                    raise WeightSyncError(str(exc)) from None
+                self._end_session(url)
+        raise WeightSyncError(f"{url}/begin_weight_update: a session stays open")
+
+    def _end_session(self, url: str) -> None:
+        """``/end_weight_update`` on one server (a no-op where no session was opened here)."""
+        self.sessions.discard(url)
+        try:
+            http_json("POST", url + "/end_weight_update", {}, timeout=120.0)
+        except ServerError as exc:
+            if "no weight-update session" not in str(exc) and "HTTP 404" not in str(exc):
+                raise WeightSyncError(str(exc)) from None
+
+    def end_sessions(self) -> None:
+        """Close every session opened by :meth:`begin` (best effort on dead servers)."""
+        for u in list(self.sessions):
+            try:
+                self._end_session(u)
+            except WeightSyncError:
+                pass
 
     def commit(self, version: int) -> None:
-        """Make the sent weights live (strategy specific) and set the weight version."""
+        """Make the sent weights live (strategy specific: close the session), set the weight
+        version, flush the cache."""
+        if self.needs_session:
+            post_each([u for u in self.urls if u in self.sessions], self._end_session)
         post_all(self.urls, "/update_weight_version", {"new_version": str(version),
                                                        "abort_all_requests": False})
-        post_all(self.urls, "/flush_cache")
+        flush_all(self.urls, self.flush_retries, self.flush_wait_s)
 
     def resume(self) -> None:
-        post_all(self.urls, "/continue_generation")
+        """Continue generation on every server that answers (closing a session a failed sync
+        left open); the servers that did not are named in the error raised at the end."""
+        self.end_sessions()
+        failed = []
+        for u in self.urls:
+            try:
+                post_all([u], "/continue_generation")
+            except WeightSyncError as exc:
+                failed.append(str(exc))
+        if failed:
+            raise WeightSyncError(f"continue_generation failed: {failed}")
 
     # ---- senders -------------------------------------------------------------------------------
     def send(self, buckets: Iterable[Bucket], version: int) -> int:
@@ -71,10 +169,17 @@ class SyncStrategy:
         self.spots = []
         self.start_send(version)
         total = 0
-        for bucket in buckets:
-            self._remember_spots(bucket)
-            total += sum(t.numel() * t.element_size() for _, t in bucket)
-            self.send_bucket(bucket, version)
+        try:
+            for bucket in buckets:
+                self._remember_spots(bucket)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+                self.send_bucket(bucket, version)
+        except BaseException:
+            try:
+                self.finish_send(version)  # release files / pending posts
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
         self.finish_send(version)
         return total
 
@@ -94,16 +199,56 @@ class SyncStrategy:
             self.spots.append((name, t.detach().float().cpu()[:2].tolist()))
 
     def spot_check(self, atol: float = 0.0) -> list[str]:
-        """``/get_weights_by_name`` of the remembered tensors on every server; mismatches."""
+        """``/get_weights_by_name`` of the remembered tensors on every server; mismatches.
+        (Off by default: SGLang's Qwen2/Qwen3 models have no ``get_weights_by_name`` and answer
+        400, and where it exists it converts a TP shard to a Python list.)"""
         errors = []
         for name, rows in self.spots:
             for u in self.urls:
-                got = http_json("POST", u + "/get_weights_by_name",
-                                {"name": name, "truncate_size": len(rows)})
+                try:
+                    got = http_json("POST", u + "/get_weights_by_name",
+                                    {"name": name, "truncate_size": len(rows)})
+                except ServerError as exc:
+                    raise WeightSyncError(
+                        f"{exc}; this server cannot read weights back (SGLang supports "
+                        "/get_weights_by_name only for some models, e.g. not Qwen2/Qwen3): set "
+                        "rollout.sglang.spot_checks=0 (the probe still verifies the sync)"
+                    ) from None
                 a, b = torch.tensor(got, dtype=torch.float32), torch.tensor(rows)
                 if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=0):
                     errors.append(f"{u}: {name} differs from the sent tensor")
         return errors
+
+
+def weights_checksums(urls: list[str]) -> dict[str, str | None]:
+    """``/weights_checker {"action": "checksum"}`` of every server: ``url -> per_engine_checksum``
+    (a hash of every weight of the engine, all TP ranks), None where the server has no such
+    endpoint (404) or cannot compute it (400, e.g. SGLang on CPU)."""
+    def one(u: str) -> str | None:
+        try:
+            reply = http_json("POST", u + "/weights_checker", {"action": "checksum"},
+                              timeout=300.0)
+        except ServerError as exc:
+            if "HTTP 404" in str(exc) or "HTTP 400" in str(exc):
+                return None
+            raise WeightSyncError(str(exc)) from None
+        return reply.get("per_engine_checksum") if isinstance(reply, dict) else None
+
+    if not urls:
+        return {}
+    with ThreadPoolExecutor(len(urls)) as pool:
+        return dict(zip(urls, pool.map(one, urls)))
+
+
+def checksum_disagreement(sums: dict[str, str | None]) -> list[str]:
+    """Servers whose checksum differs from the most common one (servers of one fleet share
+    model and TP size, so after a sync every engine must hold the same weights)."""
+    known = [v for v in sums.values() if v is not None]
+    if len(known) < 2:
+        return []
+    major = max(set(known), key=known.count)
+    return [f"{u}: weights checksum {v[:12]} differs from the fleet's {major[:12]}"
+            for u, v in sums.items() if v is not None and v != major]
 
 
 def probe_tokens(vocab_size: int, length: int, seed: int = 20260) -> list[int]:

@@ -39,8 +39,9 @@ class FromDisk(SyncStrategy):
         if self.model_path and os.path.isfile(os.path.join(self.model_path, "config.json")):
             shutil.copy(os.path.join(self.model_path, "config.json"), d)
         post_all(self.urls, "/update_weights_from_disk",
-                 {"model_path": d, "weight_version": str(version), "flush_cache": True,
-                  "abort_all_requests": False})
+                 {"model_path": d, "weight_version": str(version), "flush_cache": False,
+                  "abort_all_requests": False,  # flushed by super().commit, with retries
+                  "load_format": "safetensors"})  # what we wrote (the server may start dummy)
         super().commit(version)
         for name in os.listdir(self.sync_dir):
             if name.startswith("v") and name != f"v{version}":

@@ -1,60 +1,98 @@
 """``from_distributed``: a process group between each sender and every server.
 
-Once per sender: a ``TCPStore`` on a free port of the sender, ``/init_weights_update_group`` to
-every server (server ``i`` joins as rank ``1 + i*tp``; the sender is rank 0) while the sender
-joins as rank 0 (gloo for CPU tensors, NCCL for CUDA ones). Per bucket:
+Once per sender: ``/init_weights_update_group`` to every server (server ``i``'s TP ranks join as
+``1 + i*tp ...``) while the sender joins as rank 0, hosting the ``tcp://`` rendezvous on a free
+port of the interface the servers reach it at (:func:`sender_address`), through the same steps as
+SGLang's ``init_custom_process_group`` (:mod:`.group`; gloo for CPU tensors, NCCL for CUDA ones).
+Per bucket (inside SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` session):
 ``/update_weights_from_distributed {names, dtypes, shapes, group_name}`` to every server, in
 threads, while the sender broadcasts each tensor from rank 0. One group per pipeline stage
-(``group_name = megatron_rl_stage{k}``), so stages send in parallel.
+(``group_name = megatron_rl_stage{k}_g{n}``, new for each group), so stages send in parallel.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from datetime import timedelta
 from urllib.parse import urlparse
 
-import torch.distributed as dist
-
 from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, WeightSyncError, post_all
+from megatron_rl.rollout.weight_sync.group import join_weight_group, leave_weight_group
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` (the probe binds that interface only, never all of them)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def sender_address(urls: list[str]) -> str:
-    """The address servers reach this process at (loopback when every server is local)."""
-    hosts = {urlparse(u).hostname for u in urls}
-    if hosts <= {"127.0.0.1", "localhost"}:
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def routed_address(host: str) -> str | None:
+    """This machine's IPv4 address on the interface the kernel routes to ``host`` (a UDP
+    ``connect``, which sends nothing); None when there is no route."""
+    try:
+        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(target)
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def sender_address(urls: list[str], override: str | None = None) -> str:
+    """The address the servers reach this sender at: ``override``
+    (``rollout.sglang.sender_address``); loopback when every server is local; else the interface
+    routed to the servers, else the one routed to ``MASTER_ADDR``. Never the hostname's entry in
+    ``/etc/hosts`` (127.0.1.1 on Debian/Ubuntu, unreachable from other nodes)."""
+    if override:
+        return override
+    hosts = sorted({urlparse(u).hostname or "" for u in urls} - set(_LOOPBACK))
+    if not hosts:
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    for h in hosts + [os.environ.get("MASTER_ADDR", "")]:
+        addr = routed_address(h) if h and h not in _LOOPBACK else None
+        if addr and not addr.startswith("127."):
+            return addr
+    raise WeightSyncError(f"no network interface of this machine routes to the servers {hosts} "
+                          "or MASTER_ADDR; set rollout.sglang.sender_address")
 
 
 class FromDistributed(SyncStrategy):
     name = "from_distributed"
+    needs_session = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pg = None
         self.group_urls: list[str] = []
         self.backend = "gloo"
+        self._generation = 0
+        self.address_override: str | None = None  # rollout.sglang.sender_address
+        self.group_timeout_s = 300.0
 
     @property
     def group_name(self) -> str:
-        return f"megatron_rl_stage{self.sender}"
+        """Name of the current group: new for every group this sender makes (a server that
+        missed the last ``/destroy_weights_update_group`` still holds the previous name)."""
+        return f"megatron_rl_stage{self.sender}_g{self._generation}"
 
     def _init_group(self, backend: str) -> None:
+        """(Re)make the group when the servers or the backend changed: POST
+        ``/init_weights_update_group`` to every server (server ``i``'s TP ranks are
+        ``1 + i*tp ...``) while this sender joins as rank 0 through the same rendezvous as
+        SGLang's ranks (:func:`~megatron_rl.rollout.weight_sync.group.join_weight_group`)."""
         if self.pg is not None and self.group_urls == self.urls and self.backend == backend:
             return
         self.close()
+        self._generation += 1
         world = 1 + len(self.urls) * self.server_tp
-        port, addr = free_port(), sender_address(self.urls)
-        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timedelta(seconds=120),
-                              wait_for_workers=False)
+        addr = sender_address(self.urls, self.address_override)
+        port = free_port(addr)
         errs: list[Exception] = []
 
         def join(i: int, u: str) -> None:
@@ -70,13 +108,20 @@ class FromDistributed(SyncStrategy):
                    for i, u in enumerate(self.urls)]
         for th in threads:
             th.start()
-        pg_cls = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
-        self.pg = pg_cls(store, 0, world)
+        try:
+            pg = join_weight_group(backend, addr, port, world, 0, self.group_name,
+                                   timedelta(seconds=self.group_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a server that never joined
+            for th in threads:
+                th.join(timeout=5.0)
+            raise WeightSyncError(f"weight update group {self.group_name} at {addr}:{port}: "
+                                  f"{exc!r}; servers: {errs}") from None
         for th in threads:
             th.join()
         if errs:
+            leave_weight_group(pg)
             raise WeightSyncError(f"init_weights_update_group failed: {errs[0]}")
-        self.store, self.group_urls, self.backend = store, list(self.urls), backend
+        self.pg, self.group_urls, self.backend = pg, list(self.urls), backend
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
         self._init_group("nccl" if bucket and bucket[0][1].is_cuda else "gloo")
@@ -101,11 +146,14 @@ class FromDistributed(SyncStrategy):
             raise WeightSyncError(f"update_weights_from_distributed failed: {errs[0]}")
 
     def close(self) -> None:
+        """Destroy the group on the servers (best effort: some may be dead) and here."""
         if self.pg is not None:
-            try:
-                post_all(self.group_urls, "/destroy_weights_update_group",
-                         {"group_name": self.group_name})
-            except WeightSyncError:
-                pass
+            for u in self.group_urls:
+                try:
+                    post_all([u], "/destroy_weights_update_group",
+                             {"group_name": self.group_name}, timeout=30.0)
+                except WeightSyncError:
+                    pass
+            leave_weight_group(self.pg)
         self.pg = None
 

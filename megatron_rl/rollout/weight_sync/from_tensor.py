@@ -3,9 +3,12 @@
 Each bucket is flattened once (one contiguous byte buffer + ``[name, dtype, shape, offset]``).
 On GPU the buffer's CUDA IPC handle goes through SGLang's own serializer
 (``MultiprocessingSerializer`` of a ``FlattenedTensorBucket``, ``load_format="flattened_bucket"``;
-needs the ``sglang`` package in the trainer's environment). On CPU (our ``serve``) the buffer is a
-``/dev/shm`` file and the request carries its path and layout (``load_format="megatron_rl_shm"``);
-the file is removed once every server has copied it.
+needs the ``sglang`` package in the trainer's environment), with SGLang's
+``monkey_patch_torch_reductions`` applied, one payload per TP rank of each server, and the
+buffers kept alive until the sync has been verified. On CPU (our ``serve``) the buffer is one of two
+``/dev/shm`` files reused for every bucket of a sync (packing the next bucket while the servers
+copy the previous one) and the request carries its path and layout
+(``load_format="megatron_rl_shm"``); the servers map it and copy straight into their weights.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import uuid
 
 import torch
 
-from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, post_all
+from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, post_all, post_each
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -30,50 +33,159 @@ def bucket_layout(bucket: Bucket) -> tuple[int, list[list]]:
     return off, meta
 
 
-def write_shm(bucket: Bucket, directory: str | None = None) -> tuple[str, int, list[list]]:
-    """Copy a CPU bucket straight into a new shared-memory file (one copy per tensor);
-    returns ``(path, nbytes, layout)``."""
+def shm_path(directory: str | None = None) -> str:
+    """A new file name in ``/dev/shm`` (else the temp dir)."""
     import tempfile
 
-    nbytes, meta = bucket_layout(bucket)
-    path = os.path.join(directory or SHM_DIR or tempfile.gettempdir(),
+    return os.path.join(directory or SHM_DIR or tempfile.gettempdir(),
                         f"megatron_rl_wsync_{uuid.uuid4().hex}.bin")
-    mm = torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
+
+
+def pack_into(mm: torch.Tensor, bucket: Bucket, meta: list[list]) -> None:
+    """Copy every tensor of ``bucket`` into the byte buffer ``mm`` at its layout offset."""
     for (_, t), (_, _, _, off) in zip(bucket, meta):
         b = t.detach().contiguous().reshape(-1).view(torch.uint8)
         mm[off:off + b.numel()].copy_(b)
+
+
+def write_shm(bucket: Bucket, directory: str | None = None) -> tuple[str, int, list[list]]:
+    """Copy a CPU bucket straight into a new shared-memory file (one copy per tensor);
+    returns ``(path, nbytes, layout)``."""
+    nbytes, meta = bucket_layout(bucket)
+    path = shm_path(directory)
+    pack_into(torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8),
+              bucket, meta)
     return path, nbytes, meta
+
+
+class ShmSlot:
+    """A reusable shared-memory file mapped here (grown when a bucket is bigger): pages are
+    allocated once per sync, not once per bucket."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.mm: torch.Tensor | None = None
+        self.capacity = 0
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.capacity:
+            self.free()
+            self.path, self.capacity = shm_path(), max(1, nbytes)
+            self.mm = torch.from_file(self.path, shared=True, size=self.capacity,
+                                      dtype=torch.uint8)
+        return self.mm
+
+    def free(self) -> None:
+        if self.path is not None and os.path.exists(self.path):
+            os.remove(self.path)
+        self.path, self.mm, self.capacity = None, None, 0
 
 
 class FromTensor(SyncStrategy):
     name = "from_tensor"
+    needs_session = True
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
+        """CPU: pack into one of two reused shared-memory slots while the previous bucket's
+        POST (the servers copying it) is still running; CUDA: IPC handles."""
         if bucket and bucket[0][1].is_cuda:
             self._send_cuda(bucket)
             return
-        path, nbytes, meta = write_shm(bucket)
+        if not hasattr(self, "_slots"):
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._slots, self._n, self._pending = [ShmSlot(), ShmSlot()], 0, None
+            self._pool = ThreadPoolExecutor(1)
+        nbytes, meta = bucket_layout(bucket)
+        slot = self._slots[self._n % 2]  # its last POST (bucket n-2) finished before n-1's began
+        pack_into(slot.ensure(nbytes), bucket, meta)
+        self._wait_pending()
+        blob = json.dumps({"path": slot.path, "nbytes": nbytes, "tensors": meta})
+        self._pending = self._pool.submit(
+            post_all, self.urls, "/update_weights_from_tensor",
+            {"serialized_named_tensors": [blob], "load_format": "megatron_rl_shm",
+             "flush_cache": False})
+        self._n += 1
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending.result()
+
+    def finish_send(self, version: int) -> None:
+        """Wait for the last bucket's POST; remove the shared-memory files."""
         try:
-            blob = json.dumps({"path": path, "nbytes": nbytes, "tensors": meta})
-            post_all(self.urls, "/update_weights_from_tensor",
-                     {"serialized_named_tensors": [blob], "load_format": "megatron_rl_shm",
-                      "flush_cache": False})
+            self._wait_pending()
         finally:
-            os.remove(path)
+            for slot in getattr(self, "_slots", []):
+                slot.free()
+
+    def start_send(self, version: int) -> None:
+        self.release_buffers()  # the previous sync's buffers: verified (probed) since
+
+    def release_buffers(self) -> None:
+        """Drop the CUDA buffers handed to the servers. SGLang answers a tensor update before
+        its copy kernels have run, so every buffer of a sync stays alive until the servers have
+        generated since (the verification probe) or until the next sync starts."""
+        self._keep = []
+
+    def rank_devices(self, server: int, default: torch.device) -> list[torch.device]:
+        """The device of each TP rank of server ``server`` as this process numbers them:
+        ``gpus[server*tp + r]`` when the fleet placed servers on GPUs this process sees (the
+        buffer is copied there, so each rank reads from its own GPU), else ``default`` (the
+        receiver finds the sender's GPU by UUID)."""
+        tp, gpus = self.server_tp, list(getattr(self, "gpus", None) or [])
+        out = []
+        for r in range(tp):
+            k = server * tp + r
+            if k < len(gpus) and int(gpus[k]) < torch.cuda.device_count():
+                out.append(torch.device("cuda", int(gpus[k])))
+            else:
+                out.append(default)
+        return out
 
     def _send_cuda(self, bucket: Bucket) -> None:
-        try:
-            from sglang.srt.utils import MultiprocessingSerializer
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-        except ImportError as exc:
-            raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
-                               "trainer's environment (CUDA IPC handles are made by its "
-                               "serializer); use from_disk or from_distributed") from exc
-        fb = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in bucket])
-        data = MultiprocessingSerializer.serialize(
-            {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()},
-            output_str=True)
-        post_all(self.urls, "/update_weights_from_tensor",
-                 {"serialized_named_tensors": [data] * self.server_tp,  # one per server TP rank
-                  "load_format": "flattened_bucket",
-                  "flush_cache": False})
+        """CUDA IPC through SGLang's own serializer: ``monkey_patch_torch_reductions`` (handles
+        carry the device UUID; SGLang's receivers map it to their own device index), one payload
+        per TP rank of every server (``serialized_named_tensors[tp_rank]``: each rank
+        deserializes only its own, for CUDA-IPC refcounting), buffers kept alive after the POST
+        (:meth:`release_buffers`)."""
+        if not hasattr(self, "_keep"):
+            self._keep = []
+        bodies = tensor_update_bodies(bucket, [self.rank_devices(i, bucket[0][1].device)
+                                               for i in range(len(self.urls))], self._keep)
+        post_each(list(zip(self.urls, bodies)),
+                  lambda ub: post_all([ub[0]], "/update_weights_from_tensor", ub[1]))
+
+
+def tensor_update_bodies(bucket: Bucket, devices_per_server: list[list[torch.device]],
+                         keep: list) -> list[dict]:
+    """``/update_weights_from_tensor`` bodies, one per server: the bucket flattened once
+    (SGLang's ``FlattenedTensorBucket``), copied to each TP rank's device where that differs,
+    serialized once per rank by SGLang's ``MultiprocessingSerializer`` (base64) with
+    ``monkey_patch_torch_reductions`` applied. Every buffer is appended to ``keep``."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError as exc:
+        raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
+                           "trainer's environment (CUDA IPC handles are made by its "
+                           "serializer); use from_disk or from_distributed") from exc
+    if bucket[0][1].is_cuda:  # handles carry device UUIDs (the patch is for CUDA tensors)
+        monkey_patch_torch_reductions()
+    fb = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in bucket])
+    flat, meta = fb.get_flattened_tensor(), fb.get_metadata()
+    bodies = []
+    for devices in devices_per_server:
+        payloads = []
+        for dev in devices:
+            t = flat if dev == flat.device else flat.to(dev)
+            if t.is_cuda:
+                torch.cuda.current_stream(t.device).synchronize()  # written before read
+            keep.append(t)
+            payloads.append(MultiprocessingSerializer.serialize(
+                {"flattened_tensor": t, "metadata": meta}, output_str=True))
+        bodies.append({"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                       "flush_cache": False})
+    return bodies

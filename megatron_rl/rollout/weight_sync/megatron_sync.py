@@ -9,7 +9,9 @@ together instead of hanging:
    gathered once per TP group); TP rank 0 of each stage sends them, stages in parallel;
 3. coordinator: ``commit`` (load / set version / flush), then ``resume`` (continue generation:
    a paused server answers no probe; the synchronous trainer sends no rollout meanwhile);
-4. every sender spot-checks its tensors with ``/get_weights_by_name``; the probe sequence's
+4. the coordinator compares every server's ``/weights_checker`` checksum (where servers have
+   it); every sender spot-checks its tensors with ``/get_weights_by_name`` (when
+   ``spot_checks`` > 0); the probe sequence's
    actor log-probs (last stage) are compared with every server's within ``probe_tolerance``;
    any failure raises on every rank; the engine's weight version is set.
 """
@@ -25,8 +27,10 @@ from megatron_rl.rollout.weight_sync import strategy_class
 from megatron_rl.rollout.weight_sync.common import (
     SyncStrategy,
     WeightSyncError,
+    checksum_disagreement,
     probe_check,
     probe_tokens,
+    weights_checksums,
 )
 
 _SENDERS: dict[tuple, SyncStrategy] = {}
@@ -40,6 +44,8 @@ def fleet_plan(engine) -> dict | None:
     s = engine.sync
     return {"strategy": s.name, "urls": list(engine.fleet.urls), "sync_dir": s.sync_dir,
             "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
+            "sender_address": getattr(s, "address_override", None),
+            "gpus": list(getattr(s, "gpus", None) or []),
             "probe_length": engine.probe_length, "probe_tolerance": engine.probe_tolerance}
 
 
@@ -61,6 +67,9 @@ def _sender(plan: dict, stage: int, coordinator: SyncStrategy | None) -> SyncStr
                 spots_per_send=plan["spots"], server_tp=plan["server_tp"])
         s = _SENDERS[key]
     s.urls, s.sender, s.spots_per_send = list(plan["urls"]), stage, plan["spots"]
+    s.gpus = plan.get("gpus", [])
+    if hasattr(s, "address_override"):
+        s.address_override = plan.get("sender_address")
     return s
 
 
@@ -82,11 +91,11 @@ def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, 
             total += sum(t.numel() * t.element_size() for _, t in bucket)
         except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
             err = f"stage {sender.sender}: {exc!r}"
-    if sender is not None and err is None:
+    if sender is not None:  # also after an error: releases files and pending posts
         try:
             sender.finish_send(version)
         except Exception as exc:  # noqa: BLE001
-            err = f"stage {sender.sender}: {exc!r}"
+            err = err or f"stage {sender.sender}: {exc!r}"
     return total, err
 
 
@@ -147,6 +156,11 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
             coord.resume()
         except Exception as exc:  # noqa: BLE001
             errs.append(f"resume: {exc!r}")
+        if not errs:
+            try:
+                errs += checksum_disagreement(weights_checksums(coord.urls))
+            except Exception as exc:  # noqa: BLE001
+                errs.append(f"weights_checker: {exc!r}")
     errs = errs + _agree(errs[0] if errs and coord is not None else None, mp)
     dt = time.perf_counter() - t0
     diffs: list = [0.0] * dist.get_world_size(mp)
@@ -160,6 +174,8 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
         except Exception as exc:  # noqa: BLE001
             worst, perr = float("inf"), f"probe on stage {stage}: {exc!r}"
         errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
+        if sender is not None and hasattr(sender, "release_buffers"):
+            sender.release_buffers()  # every server has generated since: copies are done
         dist.all_gather_object(diffs, worst, group=mp)
     byte_list: list = [None] * dist.get_world_size(mp)
     dist.all_gather_object(byte_list, sent, group=mp)

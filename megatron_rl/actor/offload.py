@@ -1,0 +1,208 @@
+"""Actor offload/onload for colocation: parameters, gradients and optimizer state leave the
+device between update and rollout, and come back bit for bit.
+
+It works on tensor *storages*, not on tensors: every storage the actor reaches on its device is
+copied byte for byte into a host buffer (pinned when CUDA is available; allocated once and reused
+every step) and then resized to 0 bytes, which frees its device memory while every tensor that
+views it -- megatron DDP's ``param_data``/``grad_data`` buffers, the parameters and ``main_grad``
+views into them, bucket views, the optimizer's fp32 main parameters and Adam moments -- stays the
+same Python object. Onload resizes each storage back and copies the bytes in. Nothing is rebuilt,
+so megatron's bucket views and the optimizer's parameter references stay valid, and a tensor
+touched while offloaded fails loudly (its storage has 0 bytes) instead of reading stale memory.
+
+Three groups, offloaded together or separately (the colocated loop keeps the parameters on the
+device for the weight sync while gradients and optimizer state are already gone):
+
+- ``grads``: DDP ``grad_data`` buffers, every parameter's ``main_grad`` and ``.grad``;
+- ``params``: everything else reachable from the DDP-wrapped model (and a resident reference
+  model): parameters, DDP ``param_data`` buffers, module buffers and tensor attributes;
+- ``optimizer``: everything else reachable from the optimizer: Adam moments, step counters, fp32
+  main parameters and their gradients, loss-scaler tensors.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import torch
+
+GROUPS = ("params", "grads", "optimizer")
+_SKIP = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device,
+         types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+         type)
+
+
+def reachable_tensors(*roots: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through attributes, containers, module
+    parameters/buffers/submodules and tensor ``__dict__`` entries (e.g. ``main_grad``). Each
+    object is visited once; functions, methods, modules and classes are not entered."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _SKIP) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for name in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, name):
+                    stack.append(getattr(obj, name))
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage (stable while it lives, also across resizes)."""
+    return t.untyped_storage()._cdata
+
+
+def device_storages(tensors: Iterable[torch.Tensor], device: torch.device,
+                    exclude: set[int] | None = None) -> dict[int, torch.UntypedStorage]:
+    """The distinct non-empty storages on ``device``'s type of ``tensors``, keyed by
+    :func:`storage_key`, minus the keys in ``exclude``."""
+    out: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        if t.device.type != device.type or t.is_meta:
+            continue
+        st = t.untyped_storage()
+        k = st._cdata
+        if st.nbytes() == 0 or k in out or exclude and k in exclude:
+            continue
+        out[k] = st
+    return out
+
+
+def actor_groups(ddp: torch.nn.Module, optimizer, device: torch.device,
+                 extra_models: Iterable[torch.nn.Module] = ()
+                 ) -> dict[str, dict[int, torch.UntypedStorage]]:
+    """The ``grads``/``params``/``optimizer`` storages (module docstring) on ``device``; a
+    storage belongs to the first group that claims it in that order."""
+    params = [p for m in (ddp, *extra_models) for p in m.parameters()]
+    grad_tensors = [b.grad_data for b in _ddp_buffers(ddp) if b.grad_data is not None]
+    grad_tensors += [g for p in params for g in (getattr(p, "main_grad", None), p.grad)
+                     if isinstance(g, torch.Tensor)]
+    grads = device_storages(grad_tensors, device)
+    taken = set(grads)
+    model = device_storages(reachable_tensors(ddp, *extra_models), device, taken)
+    taken |= set(model)
+    opt = device_storages(reachable_tensors(optimizer), device, taken)
+    return {"params": model, "grads": grads, "optimizer": opt}
+
+
+def _ddp_buffers(ddp) -> list:
+    return list(getattr(ddp, "buffers", []) or []) + \
+        list(getattr(ddp, "expert_parallel_buffers", []) or [])
+
+
+def _as_bytes(st: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``st`` (its current size)."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+
+
+@dataclass
+class _Slot:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor  # uint8 [nbytes] on the host (pinned with CUDA)
+
+
+@dataclass
+class StorageOffloader:
+    """Offloads/onloads named groups of storages; host buffers are reused across steps while a
+    group's storage sizes stay the same."""
+
+    pin: bool = field(default_factory=torch.cuda.is_available)
+    slots: dict[str, list[_Slot]] = field(default_factory=dict)
+    _pool: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def offloaded(self, group: str) -> bool:
+        return group in self.slots
+
+    def offload(self, group: str, storages: dict[int, torch.UntypedStorage]) -> int:
+        """Copy every storage of ``group`` to the host and free it on the device. Returns the
+        bytes moved. The host copies are complete when this returns."""
+        if group in self.slots:
+            raise RuntimeError(f"offload group {group!r} is already offloaded")
+        pool = self._pool.get(group, [])
+        sts = list(storages.values())
+        sizes = [st.nbytes() for st in sts]
+        if [h.numel() for h in pool] != sizes:
+            pool = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+                    for n in sizes]
+            self._pool[group] = pool
+        slots = [_Slot(st, n, h) for st, n, h in zip(sts, sizes, pool)]
+        for s in slots:
+            s.host.copy_(_as_bytes(s.storage), non_blocking=self.pin)
+        _synchronize(sts)
+        for s in slots:
+            s.storage.resize_(0)
+        self.slots[group] = slots
+        return sum(sizes)
+
+    def onload(self, group: str) -> int:
+        """Re-allocate every storage of ``group`` on its device and copy its bytes back."""
+        slots = self.slots.pop(group, None)
+        if slots is None:
+            return 0
+        for s in slots:
+            if s.storage.nbytes() != 0:
+                raise RuntimeError(f"offload group {group!r}: a storage was re-allocated while "
+                                   "offloaded (something used the actor between offload and "
+                                   "onload)")
+            s.storage.resize_(s.nbytes)
+            _as_bytes(s.storage).copy_(s.host, non_blocking=self.pin)
+        _synchronize([s.storage for s in slots])
+        return sum(s.nbytes for s in slots)
+
+
+def _synchronize(storages: list[torch.UntypedStorage]) -> None:
+    if any(st.device.type == "cuda" for st in storages):
+        torch.cuda.synchronize()
+
+
+class ActorOffload:
+    """Offload/onload of one rank's :class:`~megatron_rl.actor.actor.Actor` (its DDP model,
+    optimizer and a device-resident reference model). Held outside the actor."""
+
+    def __init__(self, actor, device: torch.device | str | None = None) -> None:
+        from megatron_rl.parallel.runtime import device as run_device
+
+        self.actor = actor
+        self.device = torch.device(device if device is not None else run_device())
+        self.store = StorageOffloader()
+        self.moved: dict[str, int] = {}
+
+    def _groups(self) -> dict[str, dict[int, torch.UntypedStorage]]:
+        a = self.actor
+        ref = [a.ref_model] if a.ref_model is not None and not a.offload_ref else []
+        return actor_groups(a.ddp, a.optimizer, self.device, ref)
+
+    def offload(self, groups: Iterable[str] = GROUPS) -> dict[str, int]:
+        """Offload ``groups`` (those not offloaded yet); bytes per group. Frees the CUDA cache
+        so that colocated servers can take the memory."""
+        todo = [g for g in groups if not self.store.offloaded(g)]
+        if not todo:
+            return {}
+        found = self._groups()
+        moved = {g: self.store.offload(g, found[g]) for g in todo}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.moved.update(moved)
+        return moved
+
+    def onload(self, groups: Iterable[str] = GROUPS) -> dict[str, int]:
+        """Bring ``groups`` back (those offloaded); bytes per group."""
+        return {g: self.store.onload(g) for g in groups if self.store.offloaded(g)}
+
+    @property
+    def offloaded_groups(self) -> list[str]:
+        return [g for g in GROUPS if self.store.offloaded(g)]

@@ -1,0 +1,57 @@
+"""The weight-update process group, joined exactly as SGLang's receivers join it.
+
+Every SGLang TP rank handles ``/init_weights_update_group`` with
+``init_custom_process_group(backend, init_method="tcp://ADDR:PORT", world_size, rank,
+group_name)`` (``sglang/srt/utils/common.py``): a ``tcp://`` rendezvous (rank 0 hosts the
+``TCPStore``), the store wrapped in ``PrefixStore(group_name)``, then torch's
+``_new_process_group_helper`` (which adds its own ``"{group_name}/"`` and ``"{device}/"``
+prefixes) outside the default group. A sender that builds a bare ``TCPStore`` +
+``ProcessGroupGloo/NCCL`` uses other store keys and never meets them. :func:`join_weight_group`
+goes through the same steps (our own code, for processes without the ``sglang`` package), so the
+trainer's sender (rank 0) and every SGLang rank (``rank_offset + tp_rank``) meet, on NCCL (GPU)
+or gloo (CPU).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def join_weight_group(backend: str, master_address: str, master_port: int, world_size: int,
+                      rank: int, group_name: str, timeout: timedelta = DEFAULT_TIMEOUT):
+    """Join (rank 0: host) the group ``group_name``; returns the ``ProcessGroup``.
+
+    Blocks until all ``world_size`` ranks have joined. ``group_name`` must be new in this
+    process (destroy the previous group with :func:`leave_weight_group` first).
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
+                                              world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None,
+                                      timeout=timeout, device_id=None)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def leave_weight_group(pg) -> None:
+    """Destroy a group made by :func:`join_weight_group` (its name can then be reused)."""
+    if pg is None:
+        return
+    try:
+        dist.destroy_process_group(pg)
+    except (ValueError, RuntimeError, KeyError, AssertionError):
+        pass

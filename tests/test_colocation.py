@@ -1,0 +1,451 @@
+"""Colocation (``rollout.sglang.colocate``): actor offload/onload, server release/resume, the
+colocated loop, config rules.
+
+The actor tests run a real megatron-core actor at TP2 over gloo (2 processes), with the standard
+optimizer in fp32 and the distributed optimizer in bf16:
+
+- offload then onload restores every byte of every tensor the actor reaches (parameters, DDP
+  param/grad buffers and ``main_grad`` views, fp32 main parameters, Adam moments and steps);
+- while offloaded, the device-accounting spy (a CPU stand-in for ``torch.cuda.memory_allocated``,
+  :mod:`megatron_rl.testing.device_accounting`) finds 0 bytes of the actor on the device, and a
+  forward pass fails loudly instead of reading freed memory;
+- a training step after the round trip equals the same step of an actor never offloaded, bit for
+  bit (weights and metrics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_rl.parallel.launch import spawn
+
+CASES = (("fp32", False), ("bf16", True))  # (precision, use_distributed_optimizer)
+
+
+def _actor(precision: str, dist_opt: bool):
+    from test_actor_layout import loss_config
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.models.config import get_preset
+
+    return Actor(get_preset("tiny"), ActorConfig(micro_batch_size=2, precision=precision),
+                 OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0,
+                             use_distributed_optimizer=dist_opt),
+                 loss_config(), total_steps=3, seed=7)
+
+
+def _step(actor, batch: dict, step: int) -> list:
+    b = dict(batch)
+    actor.add_old_logprobs(b)
+    return actor.update(b, step)
+
+
+def _bytes_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A host copy of each tensor's whole storage, as bytes."""
+    from megatron_rl.actor.offload import _as_bytes
+
+    return [_as_bytes(t.untyped_storage()).clone() for t in tensors]
+
+
+def _roundtrip(precision: str, dist_opt: bool) -> dict:
+    from test_actor_layout import make_global_batch
+
+    from megatron_rl.actor.offload import ActorOffload
+    from megatron_rl.models.weights import gather_full_state_dict
+    from megatron_rl.testing.device_accounting import device_bytes, device_tensors
+
+    batch = make_global_batch()
+    batch.pop("old_noise")
+    out: dict = {}
+    # -- offloaded between step 0 and step 1, in the colocated loop's order -------------------
+    actor = _actor(precision, dist_opt)
+    hist = _step(actor, batch, 0)
+    tensors = device_tensors(actor, "cpu")
+    before = _bytes_of(tensors)
+    out["bytes_before"] = device_bytes(actor, "cpu")
+    off = ActorOffload(actor, "cpu")
+    moved = off.offload(["grads", "optimizer"])  # after the update
+    out["bytes_params_only"] = device_bytes(actor, "cpu")
+    moved.update(off.offload(["params"]))  # after the weight sync
+    out["moved"] = moved
+    out["bytes_offloaded"] = device_bytes(actor, "cpu")  # during rollout
+    try:
+        actor.logprobs(dict(batch), compute_entropy=False)
+        out["forward_while_offloaded"] = "ran"
+    except RuntimeError as exc:
+        out["forward_while_offloaded"] = str(exc)[:200]
+    off.onload()
+    after = _bytes_of(tensors)
+    out["changed"] = sum(not torch.equal(a, b) for a, b in zip(before, after))
+    out["compared"] = len(before)
+    hist += _step(actor, batch, 1)
+    out["state"] = gather_full_state_dict(actor.model)
+    out["hist"] = hist
+    # -- the same two steps, never offloaded -------------------------------------------------
+    ref = _actor(precision, dist_opt)
+    ref_hist = _step(ref, batch, 0) + _step(ref, batch, 1)
+    out["ref_state"] = gather_full_state_dict(ref.model)
+    out["ref_hist"] = ref_hist
+    return out
+
+
+def _worker() -> dict:
+    """Every multi-rank check of this file in one 2-rank TP2 job (one process-group start)."""
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=2, pp=1, dp=1, timeout_s=120)
+    out = {case: _roundtrip(*case) for case in CASES}
+    out["handoffs"] = _handoffs()
+    runtime.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def roundtrips() -> dict:
+    ranks = spawn(_worker, 2, timeout_s=900)
+    return {key: [r[key] for r in ranks] for key in ranks[0]}
+
+
+@pytest.mark.parametrize("case", CASES, ids=["fp32-standard", "bf16-distopt"])
+def test_offload_onload_is_bit_exact(roundtrips, case):
+    for r in roundtrips[case]:
+        assert r["compared"] > 10 and r["changed"] == 0
+        assert set(r["moved"]) == {"params", "grads", "optimizer"}
+        assert all(n > 0 for n in r["moved"].values())
+
+
+@pytest.mark.parametrize("case", CASES, ids=["fp32-standard", "bf16-distopt"])
+def test_nothing_of_the_actor_stays_on_the_device(roundtrips, case):
+    for r in roundtrips[case]:
+        assert r["bytes_before"] == sum(r["moved"].values())
+        assert 0 < r["bytes_params_only"] < r["bytes_before"]
+        assert r["bytes_offloaded"] == 0
+        assert r["forward_while_offloaded"] != "ran"
+
+
+@pytest.mark.parametrize("case", CASES, ids=["fp32-standard", "bf16-distopt"])
+def test_training_after_onload_equals_never_offloaded(roundtrips, case):
+    r = roundtrips[case][0]
+    assert r["hist"] == r["ref_hist"]
+    assert r["state"].keys() == r["ref_state"].keys()
+    for k, v in r["state"].items():
+        assert torch.equal(v, r["ref_state"][k]), k
+
+
+# ---- our serve: SGLang's /release_memory_occupation and /resume_memory_occupation ------------
+@pytest.fixture()
+def server():
+    import threading
+
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.serve import ServeState, make_server
+
+    torch.manual_seed(0)
+    state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
+    srv = make_server(state, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{state.port}", state
+    srv.shutdown()
+
+
+def _gen(url: str, n: int = 4, **sp):
+    from megatron_rl.rollout.fleet import http_json
+
+    return http_json("POST", url + "/generate", {
+        "input_ids": [5, 6, 7], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "sampling_seed": 3, **sp}},
+        timeout=120)
+
+
+def test_serve_release_frees_weights_and_refuses_generation(server):
+    from megatron_rl.rollout.fleet import ServerError, http_json
+    from megatron_rl.rollout.memory_occupation import release_servers, resume_servers
+    from megatron_rl.testing.device_accounting import device_bytes
+
+    url, state = server
+    first = _gen(url)
+    held = device_bytes(state.model, "cpu")
+    assert held > 0
+    assert http_json("POST", url + "/release_memory_occupation", {"tags": None}) is None
+    assert device_bytes(state.model, "cpu") == 0  # every weight storage is freed
+    assert http_json("GET", url + "/server_info")["internal_states"][0]["memory_released"] == \
+        ["cuda_graph", "kv_cache", "weights"]
+    with pytest.raises(ServerError, match="HTTP 400.*memory released"):
+        _gen(url)
+    with pytest.raises(ServerError, match="HTTP 400.*weights released"):
+        http_json("POST", url + "/update_weights_from_disk", {"model_path": "/nonexistent"})
+    with pytest.raises(ServerError, match="HTTP 400.*must be one of"):  # an unknown tag
+        resume_servers([url], ["bogus"])
+    resume_servers([url])  # tags None: all three
+    assert device_bytes(state.model, "cpu") == held
+    p = next(state.model.parameters())
+    assert not p.any()  # resumed weights hold nothing (zeros) until the next weight sync
+    with pytest.raises(ServerError, match="HTTP 400.*not released"):
+        resume_servers([url], ["weights"])
+    # partial: the KV cache alone; the weights stay, generation waits for the resume
+    release_servers([url], ["kv_cache"])
+    assert device_bytes(state.model, "cpu") == held
+    with pytest.raises(ServerError, match="HTTP 400.*kv_cache"):
+        _gen(url)
+    resume_servers([url], ["kv_cache"])
+    assert first["meta_info"]["completion_tokens"] == 4
+
+
+def test_serve_release_refused_while_a_request_runs(server):
+    import threading
+    import time
+
+    from megatron_rl.rollout.fleet import ServerError, http_json
+
+    url, state = server
+    th = threading.Thread(target=_gen, args=(url, 100000), kwargs={"ignore_eos": True},
+                          daemon=True)
+    th.start()
+    deadline = time.monotonic() + 60
+    while not state.inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.inflight
+    with pytest.raises(ServerError, match="HTTP 400.*no ongoing request"):
+        http_json("POST", url + "/release_memory_occupation", {})
+    http_json("POST", url + "/abort_request", {"abort_all": True})
+    th.join(60)
+    assert http_json("POST", url + "/release_memory_occupation", {}) is None
+
+
+def test_serve_weight_sync_after_resume_restores_exact_weights(server, tmp_path):
+    from megatron_rl.config import SGLangSection
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.fleet import Fleet
+    from megatron_rl.rollout.memory_occupation import release_servers, resume_servers
+    from megatron_rl.rollout.sampling import teacher_forced_logprobs
+    from megatron_rl.rollout.sglang_client import SGLangEngine
+    from megatron_rl.rollout.weight_sync import make_strategy, push_single_process
+    from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens
+
+    url, state = server
+    torch.manual_seed(5)
+    other = build_hf_model(get_preset("tiny"))
+    fleet = Fleet(SGLangSection(servers=[url], router_url=url), "preset:tiny", 1,
+                  str(tmp_path / "logs"))
+    fleet.workers = {url: "direct"}
+    eng = SGLangEngine(fleet, 1, concurrency=2)
+    eng.sync = make_strategy("from_tensor", fleet, str(tmp_path / "sync"))
+    release_servers([url])
+    resume_servers([url])
+    push_single_process(eng, [list(other.state_dict().items())], version=3)
+    for (n, p), (_, q) in zip(other.named_parameters(), state.model.named_parameters()):
+        assert torch.equal(p, q), n
+    ids = probe_tokens(get_preset("tiny").vocab_size, 12)
+    worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-5)
+    assert not errors
+
+
+# ---- the colocated loop through our serve fleet and the real router --------------------------
+def _run(out, *overrides: str) -> tuple[list[dict], str]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=2",
+           "trainer.test_freq=2", "trainer.save_freq=1", "trainer.train_batch_size=4",
+           "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
+           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
+           "rollout.temperature=0.9", "rollout.engine=sglang", "rollout.sglang.num_servers=1",
+           "rollout.sglang.weight_sync=from_tensor", *overrides]
+    env = {**os.environ, "PYTHONPATH": root}
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=800, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_colocated_run_equals_separate_run(tmp_path):
+    from test_sglang_fleet import free_port_block
+
+    sep, _ = _run(tmp_path / "sep", f"rollout.sglang.router_port={free_port_block(2)}")
+    colo, log = _run(tmp_path / "colo", f"rollout.sglang.router_port={free_port_block(2)}",
+                     "rollout.sglang.colocate=true")
+    assert "[colocation] rank 0 actor offloaded to the host: params" in log
+    assert len(sep) == len(colo) == 3  # the start's validation + 2 steps
+    assert all(r["actor/grad_norm"] > 0 for r in colo[1:])  # real updates to carry over
+    for a, b in zip(sep, colo):
+        keys = {k for k in a if not k.startswith(("time", "gpu/", "rollout/weight_sync_"))
+                and k != "wall_s"}
+        assert keys == {k for k in b if not k.startswith(("time", "gpu/",
+                                                          "rollout/weight_sync_"))
+                        and k != "wall_s"}
+        for k in keys:
+            assert a[k] == b[k], k  # bit for bit: the offload round trip is exact
+    assert all("time/colocate_swap" in r for r in colo if "policy/pg_loss" in r)
+    assert not any("time/colocate_swap" in r for r in sep)
+    ckpts = [c for c in os.listdir(tmp_path / "colo" / "checkpoints") if c.startswith("step")]
+    assert len(ckpts) >= 1  # saved between offloads (step 1), and the run went on
+
+
+# ---- config rules ------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,match", [
+    (["rollout.sglang.colocate=true"], "needs rollout.engine='sglang'"),
+    (["rollout.engine=sglang", "rollout.sglang.colocate=true",
+      "rollout.sglang.weight_sync=from_distributed"], "from_tensor"),
+    (["rollout.engine=sglang", "rollout.sglang.colocate=true", "trainer.advantage=gae",
+      "env.name=frozenlake"], "does not offload the critic"),
+])
+def test_colocation_config_errors(overrides, match):
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config("examples/tiny_dapo.yaml", overrides)
+
+
+def test_colocation_config_accepted_and_server_placement(monkeypatch):
+    from megatron_rl.colocation import server_gpus
+    from megatron_rl.config import ConfigError, SGLangSection, load_config
+    from megatron_rl.rollout.fleet import Fleet, server_command
+
+    cfg = load_config("examples/tiny_dapo.yaml", [
+        "rollout.engine=sglang", "rollout.sglang.launcher=sglang", "rollout.sglang.colocate=true",
+        "rollout.sglang.weight_sync=from_tensor", "rollout.sglang.tp_size=2"])
+    s = cfg.rollout.sglang
+    assert "--enable-memory-saver" in server_command(s, 1, "/m", None)
+    assert "--enable-memory-saver" not in server_command(SGLangSection(launcher="sglang"), 1,
+                                                         "/m", None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [server_gpus(s, i) for i in range(2)] == [["0", "1"], ["2", "3"]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [server_gpus(s, i) for i in range(2)] == [["4", "5"], ["6", "7"]]
+    # a separate fleet keeps its own list; our CPU serve gets none
+    assert server_gpus(SGLangSection(launcher="sglang", gpus=[6, 7], num_servers=2), 1) == ["7"]
+    assert server_gpus(SGLangSection(colocate=True), 0) == []
+    # SGLang servers on the trainer's GPUs without colocation: refused when they would start
+    with pytest.raises(ConfigError, match="rollout.sglang.gpus.*rollout.sglang.colocate=true"):
+        server_gpus(SGLangSection(launcher="sglang"), 0)
+    with pytest.raises(ConfigError, match="rollout.sglang.gpus"):
+        Fleet(SGLangSection(launcher="sglang", router_url="http://127.0.0.1:9"), "/m", 1,
+              "/tmp/unused").start_server(0)
+    load_config("examples/tiny_dapo.yaml", ["rollout.engine=sglang",  # a separate fleet: fine
+                                            "rollout.sglang.launcher=sglang",
+                                            "rollout.sglang.gpus=[2,3]"])
+
+
+# ---- on a GPU: device memory really goes -------------------------------------------------------
+def _cuda_worker() -> dict:
+    from test_actor_layout import make_global_batch
+
+    from megatron_rl.actor.offload import ActorOffload
+    from megatron_rl.parallel import runtime
+    from megatron_rl.testing.device_accounting import device_tensors
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=300)
+    batch = make_global_batch()
+    batch.pop("old_noise")
+    runtime.move_batch_(batch)
+    actor = _actor("bf16", True)
+    _step(actor, batch, 0)
+    tensors = device_tensors(actor, "cuda")
+    before = _bytes_of(tensors)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    off = ActorOffload(actor)
+    moved = off.offload()
+    left = torch.cuda.memory_allocated()
+    pinned = all(s.host.is_pinned() for slots in off.store.slots.values() for s in slots)
+    off.onload()
+    same = all(torch.equal(a, b) for a, b in zip(before, _bytes_of(tensors)))
+    runtime.shutdown()
+    return {"held": held, "left": left, "moved": sum(moved.values()), "pinned": pinned,
+            "same": same, "n": len(tensors)}
+
+
+@pytest.mark.gpu
+def test_cuda_offload_frees_device_memory_and_round_trips():
+    r = spawn(_cuda_worker, 1, timeout_s=600)[0]
+    assert r["pinned"] and r["same"] and r["n"] > 10
+    # what is left is the batch and the allocator's rounding, far below what was moved
+    assert r["held"] - r["left"] >= 0.95 * r["moved"]
+
+
+# ---- the hand-offs of one colocated step, in order (1 rank, our serve in-process) ----------
+def _handoffs() -> dict:
+    import threading
+    from types import SimpleNamespace
+
+    from megatron_rl.colocation import Colocation
+    from megatron_rl.config import load_config
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.fleet import http_json
+    from megatron_rl.rollout.serve import ServeState, make_server
+    from megatron_rl.testing.device_accounting import device_bytes
+
+    rank0 = torch.distributed.get_rank() == 0
+    srv = None
+    if rank0:  # the engine lives on rank 0, as in the trainer
+        state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
+        srv = make_server(state, "127.0.0.1", 0)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = runtime.broadcast_object(f"http://127.0.0.1:{state.port}" if rank0 else None)
+    cfg = load_config("examples/tiny_dapo.yaml", ["rollout.engine=sglang",
+                                                  "rollout.sglang.colocate=true",
+                                                  "rollout.sglang.weight_sync=from_tensor"])
+    actor = _actor("fp32", False)
+    from test_actor_layout import make_global_batch
+
+    batch = make_global_batch()
+    batch.pop("old_noise")
+    _step(actor, batch, 0)
+    full = device_bytes(actor, "cpu")
+    driver = SimpleNamespace(engine=SimpleNamespace(fleet=SimpleNamespace(urls=[url]))
+                             if rank0 else None)
+    colo = Colocation(cfg, actor, driver)
+    seen: dict = {"full": full}
+
+    def released() -> list:
+        return http_json("GET", url + "/server_info")["internal_states"][0]["memory_released"]
+
+    colo.before_engine_start()
+    seen["start"] = device_bytes(actor, "cpu")
+
+    def fake_sync(tag: str) -> None:  # what the weight sync sees (collective, like the real one)
+        seen[tag] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+        runtime.broadcast_object(None)
+
+    colo.sync(fake_sync, "first_sync")
+    seen["rollout"] = (device_bytes(actor, "cpu"), released())
+    runtime.broadcast_object(None)  # the rollout's batch broadcast
+    colo.after_rollout()
+    seen["update"] = (device_bytes(actor, "cpu"), released())
+    _step(actor, batch, 1)
+    colo.sync(fake_sync, "sync")
+    with colo.resident():
+        seen["save"] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+        runtime.broadcast_object(None)  # the save is collective too
+    seen["after_save"] = (device_bytes(actor, "cpu"), released())
+    runtime.broadcast_object(None)  # every rank has asked before the server stops
+    if srv is not None:
+        srv.shutdown()
+    return seen
+
+
+def test_colocated_handoffs_in_order(roundtrips):
+    for s in roundtrips["handoffs"]:  # every rank, in step with rank 0's server calls
+        assert s["start"] == 0  # offloaded before the servers start
+        for tag in ("first_sync", "sync"):  # the sync: parameters only, servers resumed
+            held, rel, groups = s[tag]
+            assert 0 < held < s["full"] and rel == [] and groups == ["grads", "optimizer"]
+        assert s["rollout"] == (0, [])  # rollout: nothing of the actor, servers whole
+        assert s["update"] == (s["full"], ["cuda_graph", "kv_cache", "weights"])
+        held, rel, groups = s["save"]  # a save: params + optimizer, servers drop the KV cache
+        assert rel == ["kv_cache"] and groups == ["grads"] and 0 < held < s["full"]
+        assert s["after_save"] == (0, [])
