@@ -56,9 +56,9 @@ BASE = ("parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3", "trainer.test
         "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false", "rollout.val_n=1",
         "actor.micro_batch_size=8", "sft.steps=3", "data.val_size=8",
         "rollout.per_request_seed=true", "rollout.temperature=0.9")
-# Keys that may differ after a fault: wall times and rates, and the fleet's count of retried
-# requests.
-VOLATILE_PREFIXES = ("time/", "gpu/", "rollout/request_retries", "rollout/aborted_requests",
+# Keys that may differ after a fault: wall times and rates, process stats (sys/: resident memory,
+# open files), and the fleet's count of retried requests.
+VOLATILE_PREFIXES = ("time/", "gpu/", "sys/", "rollout/request_retries", "rollout/aborted_requests",
                      "rollout/weight_sync_s", "rollout/weight_sync_gbps")
 VOLATILE_KEYS = ("time", "wall_s")
 
