@@ -40,10 +40,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "check_only", False):
         print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
         return 0
-    if args.command == "train":  # resume preflight: changed config, finished run
+    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    from megatron_rl.parallel.launch import launch_mode
+
+    plan = launch_mode(os.environ)
+    if plan.mode == "refuse":
+        print(f"[{args.command}] {plan.message}", file=sys.stderr)
+        return 2
+    lock = None
+    if (args.command in ("train", "sft") and rank0 and
+            (plan.mode == "local" or plan.world_size == world)):
+        lock = _lock_run_dir(cfg.trainer.output_dir, args.command)
+        if lock is None:
+            return 2
+    try:
+        return _preflight_and_run(cfg, args.command, plan, world, rank0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool) -> int:
+    from megatron_rl.config import ConfigError
+
+    if command == "train":  # resume preflight: changed config, finished run
         from megatron_rl.run_guard import preflight
 
-        rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
         try:
             done = preflight(cfg, log=print if rank0 else (lambda *_: None))
         except ConfigError as exc:
@@ -53,29 +76,56 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if rank0:
                 print(done, flush=True)
             return 0
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    from megatron_rl.parallel.launch import launch_mode
-
-    plan = launch_mode(os.environ)
-    if plan.mode == "refuse":
-        print(f"[{args.command}] {plan.message}", file=sys.stderr)
-        return 2
     if plan.mode in ("torchrun", "srun"):  # this process is one rank
-        return _run_in_place(cfg, args.command, plan, world)
+        return _run_in_place(cfg, command, plan, world)
+    return _launch_local(cfg, command, world)
+
+
+def _lock_run_dir(run_dir: str, command: str):
+    """The run directory's lock (one live trainer per directory), or None after printing why
+    not (another live trainer holds it)."""
+    from megatron_rl.parallel.lifecycle import RunDirBusy, RunLock
+
+    try:
+        lock = RunLock(run_dir).acquire()
+    except RunDirBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    if lock.taken_over:
+        print(f"[{command}] took over the lock of {lock.path} left by pid "
+              f"{lock.taken_over.get('pid')} (no longer running)", flush=True)
+    return lock
+
+
+def _launch_local(cfg, command: str, world: int) -> int:
+    """Spawn the ranks here; a stop signal (SIGTERM/SIGINT/SIGHUP) stops them all and exits
+    ``128 + signal``; a rank that dies or fails stops the job (exit 1) naming it."""
+    import time
+
     from megatron_rl.parallel.launch import WorkerError, spawn
+    from megatron_rl.parallel.lifecycle import StopSignal, remove_partial_checkpoints, signal_name
 
     try:
         env = local_spawn_env(cfg.parallel.backend, world)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"[{args.command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
+    print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
     try:
-        spawn(_train_worker, world, (cfg, args.command), timeout_s=7 * 24 * 3600, env=env)
+        spawn(_train_worker, world, (cfg, command), timeout_s=7 * 24 * 3600, env=env,
+              handle_signals=True)
     except WorkerError as exc:
-        print(f"[{args.command}] failed: {exc}", file=sys.stderr)
+        remove_partial_checkpoints(cfg.trainer.output_dir)
+        print(f"[{command}] failed: {exc}", file=sys.stderr)
         return 1
+    except StopSignal as exc:
+        remove_partial_checkpoints(cfg.trainer.output_dir)
+        print(f"[{command}] stopped by {signal_name(exc.signum)}: all {world} rank(s) and their "
+              f"helper processes ended within {time.monotonic() - exc.at:.1f} s; the newest "
+              "complete checkpoint is kept (resume with the same command)", file=sys.stderr,
+              flush=True)
+        return 128 + exc.signum
     return 0
 
 

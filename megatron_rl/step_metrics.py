@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rl.chaos_hook import phase_begins
+
 PROGRESS_KEYS = {"reward": ("rollout/reward",), "acc": ("rollout/acc",),
                  "entropy": ("policy/entropy",)}
 
@@ -18,10 +20,12 @@ class Phases:
 
     On CUDA the device is synchronised at both ends of a phase (``sync``, default: when CUDA is
     initialised), so the kernels a phase queued count in that phase, not in the next one. Once
-    per phase: a handful of syncs per step."""
+    per phase: a handful of syncs per step. With ``step`` given, each phase's start is also a
+    fault-injection marker (:func:`megatron_rl.chaos_hook.phase_begins`, inert unless enabled)."""
 
-    def __init__(self, sync: bool | None = None) -> None:
+    def __init__(self, step: int | None = None, sync: bool | None = None) -> None:
         self.times: dict[str, float] = {}
+        self.step = step
         self.sync = torch.cuda.is_available() and torch.cuda.is_initialized() if sync is None \
             else sync
 
@@ -31,6 +35,8 @@ class Phases:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.step is not None:
+            phase_begins(name, self.step)
         self._wait()
         t0 = time.perf_counter()
         try:

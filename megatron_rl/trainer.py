@@ -85,7 +85,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     val_acc = driver.last_val()
     step = start
     for step in range(start, t.total_steps):
-        ph = Phases()
+        ph = Phases(step)  # phase timers (and fault-injection markers, tools/chaos.py)
         with ph("rollout"):
             batch, metrics = driver.collect(step, rows_multiple)
         if batch is None:  # every group filtered out (RV filter): nothing to train this step

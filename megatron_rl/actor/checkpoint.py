@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.distopt_compat import SHARDING_TYPE
+from megatron_rl.chaos_hook import phase_begins
 
 LATEST = "latest"
 
@@ -272,6 +273,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
                               os.path.join(tmp, "trainer.pt"))
         except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError too
             err = exc
+    phase_begins("checkpoint", step)  # fault injection: files written, not yet renamed
     fail(err)
     err = None
     if rank == 0:

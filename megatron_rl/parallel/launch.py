@@ -5,8 +5,13 @@ environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
 so the code it runs is the same code that runs under ``torchrun`` or SLURM.
 
 Results travel back as ``torch.save`` bytes; a failure on any rank is re-raised in the parent with
-that rank's traceback, and a group that does not finish within ``timeout_s`` is killed (no orphaned
-workers, no hung test).
+that rank's traceback, a rank that dies without a report (killed, crashed) stops the group within
+about two seconds with the rank, its pid and its exit code or signal named, and a group that does
+not finish within ``timeout_s`` is killed. However the group ends, every rank and every process
+below it (reward workers, checkpoint writers, rollout servers, the router) is stopped before
+:func:`spawn` returns (:func:`megatron_rl.parallel.lifecycle.stop_tree`, bounded by
+``STOP_BOUND_S``), and each rank kills its own process group when the launcher disappears (even
+SIGKILLed: :func:`~megatron_rl.parallel.lifecycle.watch_parent`).
 """
 
 from __future__ import annotations
@@ -40,10 +45,15 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple,
-            out: Any) -> None:
+            out: Any, launcher: int | None = None) -> None:
     # Own process group, so the parent can kill anything this rank starts (e.g. the
-    # multiprocessing manager of dist_checkpointing) when the group fails or hangs.
+    # multiprocessing manager of dist_checkpointing) when the group fails or hangs; and the
+    # group dies with the launcher, however the launcher ends.
     os.setpgid(0, 0)
+    if launcher is not None:
+        from megatron_rl.parallel.lifecycle import watch_parent
+
+        watch_parent(launcher)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -68,28 +78,40 @@ def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args
 
 
 def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float = 600.0,
-          env: dict | None = None) -> list[Any]:
+          env: dict | None = None, handle_signals: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return the per-rank results.
 
     ``fn`` must be importable (module level). It should call
     :func:`megatron_rl.parallel.runtime.init_distributed` itself, which reads the environment this
     launcher sets. Raises :class:`WorkerError` if any rank fails and :class:`TimeoutError` if the
     group does not finish in ``timeout_s`` seconds; in both cases every worker is terminated.
+    ``handle_signals`` (the CLI launcher, main thread): SIGTERM/SIGINT/SIGHUP raise
+    :class:`~megatron_rl.parallel.lifecycle.StopSignal` after every rank has been stopped.
     """
+    import contextlib
+
+    from megatron_rl.parallel.lifecycle import stop_signals
+
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    with stop_signals() if handle_signals else contextlib.nullcontext():
+        return _spawn(fn, world_size, args, timeout_s, env)
+
+
+def _spawn(fn: Callable, world_size: int, args: Sequence, timeout_s: float,
+           env: dict | None) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, dict(env or {}), fn,
-                                                tuple(args), out), daemon=False)
+                                                tuple(args), out, os.getpid()), daemon=False)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(results) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -105,9 +127,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
                     # Give the dead rank's queue message a moment to arrive, then give up.
                     time.sleep(0.5)
                     if out.empty():
-                        raise WorkerError(f"rank(s) {dead} died with exit codes "
-                                          f"{[procs[r].exitcode for r in dead]} and no "
-                                          "report") from None
+                        raise WorkerError(_dead_ranks_message(procs, dead)) from None
                 continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
@@ -127,16 +147,34 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
                               f"{errors[first]}") from None
         raise
     finally:
+        _stop_ranks(procs)
+
+
+def _dead_ranks_message(procs: list, dead: list[int]) -> str:
+    """``rank 2 (pid 123) died (killed by SIGKILL) without a report; stopping ...``."""
+    from megatron_rl.parallel.lifecycle import describe_exit
+
+    said = "; ".join(f"rank {r} (pid {procs[r].pid}) died ({describe_exit(procs[r].exitcode)})"
+                     for r in dead)
+    alive = [r for r, p in enumerate(procs) if p.exitcode is None]
+    return f"{said} without a report" + (f"; stopping the other ranks {alive}" if alive else "")
+
+
+def _stop_ranks(procs: list) -> None:
+    """Stop every rank and every process below them (SIGTERM, then SIGKILL after 10 s), reap
+    the ranks, and kill what is left of their process groups."""
+    from megatron_rl.parallel.lifecycle import STOP_SIGNALS, stop_tree
+
+    # A stop signal arriving now waits until the cleanup is done (then it is handled as usual).
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        stop_tree([p.pid for p in procs if p.pid is not None and p.exitcode is None])
         for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+            if p.pid is not None:
                 p.join(timeout=5)
-        for p in procs:
-            _kill_group(p.pid)
+                _kill_group(p.pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _kill_group(pgid: int | None) -> None:

@@ -107,6 +107,9 @@ def _call_in_thread(fn, row, resp, timeout_s):
 
 
 def _worker_loop(conn, fn):
+    from megatron_rl.parallel.lifecycle import die_with_parent
+
+    die_with_parent()  # a SIGKILLed rank leaves no reward worker behind
     while True:
         try:
             msg = conn.recv()

@@ -34,6 +34,7 @@ def descendants(pid: int) -> list:
 
 def main(argv: list[str]) -> int:
     parent, cmd = int(argv[0]), argv[1:]
+    watch_ppid = os.getppid() == parent  # started by PARENT: also notice its exit as a zombie
     child = subprocess.Popen(cmd)
 
     def stop(*_args) -> None:
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while child.poll() is None:
-        if not alive(parent):
+        if not alive(parent) or (watch_ppid and os.getppid() != parent):
             stop()
         time.sleep(1.0)
     return child.returncode

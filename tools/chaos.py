@@ -1,0 +1,404 @@
+"""Fault-injection campaign: kill the launcher, one rank or one rollout server at every phase of a
+step, resume, and check that the run ends exactly as an uninterrupted one.
+
+    python tools/chaos.py                       # the full campaign (embedded engine and fleet)
+    python tools/chaos.py --quick               # 2 faults (the CI subset)
+    python tools/chaos.py --engines embedded --targets rank --signals KILL --phases update
+
+Each fault: a fresh run of the tiny job (``examples/tiny_dapo.yaml`` at TP1 x PP2, 3 RL steps,
+a checkpoint every step) is started with ``MRL_CHAOS_PHASE`` set, so every rank marks the start of
+each phase (:mod:`megatron_rl.chaos_hook`). The target's rank waits at the start of the phase of
+step 2 while the other ranks go on into it; then the injector sends the signal (``KILL`` = -9,
+``TERM``) to the launcher, to that rank, or to one ``serve`` process of the fleet, and releases
+the wait. A run that stopped is resumed with the same command (no fault). Survived means:
+
+* the launcher exited non-zero within 30 s of a launcher/rank fault (a server fault: the run goes
+  on on the other server), naming the dead rank and its signal, and no process of the run was
+  left 30 s after it exited;
+* no unfinished ``step_*.tmp`` checkpoint was left by a stopped launcher and ``latest`` names a
+  complete checkpoint;
+* the resumed run finished (exit 0) with ``metrics.jsonl`` equal to the uninterrupted run's, key
+  by key, bit for bit (wall times and the fleet's retry counters excepted), one row per step;
+* its final checkpoint (model weights, optimizer state) is bit-identical to the uninterrupted
+  run's and so is the trainer state saved in it (data-loader position, history): no sample was
+  trained twice or skipped.
+
+Prints a table of faults x outcome and, last, ``chaos: injected=N survived=M``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PHASES = ("rollout", "old_logp", "update", "weight_sync", "validation", "checkpoint")
+TARGETS = ("launcher", "rank", "server")
+SIGNALS = ("KILL", "TERM")
+ENGINES = ("embedded", "fleet")
+STRIKE_STEP = 1  # 0-based: the second step (a checkpoint of the first exists; validation runs)
+VICTIM_RANK = 1  # the last pipeline stage of TP1 x PP2
+BOUND_S = 30.0
+QUICK = (("embedded", "rank", "KILL", "update"), ("embedded", "launcher", "KILL", "weight_sync"))
+BASE = ("parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3", "trainer.test_freq=2",
+        "trainer.save_freq=1", "trainer.train_batch_size=4", "rollout.n=4",
+        "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false", "rollout.val_n=1",
+        "actor.micro_batch_size=8", "sft.steps=3", "data.val_size=8",
+        "rollout.per_request_seed=true", "rollout.temperature=0.9")
+# Keys that may differ after a fault: wall times and rates, process stats (sys/: resident memory,
+# open files), and the fleet's count of retried requests.
+VOLATILE_PREFIXES = ("time/", "gpu/", "sys/", "rollout/request_retries", "rollout/aborted_requests",
+                     "rollout/weight_sync_s", "rollout/weight_sync_gbps")
+VOLATILE_KEYS = ("time", "wall_s")
+
+
+@dataclass
+class Outcome:
+    """One fault and what came of it."""
+
+    engine: str
+    target: str
+    sig: str
+    phase: str
+    rc: int | None = None
+    stop_s: float | None = None
+    orphans: list = field(default_factory=list)
+    partial: list = field(default_factory=list)
+    resumed: bool = False
+    metrics_equal: bool = False
+    weights_equal: bool = False
+    note: str = ""
+
+    @property
+    def survived(self) -> bool:
+        return (not self.orphans and not self.partial and self.metrics_equal
+                and self.weights_equal and not self.note)
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p+n-1 free on loopback right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n < 65535 and all(_port_free(p + i) for i in range(n)):
+            return p
+    raise RuntimeError("no free port block")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def engine_overrides(engine: str) -> list[str]:
+    if engine == "embedded":
+        return []
+    return ["rollout.engine=sglang", "rollout.sglang.num_servers=2",
+            f"rollout.sglang.router_port={free_port_block(3)}",
+            "rollout.sglang.weight_sync=from_tensor"]
+
+
+def train_cmd(out: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+            f"output_dir={out}", *BASE, *overrides]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MRL_CHAOS")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [ROOT, env.get("PYTHONPATH", "")] if p)
+    return {**env, **(extra or {})}
+
+
+def run(out: str, overrides: list[str], timeout: float = 900) -> int:
+    """One uninterrupted ``train``; its exit code (log in ``out + '.log'``)."""
+    with open(out + ".log", "a") as log:
+        return subprocess.run(train_cmd(out, overrides), cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT, env=_env(), timeout=timeout).returncode
+
+
+def metrics(out: str) -> list[dict]:
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if k not in VOLATILE_KEYS and
+             not k.startswith(VOLATILE_PREFIXES)} for r in rows]
+
+
+def final_state(out: str) -> tuple[dict, dict]:
+    """The newest checkpoint's tensors (every shard gathered, no process group needed) and its
+    trainer state."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from megatron_rl.actor.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(os.path.join(out, "checkpoints"))
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(ckpt, os.path.join(tmp, "all.pt"))
+        tensors = torch.load(os.path.join(tmp, "all.pt"), weights_only=False)
+    meta = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=False)
+    return tensors, {"step": meta["step"], "trainer": meta["trainer"]}
+
+
+def same_tree(a, b) -> bool:
+    """Bit-exact equality of nested dicts/lists of tensors and plain values."""
+    import io
+
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    if isinstance(a, io.BytesIO) and isinstance(b, io.BytesIO):
+        return a.getvalue() == b.getvalue()
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN == NaN for our purpose
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - numpy arrays and the like
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+
+
+def _markers(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def _alive(procs) -> list[int]:
+    import psutil
+
+    left = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except psutil.Error:
+            pass
+    return left
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _server_pid(tree, port: int) -> int | None:
+    """The ``serve`` process listening on ``port`` among ``tree``."""
+    for p in tree:
+        try:
+            cmd = p.cmdline()
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            continue
+        if ("serve" in cmd and "--port" in cmd and "megatron_rl.rollout.guard" not in cmd
+                and cmd[cmd.index("--port") + 1] == str(port)):
+            return p.pid
+    return None
+
+
+def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900) -> int | None:
+    """Start the run, strike at the marker, wait for the launcher; the launcher's exit code."""
+    import psutil
+
+    marker = os.path.join(out + ".chaos.jsonl")
+    hold_rank = VICTIM_RANK if o.target == "rank" else 0
+    env = _env({"MRL_CHAOS_PHASE": marker, "MRL_CHAOS_HOLD": f"{STRIKE_STEP}:{o.phase}:"
+                f"{hold_rank}", "MRL_CHAOS_HOLD_S": "300"})
+    log = open(out + ".log", "a")
+    proc = subprocess.Popen(train_cmd(out, overrides), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout
+    hold = None
+    while hold is None and proc.poll() is None and time.monotonic() < deadline:
+        hold = next((m for m in _markers(marker) if m["hold"]), None)
+        time.sleep(0.05)
+    if hold is None:
+        o.note = f"phase {o.phase} of step {STRIKE_STEP + 1} never began (rc {proc.poll()})"
+        _stop(proc)
+        return None
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    sig = getattr(signal, f"SIG{o.sig}")
+    if o.target == "launcher":
+        victim = proc.pid
+    elif o.target == "rank":
+        victim = hold["pid"]
+    else:
+        port = int(next(x for x in overrides if "router_port" in x).split("=")[1]) + 2
+        victim = _server_pid(tree, port)
+        if victim is None:
+            o.note = "no serve process found"
+    t0 = time.monotonic()
+    if victim is not None:
+        os.kill(victim, sig)
+        if o.target == "server":  # the server must really be gone (SIGTERM: within 5 s)
+            end = time.monotonic() + 5
+            while _pid_alive(victim) and time.monotonic() < end:
+                time.sleep(0.05)
+            if _pid_alive(victim):
+                o.note = f"server pid {victim} survived SIG{o.sig}"
+    open(marker + ".go", "w").close()  # release the held rank (if it still lives)
+    bound = BOUND_S if o.target != "server" else timeout
+    try:
+        rc = proc.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        o.note = f"launcher still running {bound:.0f}s after the fault"
+        _stop(proc)
+        rc = proc.returncode
+    exited = time.monotonic()
+    if o.target == "rank" and not o.note:
+        log.flush()
+        said = open(out + ".log").read()
+        if f"rank {VICTIM_RANK} (pid {victim}) died (killed by SIG{o.sig})" not in said:
+            o.note = "the launcher did not name the dead rank and its signal"
+    while _alive(tree) and time.monotonic() - exited < BOUND_S:
+        time.sleep(0.05)
+    o.stop_s = time.monotonic() - t0
+    o.orphans = _alive(tree)
+    for pid in o.orphans:  # leave nothing behind for the next fault
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return rc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    from megatron_rl.parallel.lifecycle import stop_tree
+
+    stop_tree([proc.pid])
+    proc.wait()
+
+
+def one_fault(o: Outcome, work: str, ref: dict, overrides: list[str]) -> Outcome:
+    """Inject ``o``, resume if the run stopped, compare with the reference run."""
+    import glob
+
+    from megatron_rl.actor.checkpoint import latest_checkpoint
+
+    out = os.path.join(work, f"{o.engine}-{o.target}-{o.sig}-{o.phase}")
+    shutil.rmtree(out, ignore_errors=True)
+    o.rc = inject(o, out, overrides)
+    if o.note:
+        return o
+    if o.target != "launcher" or o.sig != "KILL":  # the launcher cleaned up after itself
+        o.partial = sorted(glob.glob(os.path.join(out, "*checkpoints", "step_*.tmp")))
+    try:
+        latest_checkpoint(os.path.join(out, "checkpoints"))
+    except Exception as exc:  # noqa: BLE001 - a broken 'latest' is a finding
+        o.note = f"latest is broken: {exc}"
+        return o
+    if o.rc != 0:
+        o.resumed = True
+        # fleet: fresh ports (another process may have taken the old ones meanwhile)
+        rc = run(out, engine_overrides(o.engine) if o.engine == "fleet" else overrides)
+        if rc != 0:
+            o.note = f"resume exited {rc} (log {out}.log)"
+            return o
+    got = metrics(out)
+    o.metrics_equal = got == ref["metrics"]
+    tensors, trainer = final_state(out)
+    o.weights_equal = same_tree(tensors, ref["tensors"]) and same_tree(trainer, ref["trainer"])
+    return o
+
+
+def reference(engine: str, work: str, overrides: list[str]) -> dict:
+    out = os.path.join(work, f"{engine}-reference")
+    shutil.rmtree(out, ignore_errors=True)
+    rc = run(out, overrides)
+    if rc != 0:
+        raise SystemExit(f"chaos: the uninterrupted {engine} run failed (exit {rc}); see "
+                         f"{out}.log")
+    tensors, trainer = final_state(out)
+    return {"metrics": metrics(out), "tensors": tensors, "trainer": trainer}
+
+
+def plan(args) -> list[Outcome]:
+    if args.quick:
+        return [Outcome(*q) for q in QUICK]
+    if args.faults:
+        return [Outcome(*f.split("/")) for f in args.faults]
+    return [Outcome(e, t, s, p) for e in args.engines for t in args.targets for s in args.signals
+            for p in args.phases if not (t == "server" and e == "embedded")]
+
+
+def table(outcomes: list[Outcome]) -> str:
+    head = ("engine", "target", "signal", "phase", "rc", "stop s", "orphans", "resumed",
+            "metrics ==", "weights ==", "survived")
+    rows = [head]
+    for o in outcomes:
+        rows.append((o.engine, o.target, o.sig, o.phase, str(o.rc),
+                     "-" if o.stop_s is None else f"{o.stop_s:.1f}", str(len(o.orphans)),
+                     "yes" if o.resumed else "no", "yes" if o.metrics_equal else "NO",
+                     "yes" if o.weights_equal else "NO", "yes" if o.survived else "NO"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    notes = [f"- {o.engine}/{o.target}/{o.sig}/{o.phase}: {o.note or ''}"
+             f"{' partial ' + str(o.partial) if o.partial else ''}"
+             f"{' orphans ' + str(o.orphans) if o.orphans else ''}"
+             for o in outcomes if not o.survived]
+    return "\n".join(lines + notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} faults")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    ap.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS)
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    ap.add_argument("--faults", nargs="+", default=None, metavar="ENGINE/TARGET/SIGNAL/PHASE",
+                    help="an explicit list instead of the cross product, e.g. "
+                         "fleet/server/KILL/rollout embedded/rank/TERM/validation")
+    ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
+    args = ap.parse_args(argv)
+    faults = plan(args)
+    work = args.work or tempfile.mkdtemp(prefix="mrl-chaos-")
+    os.makedirs(work, exist_ok=True)
+    print(f"chaos: {len(faults)} fault(s), work directory {work}", flush=True)
+    refs: dict[str, tuple[dict, list[str]]] = {}
+    done: list[Outcome] = []
+    for o in faults:
+        if o.engine not in refs:
+            ov = engine_overrides(o.engine)
+            refs[o.engine] = (reference(o.engine, work, ov), ov)
+        ref, ov = refs[o.engine]
+        ov = engine_overrides(o.engine) if o.engine == "fleet" else ov  # fresh ports
+        t0 = time.monotonic()
+        done.append(one_fault(o, work, ref, ov))
+        print(f"chaos: {o.engine}/{o.target}/SIG{o.sig}/{o.phase}: "
+              f"{'survived' if o.survived else 'FAILED'} ({time.monotonic() - t0:.0f} s)",
+              flush=True)
+    print(table(done))
+    survived = sum(o.survived for o in done)
+    print(f"chaos: injected={len(done)} survived={survived}", flush=True)
+    return 0 if survived == len(done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
