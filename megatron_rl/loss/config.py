@@ -60,18 +60,18 @@ class LossConfig:
     aspo_c_pos: float = 3.0
     aspo_c_neg: float = 3.0
     # GMPO (loss/gmpo.py): token log-ratio clip [-gmpo_clip_low, gmpo_clip_high] (log space)
-    gmpo_clip_low: float = 0.4
-    gmpo_clip_high: float = 0.4
+    gmpo_clip_low: float = 0.4  # GMPO: lower log-ratio clip (log space, > 0)
+    gmpo_clip_high: float = 0.4  # GMPO: upper log-ratio clip (log space, > 0)
     # SAPO (loss/sapo.py): soft-gate temperatures for A > 0 / A <= 0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
+    sapo_tau_pos: float = 1.0  # SAPO: gate temperature for A > 0 (> 0)
+    sapo_tau_neg: float = 1.05  # SAPO: gate temperature for A <= 0 (> 0)
     # DPPO (loss/dppo.py): divergence thresholds, truncated-IS cap, prime-rl's (log r)^2 coef
-    dppo_tv_delta_low: float = 0.15
-    dppo_tv_delta_high: float = 0.15
-    dppo_kl_delta_low: float = 0.05
-    dppo_kl_delta_high: float = 0.05
-    dppo_ratio_cap: float = 20.0
-    dppo_sq_log_ratio_coef: float = 0.0
+    dppo_tv_delta_low: float = 0.15  # DPPO-TV: max fall q - p of pi(token) when A <= 0
+    dppo_tv_delta_high: float = 0.15  # DPPO-TV: max rise p - q of pi(token) when A > 0
+    dppo_kl_delta_low: float = 0.05  # DPPO-KL: binary-KL bound on a fall when A <= 0
+    dppo_kl_delta_high: float = 0.05  # DPPO-KL: binary-KL bound on a rise when A > 0
+    dppo_ratio_cap: float = 20.0  # DPPO: cap C on the ratio in -A*min(r, C) (> 1)
+    dppo_sq_log_ratio_coef: float = 0.0  # DPPO: coefficient of an extra (log r)^2 term
     # ERC gate [9]
     erc: bool = False
     erc_low: float = 0.95
