@@ -100,7 +100,7 @@ def test_score_batch_isolates_failures_and_hangs(mode):
     t = time.time()
     r, nf, nt = score_batch(_hangs, rows, ["1", "hang", "nan", "1", "0"], timeout_s=0.5,
                             mode=mode)
-    assert time.time() - t < 5
+    assert time.time() - t < 25  # cut off by the timeout, well before the 30 s hang ends
     assert r == [1.0, 0.0, 0.0, 1.0, 0.0] and (nf, nt) == (1, 1)
     with pytest.raises(ValueError):
         score_batch(_ok, rows, ["1"])
