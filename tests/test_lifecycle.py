@@ -21,6 +21,7 @@ from megatron_rl.parallel.lifecycle import (
     describe_exit,
     stop_signals,
 )
+from megatron_rl.testing.procs import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -109,20 +110,9 @@ def test_dead_rank_stops_group_naming_it_and_no_helper_survives(tmp_path):
     helpers = [psutil.Process(int(p)) for p in open(pid_file).read().split()
                if psutil.pid_exists(int(p))]
     deadline = time.monotonic() + STOP_BOUND_S
-    while _alive(helpers) and time.monotonic() < deadline:
+    while alive(helpers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(helpers)
-
-
-def _alive(procs) -> list[int]:
-    left = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except psutil.Error:
-            pass
-    return left
+    assert not alive(helpers)
 
 
 TINY = ("sft.steps=3", "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=3",
@@ -158,9 +148,9 @@ def test_sigterm_mid_checkpoint_stops_all_processes_then_resume_finishes(tmp_pat
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=STOP_BOUND_S)[0]
-    while _alive(tree) and time.monotonic() - t0 < STOP_BOUND_S:
+    while alive(tree) and time.monotonic() - t0 < STOP_BOUND_S:
         time.sleep(0.05)
-    assert not _alive(tree), f"left behind: {_alive(tree)}"
+    assert not alive(tree), f"left behind: {alive(tree)}"
     assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
     assert "stopped by SIGTERM" in log
     assert not list((out / "checkpoints").glob("*.tmp"))

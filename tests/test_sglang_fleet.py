@@ -5,7 +5,6 @@ and verified every step) gives the embedded engine's metrics for the same seed."
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -24,29 +23,10 @@ from megatron_rl.rollout.sampling import teacher_forced_logprobs  # noqa: E402
 from megatron_rl.rollout.sglang_client import SGLangEngine  # noqa: E402
 from megatron_rl.rollout.weight_sync import make_strategy, push_single_process  # noqa: E402
 from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens  # noqa: E402
+from megatron_rl.testing.procs import free_port_block  # noqa: E402,F401 (used by other tests too)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = 1
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n < 65535 and all(_free(p + i) for i in range(n)):
-            return p
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _tiny_model_dir(path) -> str:

@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from megatron_rl.testing.procs import alive, free_port_block  # noqa: E402
 
 PHASES = ("rollout", "old_logp", "update", "weight_sync", "validation", "checkpoint")
 TARGETS = ("launcher", "rank", "server")
@@ -84,26 +85,6 @@ class Outcome:
     def survived(self) -> bool:
         return (not self.orphans and not self.partial and self.metrics_equal
                 and self.weights_equal and not self.note)
-
-
-def free_port_block(n: int) -> int:
-    """A port p with p .. p+n-1 free on loopback right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n < 65535 and all(_port_free(p + i) for i in range(n)):
-            return p
-    raise RuntimeError("no free port block")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def engine_overrides(engine: str) -> list[str]:
@@ -186,20 +167,7 @@ def _markers(path: str) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
-def _alive(procs) -> list[int]:
-    import psutil
-
-    left = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except psutil.Error:
-            pass
-    return left
-
-
-def _pid_alive(pid: int) -> bool:
+def _pidalive(pid: int) -> bool:
     import psutil
 
     try:
@@ -257,9 +225,9 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900) -> 
         os.kill(victim, sig)
         if o.target == "server":  # the server must really be gone (SIGTERM: within 5 s)
             end = time.monotonic() + 5
-            while _pid_alive(victim) and time.monotonic() < end:
+            while _pidalive(victim) and time.monotonic() < end:
                 time.sleep(0.05)
-            if _pid_alive(victim):
+            if _pidalive(victim):
                 o.note = f"server pid {victim} survived SIG{o.sig}"
     open(marker + ".go", "w").close()  # release the held rank (if it still lives)
     bound = BOUND_S if o.target != "server" else timeout
@@ -275,10 +243,10 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900) -> 
         said = open(out + ".log").read()
         if f"rank {VICTIM_RANK} (pid {victim}) died (killed by SIG{o.sig})" not in said:
             o.note = "the launcher did not name the dead rank and its signal"
-    while _alive(tree) and time.monotonic() - exited < BOUND_S:
+    while alive(tree) and time.monotonic() - exited < BOUND_S:
         time.sleep(0.05)
     o.stop_s = time.monotonic() - t0
-    o.orphans = _alive(tree)
+    o.orphans = alive(tree)
     for pid in o.orphans:  # leave nothing behind for the next fault
         try:
             os.kill(pid, signal.SIGKILL)
