@@ -33,7 +33,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-SKIP_PREFIXES = ("time/", "gpu/", "mem/", "perf/", "throughput/", "system/")
+SKIP_PREFIXES = ("time/", "gpu/", "mem/", "perf/", "throughput/", "system/", "sys/")
 SKIP_KEYS = {"time", "wall_s", "step"}
 DEFAULT_ATOL, DEFAULT_RTOL = 1e-6, 1e-4
 # Engine-vs-actor log-prob mismatch diagnostics are differences of two computations of the same

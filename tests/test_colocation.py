@@ -280,11 +280,9 @@ def test_colocated_run_equals_separate_run(tmp_path):
     assert len(sep) == len(colo) == 3  # the start's validation + 2 steps
     assert all(r["actor/grad_norm"] > 0 for r in colo[1:])  # real updates to carry over
     for a, b in zip(sep, colo):
-        keys = {k for k in a if not k.startswith(("time", "gpu/", "rollout/weight_sync_"))
-                and k != "wall_s"}
-        assert keys == {k for k in b if not k.startswith(("time", "gpu/",
-                                                          "rollout/weight_sync_"))
-                        and k != "wall_s"}
+        volatile = ("time", "gpu/", "sys/", "rollout/weight_sync_")  # sys/: RSS, open fds
+        keys = {k for k in a if not k.startswith(volatile) and k != "wall_s"}
+        assert keys == {k for k in b if not k.startswith(volatile) and k != "wall_s"}
         for k in keys:
             assert a[k] == b[k], k  # bit for bit: the offload round trip is exact
     assert all("time/colocate_swap" in r for r in colo if "policy/pg_loss" in r)

@@ -139,7 +139,7 @@ def _train(out, *overrides: str) -> list[dict]:
 
 
 FLEET_ONLY = ("rollout/offpolicy_lag", "rollout/offpolicy_lag_max", "rollout/weight_sync",
-              "rollout/request_retries", "rollout/aborted_requests", "time/", "gpu/")
+              "rollout/request_retries", "rollout/aborted_requests", "time/", "gpu/", "sys/")
 
 
 @pytest.mark.slow

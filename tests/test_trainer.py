@@ -29,7 +29,8 @@ def run_train(config: str, out, *overrides: str, timeout: int = 600) -> str:
 
 def metrics(out) -> list[dict]:
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return [{k: v for k, v in r.items() if k not in VOLATILE and not k.startswith("time/")}
+    return [{k: v for k, v in r.items()
+             if k not in VOLATILE and not k.startswith(("time/", "sys/"))}  # sys/: RSS, fds
             for r in rows]
 
 
