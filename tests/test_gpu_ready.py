@@ -284,7 +284,7 @@ def test_nonzero_once_per_minibatch_not_per_micro_batch():
 def test_spot_check_converts_only_two_rows():
     from megatron_rl.rollout.weight_sync.common import SyncStrategy
 
-    s = SyncStrategy([], "/nonexistent")
+    s = SyncStrategy([], "/nonexistent", spots_per_send=1)  # spot checks are off by default
     w = torch.randn(1000, 64).bfloat16()  # a bf16 bucket tensor: .float() is a real copy
     with _OpCounter() as c:
         s._remember_spots([("w", w)])
