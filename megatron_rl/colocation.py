@@ -52,6 +52,13 @@ PLACEMENT_ERROR = (
     "actor is offloaded during rollout and the servers release their memory during the update)")
 
 
+def on_cpu(s) -> bool:
+    """Whether started SGLang servers run on the CPU (``--device cpu`` in ``extra_args``)."""
+    args = [str(a) for a in (getattr(s, "extra_args", None) or [])]
+    return any(a == "--device=cpu" or (a == "--device" and args[k + 1:k + 2] == ["cpu"])
+               for k, a in enumerate(args))
+
+
 def server_gpus(s, i: int) -> list[str]:
     """CUDA device ids of started server ``i``: ``rollout.sglang.gpus``, or -- colocated SGLang
     servers with no list -- the trainer's own GPUs, ``tp_size`` per server from its first GPU
@@ -65,10 +72,10 @@ def server_gpus(s, i: int) -> list[str]:
         visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
         n = s.num_servers * s.tp_size
         gpus = visible[:n] if visible else [str(g) for g in range(n)]
-    elif s.launcher == "sglang":
+    elif s.launcher == "sglang" and not on_cpu(s):
         raise ConfigError(PLACEMENT_ERROR)
     else:
-        gpus = []  # our CPU serve
+        gpus = []  # our CPU serve, or SGLang started with --device cpu
     return gpus[i * s.tp_size:(i + 1) * s.tp_size]
 
 

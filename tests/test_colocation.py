@@ -325,6 +325,8 @@ def test_colocation_config_accepted_and_server_placement(monkeypatch):
     # a separate fleet keeps its own list; our CPU serve gets none
     assert server_gpus(SGLangSection(launcher="sglang", gpus=[6, 7], num_servers=2), 1) == ["7"]
     assert server_gpus(SGLangSection(colocate=True), 0) == []
+    # SGLang on the CPU (--device cpu) needs no GPUs
+    assert server_gpus(SGLangSection(launcher="sglang", extra_args=["--device", "cpu"]), 0) == []
     # SGLang servers on the trainer's GPUs without colocation: refused when they would start
     with pytest.raises(ConfigError, match="rollout.sglang.gpus.*rollout.sglang.colocate=true"):
         server_gpus(SGLangSection(launcher="sglang"), 0)
