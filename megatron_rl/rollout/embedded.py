@@ -17,6 +17,7 @@ import torch
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.rollout.engine import Bucket, Completion, SamplingParams
+from megatron_rl.rollout.memory_occupation import tensor_bytes
 
 
 class WeightSyncError(RuntimeError):
@@ -51,7 +52,7 @@ def _digest(items: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, t in sorted(items, key=lambda x: x[0]):
         h.update(name.encode())
-        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        h.update(tensor_bytes(t.detach().to(torch.float32).contiguous().cpu()))  # not .numpy()
     return h.hexdigest()
 
 

@@ -120,3 +120,12 @@ def resume_servers(urls: list[str], tags: list[str] | None = None,
                    timeout: float = 600.0) -> None:
     """``/resume_memory_occupation`` on every server (raises ``ServerError`` on a refusal)."""
     _post_all(urls, "/resume_memory_occupation", {"tags": tags}, timeout)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of contiguous CPU tensor ``t``'s memory. Not ``t.numpy()``: exporting
+    to numpy marks the storage non-resizable for good, and releasing weights resizes it to 0."""
+    import ctypes
+
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")

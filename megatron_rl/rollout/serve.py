@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.rollout.memory_occupation import MemoryOccupation
+from megatron_rl.rollout.memory_occupation import MemoryOccupation, tensor_bytes
 from megatron_rl.rollout.sampling import sample_completion, teacher_forced_logprobs
 
 NEW_RULES, OLD_RULES = "0.5.21", "0.5.20"
@@ -135,11 +135,11 @@ def read_shm_into(model: torch.nn.Module, meta: dict) -> int:
             dtype = dtype_of(dt)
             direct = p.dtype == dtype and p.device.type == "cpu" and p.is_contiguous()
             dst = p.detach() if direct else torch.empty(shape, dtype=dtype)
-            buf = dst.reshape(-1).view(torch.uint8).numpy()
+            buf = tensor_bytes(dst)
             f.seek(int(off))
             got = f.readinto(buf)
-            if got != buf.nbytes:
-                raise ValueError(f"weight {name!r}: {got} of {buf.nbytes} bytes in the bucket")
+            if got != len(buf):
+                raise ValueError(f"weight {name!r}: {got} of {len(buf)} bytes in the bucket")
             if not direct:
                 p.copy_(dst)
     return len(meta["tensors"])
@@ -309,7 +309,7 @@ class ServeState:
         with self.lock:
             for name, p in sorted(self.model.named_parameters()):
                 h.update(name.encode())
-                h.update(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+                h.update(tensor_bytes(p.detach().contiguous().cpu()))
         return {"success": True, "message": "Success.", "per_engine_checksum": h.hexdigest()}
 
     def update_from_tensor(self, req: dict) -> dict:
