@@ -154,26 +154,18 @@ def test_no_host_sync_calls_in_loss_package():
 
 
 def test_compute_loss_runs_without_host_sync():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountSyncs(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                CountSyncs.n += 1
-            return func(*args, **(kwargs or {}))
+    from megatron_rl.testing.device_spy import CountHostSyncs
 
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     ctx = ReductionContext.from_minibatch(mask, group=None)
     cfg = LossConfig(policy_loss="kl_cov", kl_cov_ratio=0.3, use_kl_loss=True, erc=True)
     inp = inputs(mask=mask, entropy=torch.ones(2, 3), old_entropy=torch.ones(2, 3),
                  ref_logp=torch.zeros(2, 3))
-    with CountSyncs():
+    with CountHostSyncs() as syncs:
         sel = select_cov_tokens(ctx, cfg, inp.logp, inp.old_logp, inp.advantages, mask)
         inp.cov_selected = sel.selected[0]
         out = compute_loss(inp, cfg, ctx)
         acc = MetricAccumulator()
         acc.update(out.stats)
         acc.reduce(ctx)
-    assert CountSyncs.n == 0
+    assert syncs.n == 0

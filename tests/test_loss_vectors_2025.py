@@ -404,26 +404,18 @@ def _random_inputs(device: str, seed: int = 0) -> tuple[LossInputs, torch.Tensor
 
 @pytest.mark.parametrize("name", NEW_LOSSES)
 def test_new_losses_run_without_host_sync(name):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountSyncs(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                CountSyncs.n += 1
-            return func(*args, **(kwargs or {}))
+    from megatron_rl.testing.device_spy import CountHostSyncs
 
     inp, _ = _random_inputs("cpu")
     cfg = LossConfig.for_algorithm(name, rollout_correction="tis", dppo_sq_log_ratio_coef=1e-3)
     ctx = Ctx.from_minibatch(inp.mask, group=None)
-    with CountSyncs():
+    with CountHostSyncs() as syncs:
         out = compute_loss(inp, cfg, ctx)
         out.loss_for_backward.backward()
         acc = MetricAccumulator()
         acc.update(out.stats)
         acc.reduce(ctx)
-    assert CountSyncs.n == 0
+    assert syncs.n == 0
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange,
              torch.rand, torch.randn, torch.randint, torch.eye, torch.linspace,
@@ -139,3 +140,17 @@ def _tensors(out: Any) -> Iterable[torch.Tensor]:
         for o in out:
             if isinstance(o, torch.Tensor):
                 yield o
+
+
+class CountHostSyncs(TorchDispatchMode):
+    """Counts device→host syncs (``aten._local_scalar_dense``: ``.item()``, ``bool(t)``, …) in
+    the ``with`` block: ``with CountHostSyncs() as c: ...; assert c.n == 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
