@@ -15,6 +15,9 @@ so every test here runs TP1xPP1; the multi-rank layouts stay covered by the gloo
 * out-of-range labels fail on CUDA in the fused and the unfused head (async device assert);
 * a checkpoint saved on the GPU loads on the CPU (fp32) and back, with the fp32 main weights
   restored exactly;
+* the reference model offloaded to pinned host memory (``actor.offload_ref``) gives bit-identical
+  reference log-probs to a resident one, frees its device bytes between passes and keeps its
+  device buffer across passes;
 * the tiny main job at TP1xPP1 on one GPU finishes on CUDA in bf16 (read back from its
   checkpoint) and its training reward goes up.
 """
@@ -153,6 +156,49 @@ def test_checkpoint_saved_on_gpu_loads_on_cpu_and_back(tmp_path):
     assert on_gpu["device"].startswith("cuda")
     for k, w in cpu_saved["weights"].items():
         assert torch.equal(on_gpu["weights"][k], w), k
+
+
+def _ref_offload_worker() -> dict:
+    from test_actor_layout import make_global_batch
+    from test_precision import _ref_buffer_steps
+
+    from megatron_rl.loss import LossConfig
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=300)
+    kl = LossConfig.for_algorithm("grpo", use_kl_loss=True, kl_loss_coef=0.1)
+    out = {}
+    for name, offload in (("resident", False), ("offload", True)):
+        actor = _actor("bf16", loss=kl, offload_ref=offload)
+        batch = runtime.move_batch_(make_global_batch(), runtime.device())
+        batch.pop("old_noise")
+        before = torch.cuda.memory_allocated()
+        actor.add_ref_logprobs(batch)
+        out[name] = {"ref_logp": batch["ref_logp"].cpu(),
+                     "held": torch.cuda.memory_allocated() - before}
+        if offload:
+            off = actor.ref_offload
+            out["device"], out["host_pinned"] = str(off.storage.device), off.host.is_pinned()
+            out["nbytes"] = off.nbytes
+            steps = _ref_buffer_steps(actor, batch)
+            steps["logps"] = [x.cpu() for x in steps["logps"]]
+            out["steps"] = steps
+        del actor
+    runtime.shutdown()
+    return out
+
+
+def test_reference_offload_pinned_on_cuda():
+    (out,) = spawn(_ref_offload_worker, 1, (), timeout_s=600)
+    assert out["device"].startswith("cuda") and out["host_pinned"]
+    assert torch.equal(out["offload"]["ref_logp"], out["resident"]["ref_logp"])
+    steps = out["steps"]
+    assert steps["keys"][0] == steps["keys"][1] and steps["keys"][0][3]
+    assert steps["bytes_after"] == 0 and steps["pinned"]
+    for logp in steps["logps"]:
+        assert torch.equal(logp, out["resident"]["ref_logp"])
+    # the pass leaves nothing of the weights allocated: only its outputs remain
+    assert out["offload"]["held"] < out["nbytes"], (out["offload"]["held"], out["nbytes"])
 
 
 @pytest.mark.timeout(1800)

@@ -213,9 +213,12 @@ def _memory_worker() -> dict:
         actor.add_old_logprobs(batch)
         actor.add_ref_logprobs(batch)
         hist = actor.update(batch, 0)
+        if actor.ref_offload is not None:  # a second step: same buffer, same bytes
+            out["ref_buffer"] = _ref_buffer_steps(actor, batch)
         out[name] = {"weights": main_weights(actor), "loss": hist[-1]["actor/loss"],
                      "ref_logp": batch["ref_logp"].clone(),
-                     "ref_device": str(next(actor.ref_model.parameters()).device),
+                     "ref_bytes_between": sum(p.untyped_storage().nbytes()
+                                              for p in actor.ref_model.parameters()),
                      "offload": actor.offload_ref,
                      "checkpointed": sum(getattr(m, "checkpoint_core_attention", False)
                                          for m in actor.model.modules()),
@@ -224,12 +227,36 @@ def _memory_worker() -> dict:
     return out
 
 
+def _ref_buffer_steps(actor, batch: dict) -> dict:
+    """Two more reference passes of the offloaded reference model: the flat buffer's identity,
+    whether every weight views it, and the log-probs of each pass."""
+    off = actor.ref_offload
+    params = list(actor.ref_model.parameters())
+    keys = []
+    logps = []
+    for _ in range(2):
+        keys.append((id(off.storage), off.storage._cdata, [id(p) for p in params],
+                     all(p.untyped_storage()._cdata == off.storage._cdata for p in params)))
+        b = {k: v for k, v in batch.items() if k != "ref_logp"}
+        actor.add_ref_logprobs(b)
+        logps.append(b["ref_logp"])
+    return {"keys": keys, "logps": logps, "bytes_after": off.storage.nbytes(),
+            "host": off.host.nbytes, "pinned": off.pin}
+
+
 def test_recompute_and_reference_offload_give_the_same_numbers():
     (out,) = spawn(_memory_worker, 1, (), timeout_s=300)
     base = out["none"]
     assert base["granularity"] is None and base["checkpointed"] == 0
     assert out["selective"]["checkpointed"] >= 4 and out["full"]["granularity"] == "full"
-    assert out["offload"]["offload"] and out["offload"]["ref_device"] == "cpu"
+    assert out["offload"]["offload"] and not out["resident"]["offload"]
+    # Offloaded: no device bytes between passes; resident: the weights stay.
+    assert out["offload"]["ref_bytes_between"] == 0 and out["resident"]["ref_bytes_between"] > 0
+    buf = out["ref_buffer"]
+    assert buf["keys"][0] == buf["keys"][1] and buf["keys"][0][3], buf["keys"]  # kept buffer
+    assert buf["bytes_after"] == 0 and buf["host"] > 0 and not buf["pinned"]  # no CUDA here
+    for logp in buf["logps"]:  # every later pass is bit-exact too
+        assert torch.equal(logp, base["ref_logp"])
     for name in ("selective", "full", "offload", "resident"):
         assert out[name]["loss"] == base["loss"], name
         assert torch.equal(out[name]["ref_logp"], base["ref_logp"]), name

@@ -16,7 +16,6 @@ from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import (
     apply_recompute,
-    move_module_,
     resolve_offload_ref,
     set_precision,
     wrap_precision,
@@ -67,8 +66,11 @@ class Actor:
             set_precision(ref_model, actor_cfg.precision)
             self.ref_model = wrap_precision(ref_model).eval().requires_grad_(False)
         self.offload_ref = resolve_offload_ref(actor_cfg.offload_ref)
+        self.ref_offload = None  # weights in (pinned) host memory between reference passes
         if self.ref_model is not None and self.offload_ref:
-            move_module_(self.ref_model, "cpu")  # resident on the host between passes
+            from megatron_rl.actor.offload import FrozenModelOffload
+
+            self.ref_offload = FrozenModelOffload(self.ref_model)
         self.ddp = wrap_ddp(self.net, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
         # megatron's schedule multiplies each loss by this before backward (the fp16 loss scale;
@@ -112,15 +114,13 @@ class Actor:
     def add_ref_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The reference pass: adds ``ref_logp`` (no-op when no KL term is configured)."""
         if self.ref_model is not None:
-            from megatron_rl.parallel.runtime import device
-
-            if self.offload_ref:
-                move_module_(self.ref_model, device())
+            if self.ref_offload is not None:
+                self.ref_offload.onload()
             try:
                 out = self.logprobs(batch, compute_entropy=False, model=self.ref_model)
             finally:
-                if self.offload_ref:
-                    move_module_(self.ref_model, "cpu")
+                if self.ref_offload is not None:
+                    self.ref_offload.offload()
             if out is not None:
                 batch["ref_logp"] = out["logp"]
         return batch

@@ -206,3 +206,70 @@ class ActorOffload:
     @property
     def offloaded_groups(self) -> list[str]:
         return [g for g in GROUPS if self.store.offloaded(g)]
+
+
+_ALIGN = 256  # bytes: every region of the flat buffer starts at a CUDA-friendly alignment
+
+
+class FrozenModelOffload:
+    """A frozen model (the reference policy) whose weights live in host memory between passes.
+
+    At construction every distinct storage of the model's parameters and buffers is packed, at
+    256-byte aligned offsets, into ONE flat device buffer (a ``uint8`` storage that is created
+    once and kept for the model's life: its tensors are re-pointed into it with ``set_``, so every
+    parameter stays the same Python object and views that shared a storage still share it), and
+    its bytes are copied once into a host buffer of the same size (pinned when CUDA is available).
+    The weights never change, so:
+
+    - :meth:`offload` only resizes the device buffer to 0 bytes (no copy back; its memory returns
+      to the CUDA caching allocator for the update to use);
+    - :meth:`onload` resizes it back and copies the host bytes in with one ``non_blocking`` copy
+      (ordered on the current stream before the forward that reads it).
+
+    Byte for byte, so the model computes exactly what it computed before it was offloaded. A
+    weight touched while offloaded fails loudly (its storage has 0 bytes). The model starts
+    offloaded.
+    """
+
+    def __init__(self, model: torch.nn.Module, pin: bool | None = None) -> None:
+        tensors = [*model.parameters(), *model.buffers()]
+        if not tensors:
+            raise ValueError("FrozenModelOffload: the model has no parameters or buffers")
+        self.device = tensors[0].device
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        regions: dict[int, tuple[torch.UntypedStorage, int]] = {}  # key -> (storage, offset)
+        total = 0
+        for t in tensors:
+            st = t.untyped_storage()
+            if st._cdata not in regions:
+                regions[st._cdata] = (st, total)
+                total += -(-st.nbytes() // _ALIGN) * _ALIGN
+        self.nbytes = total
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for st, off in regions.values():
+            flat[off:off + st.nbytes()].copy_(_as_bytes(st))
+        self.host = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+        self.host.copy_(flat)
+        self.storage = flat.untyped_storage()
+        with torch.no_grad():
+            for t in tensors:
+                st, off = regions[t.untyped_storage()._cdata]
+                item = t.element_size()
+                t.set_(self.storage, off // item + t.storage_offset(), t.size(), t.stride())
+        del flat
+        self.onloaded = True
+        self.offload()
+
+    def offload(self) -> None:
+        """Free the device copy (no data moves: the host copy is the weights)."""
+        if self.onloaded:
+            self.storage.resize_(0)
+            self.onloaded = False
+
+    def onload(self) -> None:
+        """Re-allocate the device buffer and copy the weights in (non-blocking from pinned
+        memory; stream-ordered before any kernel that reads them)."""
+        if not self.onloaded:
+            self.storage.resize_(self.nbytes)
+            _as_bytes(self.storage).copy_(self.host, non_blocking=self.pin)
+            self.onloaded = True

@@ -9,8 +9,9 @@
   entropy and loss math runs in fp32 (:mod:`megatron_rl.models.heads`).
 - ``actor.recompute``: ``none`` | ``selective`` (core attention) | ``full`` (every layer),
   megatron's ``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``.
-- ``actor.offload_ref``: the frozen reference model's weights live on the CPU between reference
-  passes (default on with CUDA).
+- ``actor.offload_ref``: the frozen reference model's weights live in pinned host memory between
+  reference passes and are copied into a kept device buffer for each pass (default on with
+  CUDA; :class:`megatron_rl.actor.offload.FrozenModelOffload`).
 """
 
 from __future__ import annotations
@@ -126,11 +127,6 @@ def bare_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
-
-
-def move_module_(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Move ``model``'s parameters and buffers to ``device`` (the reference offload)."""
-    model.to(device)
 
 
 def precision_of(model: torch.nn.Module) -> str:
