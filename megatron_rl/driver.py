@@ -1,12 +1,16 @@
 """Rank 0's share of the RL loop: prompts, rollout engine, rewards, validation, logging and early
 stopping. Every method is called on all ranks (SPMD); rank 0 does the work and the results the
-other ranks need (the batch, the stop decision) are broadcast, so the loop has no rank branches.
+other ranks need are sent to them, so the loop has no rank branches: each rank receives only its
+data-parallel rows of the step batch (:func:`scatter_rows`; the TP/PP ranks of one DP rank get
+the same rows), and the small objects (metrics, the stop decision) are broadcast.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
@@ -17,6 +21,78 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     from megatron_rl.parallel.runtime import broadcast_object as host_broadcast
 
     return host_broadcast(obj, src)
+
+
+def dp_rank_table() -> list[int]:
+    """The data-parallel rank of every global rank (collective over the host group)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.parallel.runtime import host_group
+
+    table: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(table, ps.get_data_parallel_rank(), group=host_group())
+    return [int(x) for x in table]
+
+
+def _pack(rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """int64 tensors (token ids) travel as int32 when their values fit (half the bytes)."""
+    out: dict[str, Any] = {}
+    for k, v in rows.items():
+        if isinstance(v, torch.Tensor) and v.dtype == torch.int64 and (
+                v.numel() == 0 or -2**31 <= int(v.min()) and int(v.max()) < 2**31):
+            out[k] = ("int64 as int32", v.to(torch.int32))
+        else:
+            out[k] = v
+    return out
+
+
+def _unpack(rows: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v[1].to(torch.int64) if isinstance(v, tuple) and v[0] == "int64 as int32" else v
+            for k, v in rows.items()}
+
+
+def scatter_rows(batch: dict[str, torch.Tensor] | None, metrics: Any, table: list[int],
+                 dp: int, mini: int) -> tuple[dict[str, torch.Tensor] | None, Any, int]:
+    """Rank 0's step ``batch`` (host tensors ``[N, ...]``, or None on every rank but 0) ->
+    ``(this rank's rows, metrics, bytes this rank received)`` on every rank.
+
+    Rank 0 cuts the rows of each DP rank (:func:`megatron_rl.rollout.collect.dp_rows`, the order
+    the loss assumes), pickles each DP rank's share once and sends it, over the gloo host group,
+    to every global rank with that DP rank (``table``: :func:`dp_rank_table`); so each rank
+    receives ``1/dp`` of the batch instead of all of it. The rows are the same tensors the
+    broadcast-then-slice path gives (token ids travel as int32 and come back as int64). A
+    ``None`` batch (every group filtered out) arrives as ``None`` everywhere.
+    """
+    from megatron_rl.parallel.runtime import host_group
+    from megatron_rl.rollout.collect import dp_rows
+
+    group, rank = host_group(), dist.get_rank()
+    if rank == 0:
+        shares: list[dict | None] = [None] * dp
+        if batch is not None:
+            n = batch["tokens"].shape[0]
+            shares = [{k: v[dp_rows(n, dp, d, mini)] for k, v in batch.items()}
+                      for d in range(dp)]
+        blobs: dict[int, torch.Tensor] = {}
+        works = []
+        for dst in range(1, len(table)):
+            d = table[dst]
+            if d not in blobs:
+                obj = (None if shares[d] is None else _pack(shares[d]), metrics)
+                blobs[d] = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)),
+                                            dtype=torch.uint8)
+            size = torch.tensor([blobs[d].numel()], dtype=torch.int64)
+            works += [dist.isend(size, dst=dst, group=group),
+                      dist.isend(blobs[d], dst=dst, group=group)]
+        for w in works:
+            w.wait()
+        return shares[table[0]], metrics, 0
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=0, group=group)
+    blob = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(blob, src=0, group=group)
+    rows, metrics = pickle.loads(blob.numpy().tobytes())
+    return (None if rows is None else _unpack(rows)), metrics, size.numel() * 8 + blob.numel()
 
 
 class RolloutDriver:
@@ -44,6 +120,8 @@ class RolloutDriver:
         self.engine = self.tracker = None
         self.history: list[dict] = []
         self.val_start: float | None = None
+        self._dp_table: list[int] | None = None
+        self.received_bytes = 0  # the last step's rows, as this rank received them
 
     def start(self, make_engine, start_step: int, resuming: bool) -> None:
         """Create the engine and the metrics tracker (rank 0)."""
@@ -61,9 +139,11 @@ class RolloutDriver:
                                progress_keys=PROGRESS_KEYS)
 
     # ---- rollout ------------------------------------------------------------------------------
-    def collect(self, step: int, rows_multiple: int) -> tuple[dict | None, dict]:
-        """Generate, score and filter one step's responses; the padded batch on every rank
-        (None when every group was filtered out) and the rollout metrics."""
+    def collect(self, step: int, rows_multiple: int, dp: int, mini: int
+                ) -> tuple[dict | None, dict]:
+        """Generate, score and filter one step's responses; this rank's data-parallel rows of
+        the padded batch on every rank (host tensors; None everywhere when every group was
+        filtered out) and the rollout metrics (:func:`scatter_rows`)."""
         from megatron_rl.rollout.collect import collect_step, records_to_batch
 
         batch = metrics = None
@@ -80,7 +160,11 @@ class RolloutDriver:
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                          rows_multiple)
-        return broadcast_object((batch, metrics))
+        if self._dp_table is None:
+            self._dp_table = dp_rank_table()
+        local, metrics, self.received_bytes = scatter_rows(batch, metrics, self._dp_table, dp,
+                                                           mini)
+        return local, metrics
 
     def validate(self) -> float | None:
         """Validation accuracy on rank 0 (greedy unless ``rollout.val_temperature > 0``)."""

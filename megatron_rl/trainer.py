@@ -2,7 +2,8 @@
 prompts, the rollout engine, logging and early stopping, and broadcasts what the others need).
 
     for step in steps:
-        batch    = driver.collect(step)              # rollout, rewards, filters (rank 0)
+        batch    = driver.collect(step)              # rollout, rewards, filters (rank 0);
+                                                     # each rank receives its DP rows
         batch   += actor.old_logprobs(batch); batch += actor.ref_logprobs(batch)
         metrics  = actor.update(batch)               # losses of ALGORITHMS.md
         sync_weights(actor -> engine)
@@ -33,7 +34,6 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     from megatron_rl.actor.checkpoint import latest_checkpoint
     from megatron_rl.host_stats import host_stats
     from megatron_rl.parallel import runtime
-    from megatron_rl.rollout.collect import dp_rows
     from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
     from megatron_rl.run_guard import prune_checkpoints, write_config
     from megatron_rl.tracking import gpu_stats
@@ -78,7 +78,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
               version=start)
     driver.validate_start()
 
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp = ps.get_data_parallel_world_size()
     mini = cfg.actor.mini_batch_size
     rows_multiple = mini or dp * cfg.actor.micro_batch_size
     reporter = runtime.last_stage_rank()
@@ -86,14 +86,12 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     step = start
     for step in range(start, t.total_steps):
         ph = Phases(step)  # phase timers (and fault-injection markers, tools/chaos.py)
-        with ph("rollout"):
-            batch, metrics = driver.collect(step, rows_multiple)
-        if batch is None:  # every group filtered out (RV filter): nothing to train this step
+        with ph("rollout"):  # each rank receives its DP rows only
+            local, metrics = driver.collect(step, rows_multiple, dp, mini)
+        if local is None:  # every group filtered out (RV filter): nothing to train this step
             driver.skip_step(step, metrics)
             continue
         colo.after_rollout(ph)  # colocated: servers release their memory, the actor returns
-        local = {k: v[dp_rows(batch["tokens"].shape[0], dp, dp_rank, mini)]
-                 for k, v in batch.items()}
         runtime.move_batch_(local, runtime.device())  # once: every pass below reads it there
         with ph("old_logp"):
             actor.add_old_logprobs(local)

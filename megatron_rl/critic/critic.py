@@ -7,6 +7,12 @@ final-norm hidden states, so its gradient is identical on all of them). The valu
 ``t`` is read from the hidden state at ``t - 1`` (the state before the token was generated), the
 same position convention as the actor's log-probs.
 
+Precision follows ``actor.precision``: in bf16/fp16 the trunk is wrapped in megatron's
+``Float16Module`` (half-precision weights and activations), gradients accumulate and reduce in
+fp32 and megatron's mixed-precision optimizer keeps fp32 main weights, as for the actor. The value
+head is cast with the trunk (megatron's mixed-precision optimizer and its checkpoint format expect
+one dtype per model); its output is upcast, so GAE and the value loss are computed in fp32.
+
 Per RL step (all ranks, SPMD; tensors on the model's device, host values only in metrics):
 
 1. :meth:`Critic.add_advantages`: forward-only values ``[N, S]``, GAE + whitening
@@ -29,6 +35,7 @@ import torch.distributed as dist
 from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import _position_ids, validate_micro_batches
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_rl.actor.precision import model_call_kwargs, set_precision, wrap_precision
 from megatron_rl.actor.train_step import ActorConfig, minibatch_slices, split_rows
 from megatron_rl.critic.gae import gae_advantages, masked_whiten
 from megatron_rl.critic.value_loss import value_loss_token_mean
@@ -61,14 +68,18 @@ class Critic:
         self.actor_cfg = dataclasses.replace(
             actor_cfg, mini_batch_size=critic_cfg.mini_batch_size or actor_cfg.mini_batch_size,
             ppo_epochs=critic_cfg.ppo_epochs)
-        self.model = _build_model(model_cfg, seed, full_state)
+        self.model = _build_model(model_cfg, seed, full_state)  # fp32, then cast
         if _is_last_stage():
             device = next(self.model.parameters()).device
             head = torch.nn.Linear(model_cfg.hidden_size, 1, bias=True)
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
             self.model.value_head = head.to(device)
-        self.ddp = wrap_ddp(self.model)
+        self.precision = set_precision(self.model, actor_cfg.precision)
+        # ``self.net`` runs: ``Float16Module(self.model)`` in half precision (casts the weights)
+        self.net = wrap_precision(self.model)
+        self._call = model_call_kwargs(self.net)  # half-precision hidden states on the last stage
+        self.ddp = wrap_ddp(self.net)
         optim = OptimConfig(lr=critic_cfg.lr, weight_decay=critic_cfg.weight_decay,
                             clip_grad=critic_cfg.clip_grad)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim, total_steps)
@@ -89,23 +100,23 @@ class Critic:
 
         mbs = self._micro_batches(batch)
         bsz, seq = validate_micro_batches(mbs)
-        model = self.model
+        model, net = self.model, self.net
         device = next(model.parameters()).device
 
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None)
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call)
             return hidden, lambda h, non_loss_data=True: token_values(model, h, mask)
 
-        model.eval()
+        net.eval()
         try:
             outs = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(mbs), model=[model],
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[net],
                 num_microbatches=len(mbs), seq_length=seq, micro_batch_size=bsz,
                 forward_only=True, collect_non_loss_data=True)
         finally:
-            model.train()
+            net.train()
         return torch.cat(list(outs)) if _is_last_stage() else None
 
     def add_advantages(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +158,7 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None)
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call)
 
             def loss_func(h):
                 vpred = token_values(model, h, mask)
