@@ -65,7 +65,7 @@ class ActorConfig:
     fused_logprob_entropy: bool | None = None  # None: on when CUDA is available
     precision: str | None = None  # bf16 | fp16 | fp32; None: bf16 with CUDA, fp32 on CPU
     recompute: str = "none"  # none | selective | full (megatron activation recomputation)
-    offload_ref: bool | None = None  # reference weights on CPU between passes; None: on with CUDA
+    offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
 
     @property
     def use_fused_head(self) -> bool:
