@@ -71,7 +71,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 
     if resuming and runtime.is_rank0():
         print(f"[train] resumed from checkpoint at step {start}", flush=True)
-    colo = Colocation(cfg, actor, driver)  # rollout.sglang.colocate: take turns with the GPUs
+    colo = Colocation(cfg, actor, driver, critic)  # rollout.sglang.colocate: take turns with GPUs
     colo.before_engine_start()
     driver.start(setup.make_engine, start, resuming)
     colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
@@ -122,8 +122,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         if (step + 1) % t.save_freq == 0 or step + 1 == t.total_steps or decision.stop:
             with colo.resident():
                 actor.save(ckpt_root, step, driver.state_dict(step + 1))
-            if critic is not None:
-                critic.save(critic_root, step)
+                if critic is not None:
+                    critic.save(critic_root, step)
             if runtime.is_rank0():
                 prune_checkpoints(ckpt_root, t.keep_checkpoints)
                 if critic is not None:

@@ -296,8 +296,6 @@ def test_colocated_run_equals_separate_run(tmp_path):
     (["rollout.sglang.colocate=true"], "needs rollout.engine='sglang'"),
     (["rollout.engine=sglang", "rollout.sglang.colocate=true",
       "rollout.sglang.weight_sync=from_distributed"], "from_tensor"),
-    (["rollout.engine=sglang", "rollout.sglang.colocate=true", "trainer.advantage=gae",
-      "env.name=frozenlake"], "does not offload the critic"),
 ])
 def test_colocation_config_errors(overrides, match):
     from megatron_rl.config import ConfigError, load_config
@@ -316,6 +314,10 @@ def test_colocation_config_accepted_and_server_placement(monkeypatch):
         "rollout.sglang.weight_sync=from_tensor", "rollout.sglang.tp_size=2"])
     s = cfg.rollout.sglang
     assert "--enable-memory-saver" in server_command(s, 1, "/m", None)
+    gae = load_config("examples/tiny_dapo.yaml", [  # the critic is offloaded too
+        "rollout.engine=sglang", "rollout.sglang.colocate=true", "trainer.advantage=gae",
+        "env.name=frozenlake"])
+    assert gae.rollout.sglang.colocate and gae.trainer.advantage == "gae"
     assert "--enable-memory-saver" not in server_command(SGLangSection(launcher="sglang"), 1,
                                                          "/m", None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -401,37 +403,53 @@ def _handoffs() -> dict:
                                                   "rollout.sglang.weight_sync=from_tensor"])
     actor = _actor("fp32", False)
     from test_actor_layout import make_global_batch
+    from test_critic_layout import _critic
+    from test_critic_layout import make_batch as critic_batch
 
     batch = make_global_batch()
     batch.pop("old_noise")
     _step(actor, batch, 0)
     full = device_bytes(actor, "cpu")
+    critic = _critic(total_steps=2)  # a GAE critic moves with the actor
+    critic.update(critic.add_advantages(critic_batch()), 0)
+    values = critic.values(critic_batch())
     driver = SimpleNamespace(engine=SimpleNamespace(fleet=SimpleNamespace(urls=[url]))
                              if rank0 else None)
-    colo = Colocation(cfg, actor, driver)
-    seen: dict = {"full": full}
+    colo = Colocation(cfg, actor, driver, critic)
+    seen: dict = {"full": full, "critic_full": device_bytes(critic, "cpu"), "critic": {}}
+
+    def critic_bytes(tag: str) -> None:
+        seen["critic"][tag] = device_bytes(critic, "cpu")
 
     def released() -> list:
         return http_json("GET", url + "/server_info")["internal_states"][0]["memory_released"]
 
     colo.before_engine_start()
     seen["start"] = device_bytes(actor, "cpu")
+    critic_bytes("start")
 
     def fake_sync(tag: str) -> None:  # what the weight sync sees (collective, like the real one)
         seen[tag] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+        critic_bytes(tag)
         runtime.broadcast_object(None)
 
     colo.sync(fake_sync, "first_sync")
     seen["rollout"] = (device_bytes(actor, "cpu"), released())
     runtime.broadcast_object(None)  # the rollout's batch broadcast
+    critic_bytes("rollout")
     colo.after_rollout()
     seen["update"] = (device_bytes(actor, "cpu"), released())
+    critic_bytes("update")
+    seen["critic_values_kept"] = torch.equal(critic.values(critic_batch()), values)
     _step(actor, batch, 1)
+    critic.update(critic.add_advantages(critic_batch()), 1)
     colo.sync(fake_sync, "sync")
     with colo.resident():
         seen["save"] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
+        critic_bytes("save")
         runtime.broadcast_object(None)  # the save is collective too
     seen["after_save"] = (device_bytes(actor, "cpu"), released())
+    critic_bytes("after_save")
     runtime.broadcast_object(None)  # every rank has asked before the server stops
     if srv is not None:
         srv.shutdown()
@@ -449,3 +467,7 @@ def test_colocated_handoffs_in_order(roundtrips):
         held, rel, groups = s["save"]  # a save: params + optimizer, servers drop the KV cache
         assert rel == ["kv_cache"] and groups == ["grads"] and 0 < held < s["full"]
         assert s["after_save"] == (0, [])
+        c = s["critic"]  # the critic: on the device for values + update (bit-exact), and a save
+        assert c["update"] == s["critic_full"] > 0 and s["critic_values_kept"]
+        assert c["start"] == c["first_sync"] == c["rollout"] == c["sync"] == 0
+        assert 0 < c["save"] < s["critic_full"] and c["after_save"] == 0

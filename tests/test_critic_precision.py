@@ -1,4 +1,4 @@
-"""The critic honours ``actor.precision`` (issue 21): in bf16 it runs megatron's
+"""The critic honours ``actor.precision`` (issue 21): in bf16 (and fp16) it runs megatron's
 ``Float16Module`` (value head included; its output is upcast to fp32) with fp32 gradient buffers
 and fp32 main weights in the mixed-precision optimizer, like the actor. Against the fp32 critic
 on the same weights and batches over two updates, value-loss metrics agree to 2e-2 relative
@@ -29,7 +29,7 @@ def _worker(ckpt: str) -> dict:
 
     runtime.init_parallel(tp=1, pp=1, timeout_s=120)
     out = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
         critic = _critic(precision)
         seen = []
         for step in range(2):
@@ -57,17 +57,20 @@ def _worker(ckpt: str) -> dict:
 
 def test_bf16_critic_is_mixed_precision_and_tracks_fp32(tmp_path):
     (out,) = spawn(_worker, 1, (str(tmp_path / "ckpt"),), timeout_s=400)
-    f32, b16 = out["fp32"], out["bf16"]
-    assert f32["weights"] == ["torch.float32"] and b16["weights"] == ["torch.bfloat16"]
-    assert b16["main_grads"] == ["torch.float32"] and b16["values_dtype"] == "torch.float32"
-    assert f32["fp32_mains"] == 0 and b16["fp32_mains"] > 0  # fp32 main weights for bf16 ones
-    for a, b in zip(f32["seen"], b16["seen"]):
-        for key in ("critic/vf_loss", "critic/grad_norm"):
-            x, y = a["metrics"][key], b["metrics"][key]
-            assert abs(x - y) <= 2e-2 * max(1.0, abs(x)), (key, x, y)
-    va, vb = f32["seen"][1]["values"], b16["seen"][1]["values"]
-    assert va.abs().sum() > 0  # the first update moved the (zero-initialised) head
-    gap = float((va - vb).norm() / va.norm())
-    assert gap <= 5e-2, gap
+    f32 = out["fp32"]
+    assert f32["weights"] == ["torch.float32"] and f32["fp32_mains"] == 0
+    for half in ("bf16", "fp16"):  # fp16: the loss is scaled, the optimizer unscales
+        b16 = out[half]
+        assert b16["weights"] == [f"torch.{'bfloat16' if half == 'bf16' else 'float16'}"]
+        assert b16["main_grads"] == ["torch.float32"] and b16["values_dtype"] == "torch.float32"
+        assert b16["fp32_mains"] > 0  # fp32 main weights for the half-precision ones
+        for a, b in zip(f32["seen"], b16["seen"]):
+            for key in ("critic/vf_loss", "critic/grad_norm"):
+                x, y = a["metrics"][key], b["metrics"][key]
+                assert abs(x - y) <= 2e-2 * max(1.0, abs(x)), (half, key, x, y)
+        va, vb = f32["seen"][1]["values"], b16["seen"][1]["values"]
+        assert va.abs().sum() > 0  # the first update moved the (zero-initialised) head
+        gap = float((va - vb).norm() / va.norm())
+        assert gap <= 5e-2, (half, gap)
     before, after = out["resume"]
     assert torch.equal(before, after)

@@ -171,7 +171,8 @@ def _synchronize(storages: list[torch.UntypedStorage]) -> None:
 
 class ActorOffload:
     """Offload/onload of one rank's :class:`~megatron_rl.actor.actor.Actor` (its DDP model,
-    optimizer and a device-resident reference model). Held outside the actor."""
+    optimizer and a device-resident reference model) or :class:`~megatron_rl.critic.critic.
+    Critic` (its DDP model, value head and optimizer). Held outside the model."""
 
     def __init__(self, actor, device: torch.device | str | None = None) -> None:
         from megatron_rl.parallel.runtime import device as run_device
@@ -183,7 +184,8 @@ class ActorOffload:
 
     def _groups(self) -> dict[str, dict[int, torch.UntypedStorage]]:
         a = self.actor
-        ref = [a.ref_model] if a.ref_model is not None and not a.offload_ref else []
+        resident_ref = getattr(a, "ref_model", None) is not None and not a.offload_ref
+        ref = [a.ref_model] if resident_ref else []
         return actor_groups(a.ddp, a.optimizer, self.device, ref)
 
     def offload(self, groups: Iterable[str] = GROUPS) -> dict[str, int]:

@@ -83,6 +83,9 @@ class Critic:
         optim = OptimConfig(lr=critic_cfg.lr, weight_decay=critic_cfg.weight_decay,
                             clip_grad=critic_cfg.clip_grad)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim, total_steps)
+        # the schedule multiplies each loss by the fp16 loss scale (1 for bf16/fp32), as for the
+        # actor: the optimizer divides the gradients by it
+        self.model.config.grad_scale_func = getattr(self.optimizer, "scale_loss", None)
         self.optimizer_steps = 0
 
     # ---- values and advantages -----------------------------------------------------------------
