@@ -104,6 +104,13 @@ def _timeout_worker(delay_s: float) -> dict:
     if rank == 0:
         time.sleep(delay_s)  # "rank 0 generates a long rollout"
     got = runtime.broadcast_object("batch" if rank == 0 else None)
+    from megatron_rl.driver import dp_rank_table, scatter_rows
+
+    table = dp_rank_table()
+    if rank == 0:
+        time.sleep(delay_s)  # the step batch goes to each rank as its DP rows: same host group
+    rows, _, _ = scatter_rows({"tokens": torch.arange(4).view(2, 2)} if rank == 0 else None,
+                              None, table, 2, 0)
     # a device-group collective with one late rank must fail after the short timeout
     if rank == 0:
         time.sleep(delay_s)
@@ -113,7 +120,8 @@ def _timeout_worker(delay_s: float) -> dict:
         late = "completed"
     except Exception as exc:  # noqa: BLE001 - the timeout is what we look for
         late = type(exc).__name__
-    out = {"got": got, "late": late, "waited": time.monotonic() - t0}
+    out = {"got": got, "rows": rows["tokens"].tolist(), "late": late,
+           "waited": time.monotonic() - t0}
     runtime.shutdown()
     return out
 
@@ -122,6 +130,7 @@ def _timeout_worker(delay_s: float) -> dict:
 def test_host_group_outlives_the_update_timeout():
     outs = spawn(_timeout_worker, 2, (8.0,), timeout_s=300)
     assert [o["got"] for o in outs] == ["batch", "batch"]  # waited 8 s > timeout_s=3
+    assert [o["rows"] for o in outs] == [[[0, 1]], [[2, 3]]]  # its DP rows, after 8 s too
     assert outs[1]["late"] != "completed" and outs[1]["waited"] < 8.0, outs
 
 
