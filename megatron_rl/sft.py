@@ -47,7 +47,10 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
     micro = min(cfg.actor.micro_batch_size, s.batch_size // dp)
     while (s.batch_size // dp) % micro:
         micro -= 1
-    actor = make_actor(cfg, OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0),
+    # the run's optimizer kind: a model that needs the distributed optimizer for RL needs it here
+    optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=1.0,
+                        use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    actor = make_actor(cfg, optim,
                        LossConfig(policy_loss="nll"),
                        s.steps, actor_cfg=dataclasses.replace(
                            cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1,
@@ -71,6 +74,7 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
                 print(f"[sft] step {step + 1}/{s.steps} nll {nll:.3f} "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
     state = gather_main_state_dict(actor.model, actor.optimizer)  # fp32 main weights
+    actor.release()  # cuts the one link the garbage collector cannot follow
     del actor
     release_memory()  # the RL actor is built next: the SFT actor's memory must be back
     return state, log

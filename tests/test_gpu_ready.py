@@ -153,23 +153,36 @@ def test_probe_tolerance_default_follows_precision(overrides, want):
 
 # ---- item 4: the SFT actor is gone before the RL actor is built ---------------------------------
 def _sft_free_worker() -> dict:
+    from megatron_rl.config import load_config
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    out = {}
+    for distopt in ("false", "true"):
+        cfg = load_config(None, ["sft.steps=1", "sft.batch_size=2", "actor.micro_batch_size=1",
+                                 f"optim.use_distributed_optimizer={distopt}"])
+        out[distopt] = _sft_free_once(cfg)
+    runtime.shutdown()
+    return out
+
+
+def _sft_free_once(cfg) -> dict:
     import gc
     import weakref
 
     from megatron_rl import run_setup as setup
-    from megatron_rl.config import load_config
-    from megatron_rl.parallel import runtime
+    from megatron_rl.actor.precision import distributed_optimizers
     from megatron_rl.sft import run_sft
 
-    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
-    cfg = load_config(None, ["sft.steps=1", "sft.batch_size=2", "actor.micro_batch_size=1"])
     refs = []
+    kinds = []
 
     def make_actor(*args, **kwargs):
         actor = setup.make_actor(*args, **kwargs)
         # the model and optimizer: megatron's DDP grad hooks and the optimizer's scale_loss
         # (held by the model config) put them in reference cycles
         refs.append((weakref.ref(actor.model), weakref.ref(actor.optimizer)))
+        kinds.append(bool(distributed_optimizers(actor.optimizer)))
         return actor
 
     gc.disable()  # only an explicit collection may free the cycles (deterministic test)
@@ -179,13 +192,14 @@ def _sft_free_worker() -> dict:
         alive = [r() is not None for r in refs[0]]
     finally:
         gc.enable()
-    runtime.shutdown()
-    return {"alive": alive, "built": len(refs)}
+    return {"alive": alive, "built": len(refs), "distributed_optimizer": kinds[0]}
 
 
 def test_sft_actor_is_freed_before_the_rl_actor():
+    """With either optimizer (the warm start uses the run's ``optim.use_distributed_optimizer``)."""
     (out,) = spawn(_sft_free_worker, 1, (), timeout_s=300)
-    assert out == {"alive": [False, False], "built": 1}
+    assert out == {d: {"alive": [False, False], "built": 1, "distributed_optimizer": d == "true"}
+                   for d in ("false", "true")}
 
 
 # ---- item 6: fused head: cuBLAS probe on the device, label range on every device ----------------

@@ -125,6 +125,17 @@ class Actor:
                 batch["ref_logp"] = out["logp"]
         return batch
 
+    def release(self) -> None:
+        """Prepare a discarded actor for garbage collection (the SFT warm start's actor).
+
+        The model config holds the optimizer (``grad_scale_func``, its bound ``scale_loss``);
+        with megatron's distributed optimizer, the optimizer's shard views of the parameters
+        carry autograd graphs that reach the parameters' gradient accumulators and DDP's hooks,
+        i.e. the model. That cycle runs through C++ autograd nodes the garbage collector cannot
+        traverse, so model, gradients and optimizer state would stay alive for good; cutting
+        the config's link leaves only collectable cycles. The actor cannot train afterwards."""
+        self.model.config.grad_scale_func = None
+
     def update(self, batch: Mapping[str, Any], step: int) -> list[dict[str, float]]:
         """All optimizer steps of one RL step; metrics per mini-batch (last stage)."""
         return self.updater.update(dict(batch), step)
