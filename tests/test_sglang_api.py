@@ -2,6 +2,8 @@
 SGLang client against it, and the weight sync strategies into it. Quick: no router, one server.
 The fleet with the real ``sglang-router`` is in ``test_sglang_fleet.py``."""
 
+import json
+import os
 import threading
 import time
 
@@ -137,17 +139,26 @@ def _random_buckets(seed: int):
 
 
 @pytest.mark.parametrize("rules", ["0.5.21", "0.5.20"])
-@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor"])
+@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor", "from_tensor/shm"])
 def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy, rules):
     url, state = server
     state.rules = rules  # SGLang >= 0.5.21 (sessions) or older
+    strategy, _, transport = strategy.partition("/")
     eng = _engine(url, tmp_path, strategy)
+    if transport:
+        eng.sync.transport = transport
     other, buckets = _random_buckets({"from_disk": 1, "from_tensor": 2,
                                       "from_distributed": 3}[strategy])
     try:
         push_single_process(eng, buckets, version=7)
+        push_single_process(eng, buckets, version=7)  # again: reused buffers / mappings
     finally:
         state.rules = "0.5.21"
+        if strategy == "from_tensor":
+            eng.sync.close()
+    if strategy == "from_tensor":  # which transport carried the buckets
+        assert eng.sync._vm is (None if transport else True)
+        assert bool(state.shm_maps.maps) == (transport == "shm")
     assert not state.session and not eng.sync.sessions
     for (n, p), (n2, q) in zip(other.named_parameters(), state.model.named_parameters()):
         assert n == n2 and torch.equal(p, q), n
@@ -157,6 +168,25 @@ def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy, r
     assert not errors and worst <= 1e-4
     _, bad = probe_check([url], ids, [x + 1e-2 for x in teacher_forced_logprobs(other, ids)], 1e-4)
     assert bad  # the probe does catch a mismatch
+
+
+def test_vm_bucket_from_another_process_is_refused(server):
+    """A ``megatron_rl_vm`` bucket whose pid is not the sender's (the token read there differs)
+    or unreadable is refused with the message the sender falls back on."""
+    from megatron_rl.rollout.weight_sync.from_tensor import VM_UNAVAILABLE
+
+    url, state = server
+    state.session = True
+    token = torch.arange(16, dtype=torch.uint8)
+    p = next(state.model.parameters())
+    for pid, want in ((os.getpid(), [0] * 16), (2**22 + 7, token.tolist())):
+        blob = json.dumps({"pid": pid, "token": [token.data_ptr(), want], "tensors": [
+            ["model.embed_tokens.weight", "float32", list(p.shape), p.data_ptr(),
+             p.numel() * 4]]})
+        with pytest.raises(ServerError, match=VM_UNAVAILABLE):
+            http_json("POST", url + "/update_weights_from_tensor",
+                      {"serialized_named_tensors": [blob], "load_format": "megatron_rl_vm"})
+    state.session = False
 
 
 def _checksum(model) -> str:
