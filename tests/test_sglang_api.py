@@ -203,7 +203,8 @@ def _checksum(model) -> str:
 @pytest.mark.parametrize("rules", ["0.5.21", "0.5.20"])
 def test_from_distributed_joins_through_sglang_rendezvous(tmp_path, rules):
     """A server process joins the sender's group the way SGLang's ranks do (a group name is
-    registered once per process, so the server runs in its own process here, as in a fleet)."""
+    registered once per process, so the server runs in its own process here, as in a fleet);
+    then the same process takes a ``from_tensor`` sync out of this process's memory."""
     import os
     import subprocess
     import sys
@@ -232,6 +233,19 @@ def test_from_distributed_joins_through_sglang_rendezvous(tmp_path, rules):
             assert not errors and worst <= 1e-4
         assert (url in eng.sync.no_session) == (rules == "0.5.20")
         eng.sync.close()
+        # the same server process, from_tensor: it copies the buckets out of this process
+        tens = _engine(url, tmp_path, "from_tensor")
+        other, buckets = _random_buckets(8)
+        try:
+            push_single_process(tens, buckets, version=5)
+        finally:
+            tens.sync.close()
+        assert tens.sync._vm is True  # process_vm_readv, not the shared-memory fallback
+        if rules == "0.5.21":
+            got = http_json("POST", url + "/weights_checker", {"action": "checksum"})
+            assert got["per_engine_checksum"] == _checksum(other)
+        worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-4)
+        assert not errors and worst <= 1e-4
     finally:
         proc.terminate()
         proc.wait(30)
