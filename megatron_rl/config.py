@@ -91,6 +91,8 @@ class SGLangSection:
     #   (None: the interface routed to the servers, else the one routed to MASTER_ADDR)
     serve_rules: str = "0.5.21"  # launcher serve imitates SGLang >= 0.5.21 | "0.5.20" (older)
     flush_retries: int = 60  # /flush_cache refused while requests drain: retries, 1 s apart
+    restart_dead: bool = True  # restart a dead started server; it rejoins after the next sync
+    max_restarts: int = 3  # restarts per started server (then it stays removed)
 
 
 @dataclass

@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     "rollout.sglang.max_retries": NONNEG, "rollout.sglang.max_offpolicy_lag": Range(-1),
     "rollout.sglang.probe_tolerance": POS, "rollout.sglang.probe_length": NONNEG,
     "rollout.sglang.spot_checks": NONNEG, "rollout.sglang.flush_retries": NONNEG,
+    "rollout.sglang.max_restarts": NONNEG,
     "rollout.sglang.server_threads": ONE_UP,
     "rollout.n": ONE_UP, "rollout.temperature": POS, "rollout.top_p": UNIT_OPEN_LOW,
     "rollout.max_new_tokens": ONE_UP, "rollout.val_temperature": NONNEG, "rollout.val_n": ONE_UP,

@@ -2,6 +2,8 @@
 SGLang client against it, and the weight sync strategies into it. Quick: no router, one server.
 The fleet with the real ``sglang-router`` is in ``test_sglang_fleet.py``."""
 
+import json
+import os
 import threading
 import time
 
@@ -137,17 +139,26 @@ def _random_buckets(seed: int):
 
 
 @pytest.mark.parametrize("rules", ["0.5.21", "0.5.20"])
-@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor"])
+@pytest.mark.parametrize("strategy", ["from_disk", "from_tensor", "from_tensor/shm"])
 def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy, rules):
     url, state = server
     state.rules = rules  # SGLang >= 0.5.21 (sessions) or older
+    strategy, _, transport = strategy.partition("/")
     eng = _engine(url, tmp_path, strategy)
+    if transport:
+        eng.sync.transport = transport
     other, buckets = _random_buckets({"from_disk": 1, "from_tensor": 2,
                                       "from_distributed": 3}[strategy])
     try:
         push_single_process(eng, buckets, version=7)
+        push_single_process(eng, buckets, version=7)  # again: reused buffers / mappings
     finally:
         state.rules = "0.5.21"
+        if strategy == "from_tensor":
+            eng.sync.close()
+    if strategy == "from_tensor":  # which transport carried the buckets
+        assert eng.sync._vm is (None if transport else True)
+        assert bool(state.shm_maps.maps) == (transport == "shm")
     assert not state.session and not eng.sync.sessions
     for (n, p), (n2, q) in zip(other.named_parameters(), state.model.named_parameters()):
         assert n == n2 and torch.equal(p, q), n
@@ -157,6 +168,25 @@ def test_weight_sync_strategies_load_exact_weights(server, tmp_path, strategy, r
     assert not errors and worst <= 1e-4
     _, bad = probe_check([url], ids, [x + 1e-2 for x in teacher_forced_logprobs(other, ids)], 1e-4)
     assert bad  # the probe does catch a mismatch
+
+
+def test_vm_bucket_from_another_process_is_refused(server):
+    """A ``megatron_rl_vm`` bucket whose pid is not the sender's (the token read there differs)
+    or unreadable is refused with the message the sender falls back on."""
+    from megatron_rl.rollout.weight_sync.from_tensor import VM_UNAVAILABLE
+
+    url, state = server
+    state.session = True
+    token = torch.arange(16, dtype=torch.uint8)
+    p = next(state.model.parameters())
+    for pid, want in ((os.getpid(), [0] * 16), (2**22 + 7, token.tolist())):
+        blob = json.dumps({"pid": pid, "token": [token.data_ptr(), want], "tensors": [
+            ["model.embed_tokens.weight", "float32", list(p.shape), p.data_ptr(),
+             p.numel() * 4]]})
+        with pytest.raises(ServerError, match=VM_UNAVAILABLE):
+            http_json("POST", url + "/update_weights_from_tensor",
+                      {"serialized_named_tensors": [blob], "load_format": "megatron_rl_vm"})
+    state.session = False
 
 
 def _checksum(model) -> str:
@@ -173,7 +203,8 @@ def _checksum(model) -> str:
 @pytest.mark.parametrize("rules", ["0.5.21", "0.5.20"])
 def test_from_distributed_joins_through_sglang_rendezvous(tmp_path, rules):
     """A server process joins the sender's group the way SGLang's ranks do (a group name is
-    registered once per process, so the server runs in its own process here, as in a fleet)."""
+    registered once per process, so the server runs in its own process here, as in a fleet);
+    then the same process takes a ``from_tensor`` sync out of this process's memory."""
     import os
     import subprocess
     import sys
@@ -202,6 +233,19 @@ def test_from_distributed_joins_through_sglang_rendezvous(tmp_path, rules):
             assert not errors and worst <= 1e-4
         assert (url in eng.sync.no_session) == (rules == "0.5.20")
         eng.sync.close()
+        # the same server process, from_tensor: it copies the buckets out of this process
+        tens = _engine(url, tmp_path, "from_tensor")
+        other, buckets = _random_buckets(8)
+        try:
+            push_single_process(tens, buckets, version=5)
+        finally:
+            tens.sync.close()
+        assert tens.sync._vm is True  # process_vm_readv, not the shared-memory fallback
+        if rules == "0.5.21":
+            got = http_json("POST", url + "/weights_checker", {"action": "checksum"})
+            assert got["per_engine_checksum"] == _checksum(other)
+        worst, errors = probe_check([url], ids, teacher_forced_logprobs(other, ids), 1e-4)
+        assert not errors and worst <= 1e-4
     finally:
         proc.terminate()
         proc.wait(30)

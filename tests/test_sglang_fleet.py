@@ -18,7 +18,7 @@ from megatron_rl.config import SGLangSection  # noqa: E402
 from megatron_rl.models.config import get_preset  # noqa: E402
 from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model  # noqa: E402
 from megatron_rl.rollout.engine import SamplingParams  # noqa: E402
-from megatron_rl.rollout.fleet import Fleet  # noqa: E402
+from megatron_rl.rollout.fleet import Fleet, http_json  # noqa: E402
 from megatron_rl.rollout.sampling import teacher_forced_logprobs  # noqa: E402
 from megatron_rl.rollout.sglang_client import SGLangEngine  # noqa: E402
 from megatron_rl.rollout.weight_sync import make_strategy, push_single_process  # noqa: E402
@@ -41,9 +41,12 @@ def _tiny_model_dir(path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_dead_server_loses_no_sample(tmp_path):
+def test_dead_server_loses_no_sample_and_is_restarted(tmp_path, capsys):
+    """A server killed mid-rollout: no sample lost; it is restarted, gets the next sync's
+    weights, rejoins the router at the current weight version and serves."""
     s = SGLangSection(num_servers=2, router_port=free_port_block(3))
     fleet = Fleet(s, _tiny_model_dir(tmp_path / "model"), EOS, str(tmp_path / "logs")).start()
+    fleet_urls0 = list(fleet.urls)
     try:
         assert len(fleet.router_workers()) == 2
         eng = SGLangEngine(fleet, EOS, concurrency=4)
@@ -78,9 +81,35 @@ def test_dead_server_loses_no_sample(tmp_path):
         fleet.check_health()
         assert victim not in fleet.urls
         assert [w["url"] for w in fleet.router_workers()] == fleet.urls
-        # the next rollout runs on the survivor alone
+        # the next rollout runs on the survivor alone (the restarted server is not routed to
+        # before it holds the current weights)
         again = eng.generate(prompts[:2], params, seed=9)
         assert [c.response_ids for c in again[1]] == [c.response_ids for c in want[1]]
+        # restarted at once on a new port; the next sync gives it the new weights, then it
+        # rejoins the router
+        (restarted,) = fleet.pending
+        assert restarted != victim and fleet.restarts == {1: 1}
+        torch.manual_seed(4)
+        ref2 = build_hf_model(get_preset("tiny"))
+        push_single_process(eng, [[(n, p.detach().clone()) for n, p in ref2.named_parameters()]],
+                            version=2)
+        assert sorted(fleet.urls) == sorted([fleet_urls0[0], restarted]) and not fleet.pending
+        assert [w["url"] for w in fleet.router_workers()] == fleet.urls
+        for u in fleet.urls:
+            assert http_json("GET", u + "/get_model_info")["weight_version"] == "2"
+        worst, errors = probe_check(fleet.urls, ids, teacher_forced_logprobs(ref2, ids), 1e-4)
+        assert not errors and worst <= 1e-4
+        # ... and serves (round robin over both): samples are the embedded ones
+        emb.model.load_state_dict(ref2.state_dict())
+        got2 = eng.generate(prompts, params, seed=11)
+        assert [[c.response_ids for c in g] for g in got2] == \
+            [[c.response_ids for c in g] for g in emb.generate(prompts, params, seed=11)]
+        direct = http_json("POST", restarted + "/generate", {"input_ids": [5, 6, 7],
+                           "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+        assert direct["meta_info"]["weight_version"] == "2"
+        out = capsys.readouterr().out
+        assert f"[fleet] server 1 ({victim}) died; restarted as {restarted}" in out
+        assert f"({restarted}) holds weight version 2; back in the router" in out
     finally:
         fleet.stop()
 
@@ -186,7 +215,12 @@ class _KillOnIter(list):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_server_killed_during_sync_is_removed_and_the_sync_retried(tmp_path, capsys):
+def test_server_killed_during_sync_is_restarted_and_the_sync_retried(tmp_path, capsys):
+    """One server is killed while the sync reads the buckets, another (its replacement's
+    neighbour) during the commit's /flush_cache: each time the sync is retried on the
+    survivors and the restarted servers, which get the weights and rejoin the router."""
+    from megatron_rl.rollout.weight_sync import common
+
     s = SGLangSection(num_servers=2, router_port=free_port_block(3))
     fleet = Fleet(s, _tiny_model_dir(tmp_path / "model"), EOS, str(tmp_path / "logs")).start()
     try:
@@ -196,16 +230,47 @@ def test_server_killed_during_sync_is_removed_and_the_sync_retried(tmp_path, cap
         ref = build_hf_model(get_preset("tiny"))
         victim = fleet.urls[1]
 
-        def kill() -> None:
-            psutil.Process(fleet.procs[victim].pid).children()[0].send_signal(signal.SIGKILL)
+        def kill(url: str) -> None:
+            psutil.Process(fleet.procs[url].pid).children()[0].send_signal(signal.SIGKILL)
 
         sd = [(n, p.detach().clone()) for n, p in ref.named_parameters()]
-        push_single_process(eng, _KillOnIter([sd[:6], sd[6:]], kill), version=1)
-        assert "died during the sync" in capsys.readouterr().out
+        push_single_process(eng, _KillOnIter([sd[:6], sd[6:]], lambda: kill(victim)), version=1)
+        out = capsys.readouterr().out
+        assert "died during the sync" in out
         assert victim not in fleet.urls and eng.weight_version == 1
+        assert len(fleet.urls) == 2 and not fleet.pending  # restarted, synced, rejoined
         assert [w["url"] for w in fleet.router_workers()] == fleet.urls
         ids = probe_tokens(get_preset("tiny").vocab_size, 16)
         worst, errors = probe_check(fleet.urls, ids, teacher_forced_logprobs(ref, ids), 1e-4)
-        assert not errors and worst <= 1e-4  # the survivor holds the new weights
+        assert not errors and worst <= 1e-4  # the survivor and the restarted one: new weights
+
+        # killed during the flush after the weights were loaded (commit): real flush refused
+        victim2, flushes = fleet.urls[0], []
+        real_flush = common.flush_cache
+
+        def flush_then_die(url, *a, **kw):
+            flushes.append(url)
+            if url == victim2 and flushes.count(url) == 2:  # begin's flush, then commit's
+                kill(url)
+            return real_flush(url, *a, **kw)
+
+        common.flush_cache = flush_then_die
+        try:
+            torch.manual_seed(8)
+            ref2 = build_hf_model(get_preset("tiny"))
+            push_single_process(eng, [[(n, p.detach().clone())
+                                       for n, p in ref2.named_parameters()]], version=2)
+        finally:
+            common.flush_cache = real_flush
+        assert flushes.count(victim2) >= 2 and victim2 not in fleet.urls
+        assert "died during the sync" in capsys.readouterr().out
+        assert len(fleet.urls) == 2 and not fleet.pending and fleet.restarts == {0: 1, 1: 1}
+        assert [w["url"] for w in fleet.router_workers()] == fleet.urls
+        for u in fleet.urls:
+            assert http_json("GET", u + "/get_model_info")["weight_version"] == "2"
+        worst, errors = probe_check(fleet.urls, ids, teacher_forced_logprobs(ref2, ids), 1e-4)
+        assert not errors and worst <= 1e-4
+        got = eng.generate([[5, 6, 7]] * 4, SamplingParams(n=2, max_new_tokens=4), seed=1)
+        assert [len(g) for g in got] == [2] * 4  # the run goes on
     finally:
         fleet.stop()

@@ -155,7 +155,8 @@ def test_pause_flush_continue(fleet):
 
 def test_server_killed_mid_rollout_loses_no_sample(fleet):
     """A second server (our ``serve``) joins; the real server is killed during a rollout:
-    every group comes back complete, the dead server leaves the router."""
+    every group comes back complete, the dead server leaves the router, is restarted, gets the
+    next sync's weights and rejoins the router at that weight version."""
     f, tmp = fleet
     from megatron_rl.rollout.weight_sync.from_distributed import free_port
 
@@ -189,7 +190,21 @@ def test_server_killed_mid_rollout_loses_no_sample(fleet):
         f.check_health()
         assert victim not in f.urls and victim in f.dead
         assert [w["url"] for w in f.router_workers()] == [url]
+        # the real server was restarted; the next sync brings it to version 4, then it rejoins
+        (restarted,) = f.pending
+        ref4, sd4 = _ref(14)
+        push_single_process(eng, [sd4], version=4)
+        assert sorted(f.urls) == sorted([url, restarted]) and not f.pending
+        assert sorted(w["url"] for w in f.router_workers()) == sorted(f.urls)
+        reply = http_json("POST", restarted + "/generate", {
+            "input_ids": [3], "sampling_params": {"max_new_tokens": 1}})
+        assert reply["meta_info"]["weight_version"] == "4"
+        ids = probe_tokens(get_preset("tiny").vocab_size, 16)
+        worst, errors = probe_check([restarted], ids, teacher_forced_logprobs(ref4, ids), TOL)
+        assert not errors, errors
     finally:
+        if url in f.workers:
+            f.remove_worker(url)
         backup.terminate()
         backup.wait(30)
 

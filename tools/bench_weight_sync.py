@@ -4,7 +4,9 @@ Starts one of our ``serve`` processes holding a random model of the chosen shape
 or Qwen2.5-7B dimensions, fp32 on CPU), pushes every weight with each strategy that can run here
 (``from_disk``, ``from_tensor`` via /dev/shm on CPU, ``from_distributed`` over gloo on CPU; NCCL /
 CUDA IPC need a GPU and SGLang) and prints GB/s achieved next to the link's measured bandwidth:
-memcpy (what a colocated copy can reach) and loopback TCP (what gloo/HTTP can reach).
+memcpy (what a colocated copy can reach) and loopback TCP (what gloo/HTTP can reach). Each
+strategy runs ``--syncs`` syncs: the first also allocates (shared-memory files, process groups),
+the later ones are what every step of a run costs.
 
     python tools/bench_weight_sync.py                 # 0.5B; 7B when the RAM allows
     python tools/bench_weight_sync.py --models 0.5b --bucket-mb 256
@@ -47,6 +49,16 @@ def memcpy_gbps(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
         b.copy_(a)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def memcpy_same_bytes_s(buckets, dst) -> float:
+    """Seconds to copy every tensor of ``buckets`` into ``dst`` (allocated once, touched): the
+    bytes a sync moves, one copy, measured next to the sync (a busy machine slows both)."""
+    t0 = time.perf_counter()
+    for b, d in zip(buckets, dst):
+        for (_, t), o in zip(b, d):
+            o.copy_(t)
+    return time.perf_counter() - t0
 
 
 def loopback_gbps(nbytes: int = 256 * 2**20) -> float:
@@ -136,25 +148,35 @@ def bench_model(name: str, args) -> list[tuple[str, float, float]]:
         names_shapes = [(n, list(p.shape)) for n, p in meta.named_parameters()]
         buckets = buckets_of(names_shapes, args.bucket_mb * 2**20)
         total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+        dst = [[torch.empty_like(t) for _, t in b] for b in buckets]
+        memcpy_same_bytes_s(buckets, dst)  # touch dst once
         for strat in args.strategies:
-            st = strategy_class(strat)([url], os.path.join(tmp, "sync"), 0, model_path=cfg_dir)
-            st.begin(0)
-            t0 = time.perf_counter()
-            st.send(buckets, version=1)
-            st.commit(1)
-            dt = time.perf_counter() - t0
-            st.resume()
-            if st.spot_check():
-                raise RuntimeError(f"{strat}: spot check failed")
-            assert http_json("GET", url + "/get_model_info")["weight_version"] == "1"
-            if strat == "from_distributed":
+            base, _, transport = strat.partition("/")  # from_tensor/shm: shared-memory files
+            st = strategy_class(base)([url], os.path.join(tmp, "sync"), 0, model_path=cfg_dir)
+            if transport:
+                st.transport = transport
+            for sync in range(1, args.syncs + 1):  # sync 1 allocates buffers / groups
+                mc = memcpy_same_bytes_s(buckets, dst)  # side by side: just before the sync
+                st.begin(sync - 1)
+                t0 = time.perf_counter()
+                st.send(buckets, version=sync)
+                st.commit(sync)
+                dt = time.perf_counter() - t0
+                st.resume()
+                if st.spot_check():
+                    raise RuntimeError(f"{strat}: spot check failed")
+                got = http_json("GET", url + "/get_model_info")["weight_version"]
+                assert got == str(sync), got
+                rows.append((strat, dt, total / dt / 1e9))
+                link, ceiling = ("loopback TCP", args.loopback) \
+                    if strat == "from_distributed" else ("memcpy", args.memcpy)
+                print(f"  {name} {strat:17s} sync {sync} {total / 1e9:6.2f} GB in {dt:7.2f} s"
+                      f" = {total / dt / 1e9:6.3f} GB/s = {total / dt / 1e9 / ceiling:6.1%} of "
+                      f"{link} ({ceiling:.2f} GB/s); {mc / dt:6.1%} of a memcpy of the same "
+                      f"bytes ({mc:.2f} s, just before; load {os.getloadavg()[0]:.1f})",
+                      flush=True)
+            if hasattr(st, "close"):
                 st.close()
-            rows.append((strat, dt, total / dt / 1e9))
-            link, ceiling = ("loopback TCP", args.loopback) if strat == "from_distributed" \
-                else ("memcpy", args.memcpy)
-            print(f"  {name} {strat:17s} {total / 1e9:6.2f} GB in {dt:7.2f} s = "
-                  f"{total / dt / 1e9:6.3f} GB/s = {total / dt / 1e9 / ceiling:6.1%} of "
-                  f"{link} ({ceiling:.2f} GB/s)", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -165,8 +187,11 @@ def bench_model(name: str, args) -> list[tuple[str, float, float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="0.5b,7b", help="comma list of 0.5b,7b")
-    p.add_argument("--strategies", default="from_disk,from_tensor,from_distributed")
+    p.add_argument("--strategies", default="from_disk,from_tensor,from_distributed",
+                   help="comma list; from_tensor/shm: from_tensor through shared-memory files")
     p.add_argument("--bucket-mb", type=int, default=128)
+    p.add_argument("--syncs", type=int, default=2, help="syncs per strategy (the first also "
+                   "allocates buffers and groups; later ones are the steady state of a run)")
     p.add_argument("--skip-7b", action="store_true", help="skip the 7B shape (needs ~70 GB RAM "
                    "on CPU: the server's fp32 model + the sender's buckets + a from_disk copy)")
     args = p.parse_args(argv)
@@ -177,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     lo = loopback_gbps()
     args.memcpy, args.loopback = mem, lo
     print(f"link: memcpy {mem:.2f} GB/s, loopback TCP {lo:.2f} GB/s "
-          f"({os.cpu_count()} CPUs, torch {torch.__version__})", flush=True)
+          f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, torch "
+          f"{torch.__version__})", flush=True)
     for name in args.models.split(","):
         need = 2.3 * model_bytes(SHAPES[name])
         avail = psutil.virtual_memory().available

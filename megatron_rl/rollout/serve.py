@@ -7,7 +7,8 @@ JSON follow SGLang's (``sglang/srt/entrypoints/http_server.py``, ``srt/managers/
 
 Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/abort_request``,
 ``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/update_weights_from_disk``,
-``/update_weights_from_tensor`` (CPU shared-memory buckets, ``load_format="megatron_rl_shm"``),
+``/update_weights_from_tensor`` (CPU buckets read out of the sender's memory,
+``load_format="megatron_rl_vm"``, or from shared-memory files, ``"megatron_rl_shm"``),
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` +
 ``/destroy_weights_update_group`` (a gloo/NCCL group with the trainer's senders),
 ``/update_weight_version``, ``/get_weights_by_name``, ``/get_model_info``, ``/server_info``
@@ -26,6 +27,7 @@ refuses tensor/distributed updates outside a weight-update session (HTTP 400, SG
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -120,12 +122,47 @@ def read_shm_bucket(meta: dict) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def read_shm_into(model: torch.nn.Module, meta: dict) -> int:
+class ShmMaps:
+    """Shared-memory bucket files kept mapped between updates: the sender reuses two files for
+    every bucket of every sync, so each is mapped (and its pages faulted in) once; afterwards a
+    bucket costs one copy into the weights. A file removed or replaced is mapped again; the
+    mappings of removed files are dropped at the next update and at the end of a session."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+
+    def get(self, path: str, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of file ``path`` as a mapped uint8 tensor."""
+        st = os.stat(path)
+        key = (st.st_ino, st.st_size)
+        hit = self.maps.get(path)
+        if hit is None or hit[0] != key:
+            if nbytes > st.st_size:
+                raise ValueError(f"{path}: {st.st_size} bytes, the bucket says {nbytes}")
+            self.maps[path] = (key, torch.from_file(path, shared=True, size=st.st_size,
+                                                    dtype=torch.uint8))
+        return self.maps[path][1][:nbytes]
+
+    def prune(self) -> None:
+        """Drop the mappings of files that were removed or replaced (frees their memory)."""
+        for path, (key, _) in list(self.maps.items()):
+            try:
+                st = os.stat(path)
+                if (st.st_ino, st.st_size) == key:
+                    continue
+            except OSError:
+                pass
+            del self.maps[path]
+
+
+def read_shm_into(model: torch.nn.Module, meta: dict, maps: ShmMaps | None = None) -> int:
     """Load a shared-memory bucket (layout as :func:`read_shm_bucket`) straight into the
-    model's CPU parameters: one kernel copy per tensor (``readinto`` the parameter's bytes), no
-    mapping of the file (whose page faults cost as much as the copy). Returns the count."""
+    model's CPU parameters: one copy per tensor out of the file's mapping (kept in ``maps``
+    between calls, since mapping a file costs page faults as large as the copy). Returns the
+    count."""
     params = dict(model.named_parameters())
-    with open(meta["path"], "rb", buffering=0) as f, torch.no_grad():
+    flat = (maps or ShmMaps()).get(meta["path"], int(meta["nbytes"]))
+    with torch.no_grad():
         for name, dt, shape, off in meta["tensors"]:
             if name not in params:
                 raise KeyError(f"weight {name!r} is not a parameter of the served model")
@@ -133,13 +170,69 @@ def read_shm_into(model: torch.nn.Module, meta: dict) -> int:
             if tuple(shape) != tuple(p.shape):
                 raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
             dtype = dtype_of(dt)
+            nb = p.numel() * torch.empty((), dtype=dtype).element_size()
+            if int(off) + nb > flat.numel():
+                raise ValueError(f"weight {name!r}: bytes {off}..{int(off) + nb} are outside "
+                                 f"the {flat.numel()}-byte bucket")
+            raw = flat[int(off):int(off) + nb]
+            esize = torch.empty((), dtype=dtype).element_size()
+            if int(off) % esize:  # an offset the dtype view cannot start at: bytes first
+                raw = raw.clone()
+            p.detach().copy_(raw.view(dtype).view(p.shape))
+    return len(meta["tensors"])
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def vm_read(pid: int, address: int, dst: torch.Tensor) -> None:
+    """Copy ``dst.nbytes`` bytes at ``address`` in process ``pid`` into contiguous CPU tensor
+    ``dst`` (``process_vm_readv``; partial reads continued). Raises ``ValueError`` naming
+    ``VM_UNAVAILABLE`` when the OS refuses."""
+    from megatron_rl.rollout.weight_sync.from_tensor import VM_UNAVAILABLE
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    n, done = dst.numel() * dst.element_size(), 0
+    while done < n:
+        local = _IOVec(dst.data_ptr() + done, n - done)
+        remote = _IOVec(address + done, n - done)
+        got = libc.process_vm_readv(int(pid), ctypes.byref(local), 1, ctypes.byref(remote), 1,
+                                    0)
+        if got <= 0:
+            err = ctypes.get_errno()
+            raise ValueError(f"{VM_UNAVAILABLE}: process_vm_readv of pid {pid}: "
+                             f"{os.strerror(err) if got < 0 else 'no bytes'}")
+        done += got
+
+
+def read_vm_into(model: torch.nn.Module, meta: dict) -> int:
+    """Load a ``megatron_rl_vm`` bucket ``{"pid", "token": [address, bytes], "tensors": [[name,
+    dtype, shape, address, nbytes], ...]}`` straight out of the sender's memory into the model's
+    CPU parameters (one copy each). The token is read first: a different process under that
+    pid (another PID namespace) is refused. Returns the count."""
+    from megatron_rl.rollout.weight_sync.from_tensor import VM_UNAVAILABLE
+
+    params = dict(model.named_parameters())
+    pid = int(meta["pid"])
+    addr, want = meta["token"]
+    token = torch.empty(len(want), dtype=torch.uint8)
+    vm_read(pid, int(addr), token)
+    if token.tolist() != list(want):
+        raise ValueError(f"{VM_UNAVAILABLE}: pid {pid} is not the sender (token differs)")
+    with torch.no_grad():
+        for name, dt, shape, address, nbytes in meta["tensors"]:
+            if name not in params:
+                raise KeyError(f"weight {name!r} is not a parameter of the served model")
+            p = params[name]
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
+            dtype = dtype_of(dt)
+            if p.numel() * torch.empty((), dtype=dtype).element_size() != int(nbytes):
+                raise ValueError(f"weight {name!r}: {nbytes} bytes for shape {shape} {dt}")
             direct = p.dtype == dtype and p.device.type == "cpu" and p.is_contiguous()
             dst = p.detach() if direct else torch.empty(shape, dtype=dtype)
-            buf = tensor_bytes(dst)
-            f.seek(int(off))
-            got = f.readinto(buf)
-            if got != len(buf):
-                raise ValueError(f"weight {name!r}: {got} of {len(buf)} bytes in the bucket")
+            vm_read(pid, int(address), dst)
             if not direct:
                 p.copy_(dst)
     return len(meta["tensors"])
@@ -158,6 +251,7 @@ class ServeState:
         if rules not in RULES:
             raise ValueError(f"serve rules {rules!r} is not one of {RULES}")
         self.rules = rules  # which SGLang release's rules this server imitates
+        self.shm_maps = ShmMaps()  # from_tensor on CPU: the sender's bucket files, mapped
         self.session = False  # a weight-update session is open (rules >= 0.5.21)
         self.lock = threading.Lock()  # held per forward and for a whole weight update
         self.weight_version = "default"
@@ -284,6 +378,7 @@ class ServeState:
             raise RefusedError("no weight-update session is open; call begin_weight_update() "
                                "first")
         self.session = False
+        self.shm_maps.prune()
         return {"success": True, "message": "Success"}
 
     def flush(self, query: dict) -> str:
@@ -316,13 +411,17 @@ class ServeState:
         self.memory.check_weights_held()
         self._require_session("update_weights_from_tensor")
         fmt = req.get("load_format")
-        if fmt != "megatron_rl_shm":
-            raise ValueError(f"load_format={fmt!r}: this CPU server reads shared-memory buckets "
-                             "(load_format='megatron_rl_shm'); CUDA IPC needs real SGLang")
+        if fmt not in ("megatron_rl_shm", "megatron_rl_vm"):
+            raise ValueError(f"load_format={fmt!r}: this CPU server reads buckets from the "
+                             "sender's memory (load_format='megatron_rl_vm') or shared-memory "
+                             "files ('megatron_rl_shm'); CUDA IPC needs real SGLang")
         n = 0
         with self.lock:
+            self.shm_maps.prune()
             for blob in req["serialized_named_tensors"]:
-                n += read_shm_into(self.model, json.loads(blob))
+                meta = json.loads(blob)
+                n += read_vm_into(self.model, meta) if fmt == "megatron_rl_vm" else \
+                    read_shm_into(self.model, meta, self.shm_maps)
             self.set_version(req.get("weight_version"))
         return {"success": True, "message": f"loaded {n} tensors"}
 

@@ -48,9 +48,11 @@ def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
                         retries: int = 1) -> str | None:
     """:func:`~megatron_rl.rollout.weight_sync.megatron_sync.sync_fleet`, run again on the
     surviving servers when servers died during it (the coordinator's health check removed them
-    from the router; a log line says so). Every rank takes the same decision (broadcast from
+    from the router and restarted them; a log line says so), restarted servers included; those
+    rejoin the router after the verified sync. Every rank takes the same decision (broadcast from
     rank 0), so all retry or all raise: no step is lost to a dead server."""
     from megatron_rl.driver import broadcast_object
+    from megatron_rl.rollout.weight_sync import rejoin
     from megatron_rl.rollout.weight_sync.common import WeightSyncError
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
 
@@ -71,9 +73,12 @@ def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
                                                  else "raise")
             if decision == "retry":
                 print(f"[weight_sync] v{version}: {dead} died during the sync ({err}); "
-                      f"removed from the router, retrying on {engine.fleet.urls}", flush=True)
+                      f"removed from the router, retrying on {engine.fleet.urls} and the "
+                      "restarted servers", flush=True)
         decision = broadcast_object(decision)
         if decision == "ok":
+            if rank0:  # restarted servers got this verified sync: back in the router
+                rejoin(engine.fleet, plan["urls"], version)
             return out
         if decision == "raise":
             raise err or WeightSyncError(f"weight sync v{version} failed on another rank")

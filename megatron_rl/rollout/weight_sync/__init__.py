@@ -59,14 +59,15 @@ def push_single_process(engine, buckets: Iterable[Bucket], version: int,
     """One-process sync (no Megatron groups): pause, send, commit, continue. Returns a summary.
 
     A sync that fails because servers died is retried on the survivors (after the health check
-    removed the dead ones from the router, with a log line) when ``buckets`` can be iterated
-    again (a list); otherwise, or when no server died, the error is raised."""
+    removed the dead ones from the router, with a log line) and on their restarted replacements
+    when ``buckets`` can be iterated again (a list); otherwise, or when no server died, the
+    error is raised. Restarted servers that received this sync rejoin the router after it."""
     from megatron_rl.rollout.fleet import ServerError
 
     strat = engine.sync
     reusable = isinstance(buckets, (list, tuple))
     for attempt in range(retries + 1):
-        strat.urls = list(engine.fleet.urls)
+        strat.urls = sync_targets(engine.fleet)
         try:
             sent = _push_once(strat, buckets, version)
             break
@@ -75,12 +76,31 @@ def push_single_process(engine, buckets: Iterable[Bucket], version: int,
             if not dead or not reusable or attempt == retries:
                 raise
             print(f"[weight_sync] v{version}: {dead} died during the sync ({exc}); removed "
-                  f"from the router, retrying on {engine.fleet.urls}", flush=True)
+                  f"from the router, retrying on {sync_targets(engine.fleet)}", flush=True)
     errors = strat.spot_check() + checksum_disagreement(weights_checksums(strat.urls))
     if errors:
         raise RuntimeError(f"weight sync v{version} failed its checks: {errors}")
     engine.weight_version = version
+    rejoin(engine.fleet, strat.urls, version)
     return f"{strat.name} v{version}: {sent} bytes"
+
+
+def sync_targets(fleet) -> list[str]:
+    """The servers a sync must reach: registered + restarted ones (:meth:`Fleet.sync_targets`)."""
+    targets = getattr(fleet, "sync_targets", None)
+    return targets() if targets is not None else list(fleet.urls)
+
+
+def rejoin(fleet, urls: list[str], version: int) -> None:
+    """Put restarted servers that took part in the verified sync ``version`` back in the router
+    (a failure to register one is only reported: the others keep serving)."""
+    if getattr(fleet, "rejoin", None) is None:
+        return
+    try:
+        fleet.rejoin(urls, version)
+    except Exception as exc:  # noqa: BLE001
+        print(f"[fleet] warning: a restarted server could not rejoin the router: {exc}",
+              flush=True)
 
 
 def _push_once(strat: SyncStrategy, buckets, version: int) -> int:

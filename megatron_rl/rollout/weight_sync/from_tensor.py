@@ -5,21 +5,37 @@ On GPU the buffer's CUDA IPC handle goes through SGLang's own serializer
 (``MultiprocessingSerializer`` of a ``FlattenedTensorBucket``, ``load_format="flattened_bucket"``;
 needs the ``sglang`` package in the trainer's environment), with SGLang's
 ``monkey_patch_torch_reductions`` applied, one payload per TP rank of each server, and the
-buffers kept alive until the sync has been verified. On CPU (our ``serve``) the buffer is one of two
-``/dev/shm`` files reused for every bucket of a sync (packing the next bucket while the servers
-copy the previous one) and the request carries its path and layout
-(``load_format="megatron_rl_shm"``); the servers map it and copy straight into their weights.
+buffers kept alive until the sync has been verified.
+
+On CPU (our ``serve``) nothing is flattened: the request carries this process's pid and every
+tensor's address (``load_format="megatron_rl_vm"``) and the servers copy each tensor straight
+into their weights with ``process_vm_readv`` (one copy, while the sender makes the next bucket).
+Where the OS refuses that (another PID namespace, ptrace restrictions), the buffer is one of two
+``/dev/shm`` files reused for every bucket of every sync (packing the next bucket while the
+servers copy the previous one; a fresh tmpfs page costs ~6x a copied one, so the files live as
+long as the strategy: :meth:`FromTensor.close`, or at exit) and the request carries its path and
+layout (``load_format="megatron_rl_shm"``); the servers keep each file mapped and copy straight
+into their weights.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import uuid
 
 import torch
 
-from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, post_all, post_each
+from megatron_rl.rollout.weight_sync.common import (
+    Bucket,
+    SyncStrategy,
+    WeightSyncError,
+    post_all,
+    post_each,
+)
+
+VM_UNAVAILABLE = "megatron_rl_vm unavailable"  # a server's refusal of process_vm_readv buckets
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -84,10 +100,13 @@ class ShmSlot:
 class FromTensor(SyncStrategy):
     name = "from_tensor"
     needs_session = True
+    transport = "auto"  # CPU: "auto" (servers read this process, else shm files) | "shm"
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
-        """CPU: pack into one of two reused shared-memory slots while the previous bucket's
-        POST (the servers copying it) is still running; CUDA: IPC handles."""
+        """CPU: the servers read the tensors straight out of this process (one copy,
+        ``process_vm_readv``) while the next bucket is made; where they cannot, pack into one of
+        two reused shared-memory slots while the previous bucket's POST (the servers copying
+        it) is still running. CUDA: IPC handles."""
         if bucket and bucket[0][1].is_cuda:
             self._send_cuda(bucket)
             return
@@ -96,6 +115,11 @@ class FromTensor(SyncStrategy):
 
             self._slots, self._n, self._pending = [ShmSlot(), ShmSlot()], 0, None
             self._pool = ThreadPoolExecutor(1)
+            self._vm: bool | None = None  # servers can read this process: untried / yes / no
+            self._token = torch.randint(0, 256, (16,), dtype=torch.uint8)
+            atexit.register(self.close)
+        if self.transport == "auto" and self._vm is not False and self._send_vm(bucket):
+            return
         nbytes, meta = bucket_layout(bucket)
         slot = self._slots[self._n % 2]  # its last POST (bucket n-2) finished before n-1's began
         pack_into(slot.ensure(nbytes), bucket, meta)
@@ -107,18 +131,53 @@ class FromTensor(SyncStrategy):
              "flush_cache": False})
         self._n += 1
 
+    def _send_vm(self, bucket: Bucket) -> bool:
+        """``load_format="megatron_rl_vm"``: this process's pid, a check token and every
+        tensor's address; the servers copy each tensor into their weights with
+        ``process_vm_readv`` (same host and PID namespace, and the OS lets a process of the same
+        user read this one). The tensors stay referenced until the POST returned. False when a
+        server cannot read this process (then the shared-memory path is used from now on)."""
+        keep = [t.detach().contiguous() for _, t in bucket]
+        blob = json.dumps({
+            "pid": os.getpid(), "token": [self._token.data_ptr(), self._token.tolist()],
+            "tensors": [[name, str(t.dtype).replace("torch.", ""), list(t.shape), t.data_ptr(),
+                         t.numel() * t.element_size()] for (name, _), t in zip(bucket, keep)]})
+        body = {"serialized_named_tensors": [blob], "load_format": "megatron_rl_vm",
+                "flush_cache": False}
+        self._wait_pending()
+        if self._vm is None:  # the first bucket: find out whether the servers can read us
+            try:
+                post_all(self.urls, "/update_weights_from_tensor", body)
+            except WeightSyncError as exc:
+                if VM_UNAVAILABLE not in str(exc):
+                    raise
+                print(f"[weight_sync] from_tensor: a server cannot read this process ({exc}); "
+                      "using shared-memory files", flush=True)
+                self._vm = False
+                return False
+            self._vm = True
+            return True
+
+        def post(keep=keep) -> None:  # keep: alive until the servers copied them
+            post_all(self.urls, "/update_weights_from_tensor", body)
+
+        self._pending = self._pool.submit(post)
+        return True
+
     def _wait_pending(self) -> None:
         pending, self._pending = getattr(self, "_pending", None), None
         if pending is not None:
             pending.result()
 
     def finish_send(self, version: int) -> None:
-        """Wait for the last bucket's POST; remove the shared-memory files."""
-        try:
-            self._wait_pending()
-        finally:
-            for slot in getattr(self, "_slots", []):
-                slot.free()
+        """Wait for the last bucket's POST. The shared-memory files stay for the next sync (their
+        pages are allocated once); :meth:`close` removes them."""
+        self._wait_pending()
+
+    def close(self) -> None:
+        """Remove the shared-memory files (also at exit)."""
+        for slot in getattr(self, "_slots", []):
+            slot.free()
 
     def start_send(self, version: int) -> None:
         self.release_buffers()  # the previous sync's buffers: verified (probed) since

@@ -40,9 +40,11 @@ def fleet_plan(engine) -> dict | None:
     """What every rank needs to know about the fleet (rank 0), None for other engines."""
     if engine is None or getattr(engine, "sync", None) is None:
         return None
+    from megatron_rl.rollout.weight_sync import sync_targets
+
     engine.fleet.check_health()
     s = engine.sync
-    return {"strategy": s.name, "urls": list(engine.fleet.urls), "sync_dir": s.sync_dir,
+    return {"strategy": s.name, "urls": sync_targets(engine.fleet), "sync_dir": s.sync_dir,
             "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
             "sender_address": getattr(s, "address_override", None),
             "gpus": list(getattr(s, "gpus", None) or []),
