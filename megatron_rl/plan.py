@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.models.config import ModelConfig, ModelConfigError, validate_for_layout
+from megatron_rl.progress import progress
 
 GIB = 1024 ** 3
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -485,22 +486,22 @@ def search(x: PlanInputs, gpus: int, max_tp: int = 8,
     """Every TP x PP x DP (x recompute) layout of ``gpus`` actor GPUs the model can split into,
     fitting ones first, then by estimated step time, then by memory."""
     global_mini = x.n_micro * x.micro_batch_size * x.dp  # sequences per optimizer step
+    layouts = [(tp, pp, gpus // (tp * pp)) for tp in _divisors(gpus)
+               for pp in _divisors(gpus // tp)]
     plans = []
-    for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if tp > max_tp or global_mini % dp or x.responses_per_step % dp:
+    for tp, pp, dp in progress(layouts, "plan search", unit="layouts", min_s=2.0):
+        if tp > max_tp or global_mini % dp or x.responses_per_step % dp:
+            continue
+        local = global_mini // dp
+        if local % x.micro_batch_size:
+            continue
+        for rc in recompute:
+            cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, recompute=rc,
+                                       n_micro=local // x.micro_batch_size)
+            try:
+                plans.append(make_plan(cand))
+            except PlanError:
                 continue
-            local = global_mini // dp
-            if local % x.micro_batch_size:
-                continue
-            for rc in recompute:
-                cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, recompute=rc,
-                                           n_micro=local // x.micro_batch_size)
-                try:
-                    plans.append(make_plan(cand))
-                except PlanError:
-                    continue
     return sorted(plans, key=lambda p: (not p.fits, sum(p.seconds.values()), p.actor_total))
 
 
