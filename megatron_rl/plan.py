@@ -626,9 +626,9 @@ def add_plan_subcommand(sub) -> None:
     p.add_argument("--search", action="store_true", help="enumerate and rank TPxPPxDP layouts")
     p.add_argument("--max-tp", type=int, default=8, help="largest TP in --search (one node)")
     p.add_argument("--top", type=int, default=15, help="rows of the --search table")
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--pp", type=int, default=None)
-    p.add_argument("--dp", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None, help="actor TP (default: parallel.tp)")
+    p.add_argument("--pp", type=int, default=None, help="actor PP (default: parallel.pp)")
+    p.add_argument("--dp", type=int, default=None, help="actor DP (default: parallel.dp)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="default: actor.precision, else bf16")
     p.add_argument("--recompute", choices=RECOMPUTE, default=None,

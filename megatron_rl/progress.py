@@ -95,10 +95,10 @@ class Progress:
                 self._t_draw = now
                 self._draw()
             return
-        if now - self.t0 < self.min_s:
+        if now - self.t0 < self.min_s or self._finished():  # close() prints the last line
             return
         ticks = int(self.n / self.total / self.every_frac + 1e-9) if self.total else 0
-        if (ticks > self._ticks and not self._finished()) or now - self._t_line >= self.every_s:
+        if ticks > self._ticks or now - self._t_line >= self.every_s:
             self._line(now)
             self._ticks = ticks
 

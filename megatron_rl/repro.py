@@ -340,8 +340,10 @@ def add_repro_subcommand(sub) -> None:
                    help="comma-separated TPxPPxDP layouts; the first is the reference")
     p.add_argument("--steps", type=int, default=10, help="RL steps per run")
     p.add_argument("--out", default="runs/repro", help="directory of the runs and the report")
-    p.add_argument("--atol", type=float, default=DEFAULT_ATOL)
-    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
+    p.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                   help=f"absolute tolerance per metric (default {DEFAULT_ATOL:g})")
+    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+                   help=f"relative tolerance per metric (default {DEFAULT_RTOL:g})")
     p.add_argument("--sft-per-layout", action="store_true",
                    help="run the SFT warm start at every layout (default: once, shared)")
     p.add_argument("--compare-only", action="store_true",

@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.config import ConfigError, load_config
+from megatron_rl.overrides import closest_name
 from megatron_rl.progress import Progress, last_logged_step
 
 DONE = "sweep_done.json"
@@ -88,7 +89,8 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
     known = {"base", "overrides", "output_dir", "parallel_runs", "sweeps"}
     bad = sorted(set(spec) - known)
     if bad:
-        raise ConfigError(f"{path}: unknown sweep key(s) {bad}; allowed: {sorted(known)}")
+        raise ConfigError(f"{path}: unknown sweep key(s) {bad}{closest_name(bad[0], known)} "
+                          f"(allowed: {sorted(known)})")
     if "base" not in spec or not spec.get("sweeps"):
         raise ConfigError(f"{path}: a sweep file needs 'base' (a run config) and 'sweeps'")
     base = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), spec["base"]))
@@ -112,8 +114,9 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
             raise ConfigError(f"{path}: sweeps[{i}] must be a mapping with a 'name'")
         extra = sorted(set(sw) - {"name", "axis", "values", "conditions"})
         if extra:
-            raise ConfigError(f"{path}: sweeps[{i}] has unknown key(s) {extra}; allowed: name, "
-                              "axis, values, conditions")
+            raise ConfigError(f"{path}: sweeps[{i}] has unknown key(s) {extra}"
+                              f"{closest_name(extra[0], ('name', 'axis', 'values', 'conditions'))}"
+                              " (allowed: name, axis, values, conditions)")
         name, axis = str(sw["name"]), sw.get("axis")
         if name in plan.sweeps:
             raise ConfigError(f"{path}: two sweeps are named {name!r}")
