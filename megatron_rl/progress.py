@@ -125,8 +125,13 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_exc) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        if self.enabled and self.tty and self._drawn and not self._closed:
+            self.stream.write("\n")  # keep the bar where it stopped; the error follows
+        self._closed = True  # no "done" line for work that failed
 
     # ---- text -------------------------------------------------------------------------------
     def _finished(self) -> bool:

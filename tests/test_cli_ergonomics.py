@@ -198,3 +198,15 @@ def test_plan_search_progress_on_stderr_only(monkeypatch, capsys):
     lines = loud.err.splitlines()
     assert lines[0].startswith("[plan search] 1/10 layouts (10%)")
     assert lines[-1].startswith("[plan search] done: 10/10 layouts (100%)")
+
+
+def test_progress_says_nothing_done_when_the_work_fails():
+    for tty in (False, True):
+        stream, now = FakeStream(tty), iter(range(100))
+        with pytest.raises(RuntimeError):
+            with Progress(4, "x", stream=stream, enabled=True, every_frac=0.25,
+                          clock=lambda now=now: float(next(now))) as bar:
+                bar.update()
+                raise RuntimeError("boom")
+        assert "done" not in stream.getvalue() and "100%" not in stream.getvalue()
+        assert stream.getvalue().endswith("\n")
