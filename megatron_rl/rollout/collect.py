@@ -111,6 +111,8 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
             while not sampler.add(one_round(i)):
                 i += 1
                 bar.set(sampler.kept_prompts, info=f"{i} generation round(s)")
+            bar.set(min(sampler.kept_prompts, t.train_batch_size),
+                    info=f"{i + 1} generation round(s)")
         records, stats = sampler.result()
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()})
     else:
