@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rl.cli_parser import Parser, chosen_parser, unrecognized
+
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from megatron_rl.check import format_report, parity
@@ -210,22 +212,25 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog="python -m megatron_rl",
-                                description="RL post-training on megatron-core")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="python -m megatron_rl", description="RL post-training on megatron-core")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="one of the commands below; COMMAND --help lists its options")
     c = sub.add_parser("check", help="per-token log-prob/entropy parity of a TPxPP layout vs "
                                      "TP1xPP1 on the same weights (gloo processes on CPU)")
     c.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     c.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
     c.add_argument("--model", default="tiny", help="model preset (default tiny)")
-    c.add_argument("--micro-batches", type=int, default=2)
+    c.add_argument("--micro-batches", type=int, default=2,
+                   help="micro-batches per pipeline pass (default 2)")
     c.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     c.add_argument("--seq", type=int, default=32, help="sequence length")
-    c.add_argument("--seed", type=int, default=1234)
-    c.add_argument("--temperature", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=1234, help="seed of the weights and tokens")
+    c.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature the log-probs are taken at (default 1.0)")
     c.add_argument("--chunk-size", type=int, default=None,
                    help="token chunk of the log-prob/entropy op (default: unchunked)")
-    c.add_argument("--atol", type=float, default=1e-5)
+    c.add_argument("--atol", type=float, default=1e-5,
+                   help="largest allowed |difference| to TP1xPP1 (default 1e-5)")
     c.set_defaults(func=_cmd_check)
 
     t = sub.add_parser("train", help="RL training (SFT warm start when sft.steps > 0)")
@@ -240,8 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
                        ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
         e = sub.add_parser(name, help=text)
-        e.add_argument("config", nargs="?", default=None)
-        e.add_argument("overrides", nargs="*")
+        e.add_argument("config", nargs="?", default=None,
+                       help="YAML config (default: the built-in tiny DAPO recipe)")
+        e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. "
+                                                    "output_dir=runs/x")
         e.set_defaults(func=_cmd_train)
 
     from megatron_rl.convert.cli import add_convert_subcommand
@@ -265,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
                         "of a run's checkpoint")
-    ex.add_argument("run_dir")
+    ex.add_argument("run_dir", help="run directory (trainer.output_dir)")
     ex.add_argument("--step", type=int, default=None,
                     help="checkpoint after this many RL steps (default: the newest)")
     ex.add_argument("--out", required=True, help="output directory")
@@ -273,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="run a sweep file (base config x one axis per sweep), "
                         "skipping finished runs; writes report.md and plots")
-    sw.add_argument("sweep_file")
+    sw.add_argument("sweep_file", help="sweep YAML (base config, sweeps; docs/study.md)")
     sw.add_argument("overrides", nargs="*", help="key=value overrides for every run (output_dir="
                     "sets the sweep's directory), e.g. model.hf_path=/models/Qwen2.5-3B-Instruct")
     sw.add_argument("--parallel", type=int, default=None,
@@ -283,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.set_defaults(func=_cmd_sweep)
 
     pl = sub.add_parser("plot", help="write PNG curves of a run directory")
-    pl.add_argument("run_dir")
+    pl.add_argument("run_dir", help="run directory with metrics.jsonl")
     pl.set_defaults(func=_cmd_plot)
     return p
 
@@ -304,7 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     for x in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        chosen_parser(parser, args).error(unrecognized(chosen_parser(parser, args), extra))
     return args
 
 

@@ -7,7 +7,6 @@ keys are errors that suggest the closest known key; values are checked against t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import yaml
 
 from megatron_rl.actor.optim import OptimConfig
 from megatron_rl.actor.train_step import ActorConfig
+from megatron_rl.overrides import OverrideConflict, print_notes, resolve_exclusive, suggest_key
 
 
 class ConfigError(ValueError):
@@ -226,11 +226,6 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
-
-
 def _coerce(path: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -278,7 +273,8 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else key
         if key not in fields:
-            raise ConfigError(f"unknown config key {full!r}{_suggest(key, sorted(fields))}")
+            raise ConfigError(f"unknown config key {full!r}"
+                              f"{suggest_key(full, RunConfig, sorted(fields))}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
@@ -352,7 +348,13 @@ def load_config(path: str | None, overrides: list[str] | None = None,
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     items = [(_ALIASES.get(o.split("=", 1)[0], o.split("=", 1)[0]) + "=" + o.split("=", 1)[1])
              if "=" in o else o for o in (overrides or [])]
-    data = _merge(data, parse_overrides(items))
+    tree = parse_overrides(items)
+    try:  # a model source on the command line replaces the recipe's
+        data, notes = resolve_exclusive(data, tree, path or "the built-in recipe")
+    except OverrideConflict as exc:
+        raise ConfigError(str(exc)) from None
+    print_notes(notes)
+    data = _merge(data, tree)
     cfg = _build(RunConfig, data, "")
     from megatron_rl.config_checks import check_run_config
 

@@ -23,6 +23,8 @@ import os
 from typing import Any
 
 from megatron_rl.config import ConfigError, RunConfig
+from megatron_rl.overrides import closest_name
+from megatron_rl.rewards.tasks import task_kwarg_names
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -74,6 +76,7 @@ def dataset_rows(cfg: RunConfig, tok) -> list[dict]:
                           f"{r.max_new_tokens} exceeds the model's context "
                           f"(max_position_embeddings={ctx}); lower one of them")
     if not d.path:
+        _check_task_kwargs(d.task, d.task_kwargs)
         try:
             return PromptDataset.from_task(d.task, 2, d.seed, **d.task_kwargs).rows
         except Exception as exc:  # noqa: BLE001 - reasoning-gym validates its own kwargs
@@ -150,3 +153,13 @@ def _finite(value: Any, what: str) -> float:
     if not math.isfinite(f):
         raise ConfigError(f"{what} returned {f}; rewards must be finite numbers")
     return f
+
+
+def _check_task_kwargs(task: str, kwargs: dict) -> None:
+    """Every ``data.task_kwargs`` key is a keyword of the reasoning-gym task (closest named)."""
+    known = task_kwarg_names(task)
+    for key in kwargs if known is not None else ():
+        if key not in known:
+            raise ConfigError(f"data.task_kwargs.{key}: not a keyword of reasoning-gym task "
+                              f"{task!r}{closest_name(key, known)} (allowed: "
+                              f"{', '.join(known)})")

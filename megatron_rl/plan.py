@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.models.config import ModelConfig, ModelConfigError, validate_for_layout
+from megatron_rl.progress import progress
 
 GIB = 1024 ** 3
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -485,22 +486,22 @@ def search(x: PlanInputs, gpus: int, max_tp: int = 8,
     """Every TP x PP x DP (x recompute) layout of ``gpus`` actor GPUs the model can split into,
     fitting ones first, then by estimated step time, then by memory."""
     global_mini = x.n_micro * x.micro_batch_size * x.dp  # sequences per optimizer step
+    layouts = [(tp, pp, gpus // (tp * pp)) for tp in _divisors(gpus)
+               for pp in _divisors(gpus // tp)]
     plans = []
-    for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if tp > max_tp or global_mini % dp or x.responses_per_step % dp:
+    for tp, pp, dp in progress(layouts, "plan search", unit="layouts", min_s=2.0):
+        if tp > max_tp or global_mini % dp or x.responses_per_step % dp:
+            continue
+        local = global_mini // dp
+        if local % x.micro_batch_size:
+            continue
+        for rc in recompute:
+            cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, recompute=rc,
+                                       n_micro=local // x.micro_batch_size)
+            try:
+                plans.append(make_plan(cand))
+            except PlanError:
                 continue
-            local = global_mini // dp
-            if local % x.micro_batch_size:
-                continue
-            for rc in recompute:
-                cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, recompute=rc,
-                                           n_micro=local // x.micro_batch_size)
-                try:
-                    plans.append(make_plan(cand))
-                except PlanError:
-                    continue
     return sorted(plans, key=lambda p: (not p.fits, sum(p.seconds.values()), p.actor_total))
 
 
@@ -625,9 +626,9 @@ def add_plan_subcommand(sub) -> None:
     p.add_argument("--search", action="store_true", help="enumerate and rank TPxPPxDP layouts")
     p.add_argument("--max-tp", type=int, default=8, help="largest TP in --search (one node)")
     p.add_argument("--top", type=int, default=15, help="rows of the --search table")
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--pp", type=int, default=None)
-    p.add_argument("--dp", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None, help="actor TP (default: parallel.tp)")
+    p.add_argument("--pp", type=int, default=None, help="actor PP (default: parallel.pp)")
+    p.add_argument("--dp", type=int, default=None, help="actor DP (default: parallel.dp)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="default: actor.precision, else bf16")
     p.add_argument("--recompute", choices=RECOMPUTE, default=None,

@@ -31,7 +31,11 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+from megatron_rl.progress import Progress, last_logged_step
 
 SKIP_PREFIXES = ("time/", "gpu/", "mem/", "perf/", "throughput/", "system/", "sys/")
 SKIP_KEYS = {"time", "wall_s", "step"}
@@ -207,13 +211,30 @@ def plot_comparisons(path: str, comparisons: dict[str, dict[str, MetricDiff]], a
 # --------------------------------------------------------------------------------------------
 # Running the layouts
 # --------------------------------------------------------------------------------------------
-def _run(cmd: list[str], log_path: str, timeout_s: float) -> None:
+def _run(cmd: list[str], log_path: str, timeout_s: float,
+         poll: Callable[[], None] | None = None) -> None:
+    """Run ``cmd`` with its output in ``log_path``; ``poll`` is called every second while it
+    runs (progress). Raises :class:`ReproError` when it fails."""
     env = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
         env.pop(var, None)  # each run spawns its own local processes
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              timeout=timeout_s, check=False)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+                if poll is not None:
+                    poll()
+                try:
+                    proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if proc.returncode:
         with open(log_path) as f:
             tail = f.read()[-2000:]
@@ -243,16 +264,24 @@ def run_layouts(config: str | None, overrides: list[str], layouts: list[tuple[in
         common += [f"model.init_weights={os.path.join(sft_dir, 'sft_weights.pt')}",
                    "sft.steps=0"]
     runs = {}
-    for tp, pp, dp in layouts:
+    bar = Progress(steps * len(layouts), "repro", unit="steps", every_s=60.0)
+    for i, (tp, pp, dp) in enumerate(layouts):
         name = layout_name((tp, pp, dp))
         run_dir = os.path.join(out, name)
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended metrics
         print(f"[repro] training {steps} steps at TP{tp} x PP{pp} x DP{dp} -> {run_dir}",
               flush=True)
+
+        def poll(i: int = i, run_dir: str = run_dir, name: str = name) -> None:
+            bar.set(i * steps + min(steps, last_logged_step(run_dir)),
+                    info=f"layout {i + 1}/{len(layouts)} ({name})")
+
         _run(base + ["train"] + cfg_arg + common + [
             f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
-            f"trainer.output_dir={run_dir}"], os.path.join(out, f"{name}.log"), timeout_s)
+            f"trainer.output_dir={run_dir}"], os.path.join(out, f"{name}.log"), timeout_s, poll)
+        bar.set((i + 1) * steps)
         runs[name] = run_dir
+    bar.close()
     return runs
 
 
@@ -311,8 +340,10 @@ def add_repro_subcommand(sub) -> None:
                    help="comma-separated TPxPPxDP layouts; the first is the reference")
     p.add_argument("--steps", type=int, default=10, help="RL steps per run")
     p.add_argument("--out", default="runs/repro", help="directory of the runs and the report")
-    p.add_argument("--atol", type=float, default=DEFAULT_ATOL)
-    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
+    p.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                   help=f"absolute tolerance per metric (default {DEFAULT_ATOL:g})")
+    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+                   help=f"relative tolerance per metric (default {DEFAULT_RTOL:g})")
     p.add_argument("--sft-per-layout", action="store_true",
                    help="run the SFT warm start at every layout (default: once, shared)")
     p.add_argument("--compare-only", action="store_true",

@@ -38,6 +38,8 @@ from typing import Any
 import yaml
 
 from megatron_rl.config import ConfigError, load_config
+from megatron_rl.overrides import closest_name
+from megatron_rl.progress import Progress, last_logged_step
 
 DONE = "sweep_done.json"
 PLOT_METRICS = (("val_success", "val/acc", "validation success"),
@@ -56,6 +58,7 @@ class Condition:
     name: str
     overrides: dict[str, Any]
     run_dir: str = ""
+    total_steps: int = 0  # trainer.total_steps of the run (progress)
 
 
 @dataclass
@@ -86,7 +89,8 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
     known = {"base", "overrides", "output_dir", "parallel_runs", "sweeps"}
     bad = sorted(set(spec) - known)
     if bad:
-        raise ConfigError(f"{path}: unknown sweep key(s) {bad}; allowed: {sorted(known)}")
+        raise ConfigError(f"{path}: unknown sweep key(s) {bad}{closest_name(bad[0], known)} "
+                          f"(allowed: {sorted(known)})")
     if "base" not in spec or not spec.get("sweeps"):
         raise ConfigError(f"{path}: a sweep file needs 'base' (a run config) and 'sweeps'")
     base = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), spec["base"]))
@@ -110,8 +114,9 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
             raise ConfigError(f"{path}: sweeps[{i}] must be a mapping with a 'name'")
         extra = sorted(set(sw) - {"name", "axis", "values", "conditions"})
         if extra:
-            raise ConfigError(f"{path}: sweeps[{i}] has unknown key(s) {extra}; allowed: name, "
-                              "axis, values, conditions")
+            raise ConfigError(f"{path}: sweeps[{i}] has unknown key(s) {extra}"
+                              f"{closest_name(extra[0], ('name', 'axis', 'values', 'conditions'))}"
+                              " (allowed: name, axis, values, conditions)")
         name, axis = str(sw["name"]), sw.get("axis")
         if name in plan.sweeps:
             raise ConfigError(f"{path}: two sweeps are named {name!r}")
@@ -132,7 +137,7 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
             c = Condition(name, cname, {**common, **sets})
             c.run_dir = os.path.join(plan.output_dir, _slug(name), _slug(cname))
             try:
-                load_config(base, run_overrides(c))
+                c.total_steps = load_config(base, run_overrides(c)).trainer.total_steps
             except ConfigError as exc:
                 raise ConfigError(f"{path}: sweep {name}, condition {cname}: {exc}") from None
             plan.conditions.append(c)
@@ -184,6 +189,8 @@ def execute(plan: SweepPlan, parallel_runs: int | None = None) -> list[Condition
     width = parallel_runs or plan.parallel_runs
     running: list[tuple[Condition, subprocess.Popen, float]] = []
     failed: list[Condition] = []
+    bar = Progress(sum(c.total_steps for c in todo), "sweep", unit="steps", every_s=60.0)
+    finished_steps, n_runs, n_done = 0, len(todo), 0
     while todo or running:
         while todo and len(running) < width:
             c = todo.pop(0)
@@ -193,8 +200,13 @@ def execute(plan: SweepPlan, parallel_runs: int | None = None) -> list[Condition
             c, proc, t0 = item
             if proc.poll() is not None:
                 running.remove(item)
+                finished_steps += c.total_steps  # an early stop counts as all its steps
+                n_done += 1
                 if not _finish(c, proc, t0):
                     failed.append(c)
+        live = sum(min(last_logged_step(c.run_dir), c.total_steps) for c, _, _ in running)
+        bar.set(finished_steps + live, info=f"{n_done}/{n_runs} runs finished")
+    bar.close()
     return failed
 
 

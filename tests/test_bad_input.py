@@ -80,7 +80,7 @@ def config_cases() -> list[Case]:
                           [name, TYPE_WORDS[kind]]))
         bad = f"{section}.{misspell(key)}" if section else misspell(key)
         cases.append(Case(f"{name}: misspelt key", [f"{bad}=1"],
-                          [f"unknown config key {bad!r}", f"did you mean {key!r}"]))
+                          [f"unknown config key {bad!r}", f"did you mean {name!r}"]))
         if name in RANGES:
             for v in out_of_range(name):
                 cases.append(Case(f"{name}: out of range ({v})", [f"{name}={v}"],

@@ -35,7 +35,7 @@ def test_example_configs_load(tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     (["trainer.totl_steps=3"], "unknown config key 'trainer.totl_steps'; did you mean "
-                               "'total_steps'"),
+                               "'trainer.total_steps'"),
     (["trainr.seed=3"], "unknown config key 'trainr'; did you mean 'trainer'"),
     (["trainer.seed=abc"], "trainer.seed must be an integer"),
     (["rollout.dynamic_sampling=3"], "rollout.dynamic_sampling must be true or false"),

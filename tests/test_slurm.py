@@ -54,11 +54,13 @@ def slurm(tmp_path_factory):
 
 def _submit(slurm: LocalSlurm, run_dir: Path, out: Path, steps: int, save_freq: int, wait: bool,
             timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = ["sbatch", "--ntasks=2", f"--output={out}", f"--chdir={REPO}",
-           *(["--wait"] if wait else ["--parsable"]), str(SCRIPT), *FAST]
+    # bash mode: the script submits itself (sbatch options pass through); 2 tasks (TP2)
+    cmd = ["bash", str(SCRIPT), f"--output={out}", f"--chdir={REPO}",
+           *(["--wait"] if wait else ["--parsable"]), *FAST]
     env = slurm.env(MRL_RUN_DIR=str(run_dir), MRL_STEPS=str(steps),
                     MRL_SAVE_FREQ=str(save_freq), MRL_PYTHON=sys.executable,
-                    PYTHONPATH=str(REPO))
+                    PYTHONPATH=str(REPO), MRL_NTASKS="2")
+    env.pop("SLURM_JOB_ID", None)  # submit, even from inside an allocation
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -97,6 +99,19 @@ def test_hostlist_parser_agrees_with_scontrol(slurm):
                          text=True, env=slurm.env(), check=True).stdout.split()
     assert len(ref) == 9
     assert expand_hostlist(nodelist, use_scontrol=False) == ref
+
+
+def test_tiny_slurm_reads_the_nodes_cpus(slurm):
+    """Bash mode asks the real sinfo and picks a task count the node has CPUs for (a 2-CPU node
+    would leave the 4-task job pending forever, reason PartitionConfig)."""
+    env = {k: v for k, v in slurm.env(MRL_DRY_RUN="1").items() if not k.startswith("SLURM_J")}
+    r = subprocess.run(["bash", str(SCRIPT), "sft.steps=0"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cpus = os.cpu_count() or 1
+    tasks = 4 if cpus >= 4 else 2 if cpus >= 2 else 1
+    assert f"node CPUs {cpus}: {tasks} task(s)" in r.stderr, r.stderr
+    assert r.stdout.startswith(f"+ sbatch --ntasks={tasks} ")
 
 
 def test_sbatch_wait_runs_tiny_job(slurm, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -106,3 +107,64 @@ def test_dapo_32b_overrides_are_valid_config(tmp_path):
     assert cfg.rollout.engine == "sglang" and len(cfg.rollout.sglang.servers) == 16
     assert cfg.rollout.sglang.router_url == "http://gpu101:30080"
     assert cfg.rollout.sglang.weight_sync == "from_distributed"
+
+
+# ---- examples/tiny_slurm.sh fits the node ------------------------------------------------------
+def _tiny(env_extra: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MRL_"))}
+    env.update(MRL_DRY_RUN="1", **env_extra)
+    return subprocess.run(["bash", str(TINY_SH), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+@pytest.mark.parametrize("cpus,tasks,layout", [(1, 1, "TP1 x PP1 x DP1"),
+                                               (2, 2, "TP2 x PP1 x DP1"),
+                                               (3, 2, "TP2 x PP1 x DP1"),
+                                               (64, 4, "TP2 x PP2 x DP1")])
+def test_tiny_slurm_submits_what_the_node_fits(cpus, tasks, layout):
+    r = _tiny({"MRL_NODE_CPUS": str(cpus)}, "--wait", "sft.steps=0", "--output=x.out")
+    assert r.returncode == 0, r.stderr
+    assert f"node CPUs {cpus}: {tasks} task(s), {layout}" in r.stderr
+    (cmd,) = _commands(r.stdout)
+    # sbatch options first, the script, then only the key=value overrides
+    assert cmd == ["sbatch", f"--ntasks={tasks}", "--wait", "--output=x.out", str(TINY_SH),
+                   "sft.steps=0"]
+
+
+def test_tiny_slurm_refuses_more_tasks_than_cpus():
+    for extra in ({"MRL_NTASKS": "4"}, {"MRL_LAYOUT": "2 2 1"}):
+        r = _tiny({"MRL_NODE_CPUS": "2", "MRL_PARTITION": "debug", **extra})
+        assert r.returncode == 2 and r.stdout == ""
+        assert ("4 task(s) need a node with >= 4 CPUs (one per task) but the largest node of "
+                "partition debug has 2") in r.stderr and "PartitionConfig" in r.stderr
+    r = _tiny({"MRL_NODE_CPUS": "8", "MRL_PARTITION": "big", "MRL_LAYOUT": "1 1 8"})
+    assert r.returncode == 0 and _commands(r.stdout)[0][:3] == ["sbatch", "--ntasks=8",
+                                                                "--partition=big"]
+
+
+def test_tiny_slurm_without_sinfo_says_what_to_do(tmp_path):
+    for tool in ("tr", "sort", "tail"):  # a PATH with the script's tools but no sinfo
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MRL_"))}
+    env.update(MRL_DRY_RUN="1", PATH=str(tmp_path))
+    r = subprocess.run([shutil.which("bash"), str(TINY_SH)], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and "cannot read the nodes' CPUs" in r.stderr, r.stderr
+    assert "MRL_NODE_CPUS" in r.stderr
+
+
+def test_tiny_slurm_header_default_fits_two_cpus():
+    """``sbatch examples/tiny_slurm.sh`` (the header's task count) lands on a 2-CPU node."""
+    m = re.search(r"^#SBATCH --ntasks=(\d+)", TINY_SH.read_text(), re.M)
+    assert m and int(m.group(1)) <= 2
+
+
+def test_tiny_slurm_job_runs_one_rank_per_task(tmp_path):
+    r = _tiny({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_SUBMIT_DIR": str(REPO),
+               "MRL_RUN_DIR": str(tmp_path / "run")}, "sft.steps=0")
+    assert r.returncode == 0, r.stderr
+    assert "4 task(s), TP2 x PP2 x DP1" in r.stdout
+    (cmd,) = _commands(r.stdout)
+    assert cmd[:3] == ["srun", "--kill-on-bad-exit=1", "--ntasks=4"]
+    assert {"parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "trainer.resume=true"} <= set(cmd)
+    assert cmd[-1] == "sft.steps=0" and not (tmp_path / "run").exists()

@@ -28,7 +28,8 @@ def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="PP size the conversion runs at")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="stored dtype (default: the HF checkpoint's)")
-    p.add_argument("--timeout-s", type=float, default=3600.0)
+    p.add_argument("--timeout-s", type=float, default=3600.0,
+                   help="seconds the collectives of the conversion may wait (default 3600)")
 
 
 def add_megatron_to_hf_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +74,8 @@ def add_convert_subcommand(subparsers) -> argparse.ArgumentParser:
     """
     c = subparsers.add_parser("convert", help="convert checkpoints between Hugging Face and "
                               "megatron (dist_checkpointing) formats")
-    sub = c.add_subparsers(dest="direction", required=True)
+    sub = c.add_subparsers(dest="direction", required=True, metavar="DIRECTION",
+                           help="hf-to-megatron or megatron-to-hf")
     h2m = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron checkpoint; runs TPxPP"
                          " local ranks, or in place under torchrun/SLURM")
     add_hf_to_megatron_args(h2m)

@@ -32,6 +32,7 @@ from megatron_rl.convert.common import (
 from megatron_rl.convert.hf_io import HFCheckpoint, copy_assets
 from megatron_rl.convert.registry import read_hf_config
 from megatron_rl.models.config import ModelConfig, ModelConfigError, validate_for_layout
+from megatron_rl.progress import Progress
 
 SIDECAR = "megatron_rl_convert.json"
 ASSETS = "hf_assets"
@@ -216,6 +217,8 @@ def stream_tensors(hf_dir: str, out_dir: str, cfg: ModelConfig, maps: list[Tenso
     n_layers = cfg.num_hidden_layers
     writer = DcpStreamWriter(out_dir, writer_rank)
     state = LazyCanonicalState(ckpt, maps, cfg, params_dtype, log)
+    bar = Progress(len(range(writer_rank, len(maps), world)), "hf->megatron", unit="tensors",
+                   enabled=writer_rank == 0, min_s=2.0)
     for i, tmap in enumerate(maps):
         if i % world != writer_rank:
             continue
@@ -228,11 +231,13 @@ def stream_tensors(hf_dir: str, out_dir: str, cfg: ModelConfig, maps: list[Tenso
                              full.unsqueeze(0))
         state._last = None  # noqa: SLF001 - drop the tensor before reading the next
         del full
+        bar.update(info=f"{state.bytes / 2**30:.2f} GiB read")
     extras = [(layer, mod) for layer in range(n_layers) for mod in EXTRA_STATE_MODULES]
     for j, (layer, mod) in enumerate(extras):
         if (len(maps) + j) % world == writer_rank:
             writer.add_object(f"decoder.layers.{mod}._extra_state/shard_{layer}_{n_layers}",
                               [None])
+    bar.close()
     return writer.close(), state
 
 

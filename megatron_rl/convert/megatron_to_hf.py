@@ -47,6 +47,7 @@ from megatron_rl.convert.hf_io import (
 from megatron_rl.convert.hf_to_megatron import ASSETS, peak_rss_bytes, read_sidecar
 from megatron_rl.convert.registry import hf_config_dict, mapping_for, model_config_from_hf
 from megatron_rl.models.config import ModelConfig
+from megatron_rl.progress import Progress
 
 Log = Callable[[str], None]
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -238,7 +239,9 @@ def convert_megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: dict | Non
         _write_metadata(out_dir, items, shards, names, out_dtype, cfg, raw_hf, stored,
                         ckpt_dir, log)
     written, nbytes, biggest = [], 0, 0
-    for s in range(rank, len(shards), world_size):
+    mine = range(rank, len(shards), world_size)
+    bar = Progress(len(mine), "megatron->hf", unit="shards", enabled=rank == 0, min_s=2.0)
+    for s in mine:
         chunk = [items[i] for i in shards[s]]
         loaded = load_tensors(ckpt_dir, chunk)
         tensors = []
@@ -253,6 +256,8 @@ def convert_megatron_to_hf(ckpt_dir: str, out_dir: str, *, hf_config: dict | Non
         log(f"[megatron->hf] rank {rank}: wrote {names[s]} ({size / 2**20:.1f} MiB, "
             f"{len(chunk)} tensors), {time.monotonic() - t0:.1f}s, peak RSS "
             f"{peak_rss_bytes() / 2**30:.2f} GiB")
+        bar.update(info=f"{nbytes / 2**30:.2f} GiB written")
+    bar.close()
     return {"rank": rank, "shards": written, "bytes": nbytes, "max_shard_bytes": biggest,
             "wall_s": time.monotonic() - t0, "peak_rss": peak_rss_bytes()}
 

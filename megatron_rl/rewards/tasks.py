@@ -73,6 +73,20 @@ def known_tasks() -> list[str]:
     return sorted(DATASETS)
 
 
+def task_kwarg_names(name: str) -> list[str] | None:
+    """The keyword arguments reasoning-gym task ``name`` accepts (its config dataclass's fields
+    but ``seed``/``size``, which the data section sets), or None when it cannot tell."""
+    import dataclasses
+
+    import reasoning_gym  # noqa: F401  (registers the datasets)
+    from reasoning_gym.factory import DATASETS
+
+    entry = DATASETS.get(name)
+    if not entry or not dataclasses.is_dataclass(entry[1]):
+        return None
+    return [f.name for f in dataclasses.fields(entry[1]) if f.name not in ("seed", "size")]
+
+
 def _check_name(name: str) -> None:
     names = known_tasks()
     if name not in names:

@@ -18,6 +18,7 @@ from megatron_rl.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from megatron_rl.progress import Progress
 from megatron_rl.rewards.math_verify_reward import score_batch
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.filters import (
@@ -104,9 +105,14 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
         sampler = DynamicSampler(train_batch_size=t.train_batch_size,
                                  max_num_gen_batches=r.max_num_gen_batches,
                                  metric=r.filter_metric)
-        i = 0
-        while not sampler.add(one_round(i)):
-            i += 1
+        with Progress(t.train_batch_size, f"rollout step {step + 1}", unit="prompts kept",
+                      min_s=10.0, transient=True) as bar:  # silent in logs unless slow
+            i = 0
+            while not sampler.add(one_round(i)):
+                i += 1
+                bar.set(sampler.kept_prompts, info=f"{i} generation round(s)")
+            bar.set(min(sampler.kept_prompts, t.train_batch_size),
+                    info=f"{i + 1} generation round(s)")
         records, stats = sampler.result()
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()})
     else:

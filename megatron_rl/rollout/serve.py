@@ -594,8 +594,8 @@ def add_serve_subcommand(sub) -> None:
                        "(CPU/tests; not SGLang)")
     p.add_argument("--preset", default=None, help="model preset (random weights; default tiny)")
     p.add_argument("--model-path", default=None, help="HF dir (config.json [+ safetensors])")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on")
     p.add_argument("--eos-id", type=int, default=None, help="stop token added to every request")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--sglang-rules", default=NEW_RULES, choices=RULES,
