@@ -13,7 +13,7 @@ DEFAULT_RECIPE: dict = {
     "sft": {"steps": 80, "batch_size": 32, "lr": 0.003},
     "rollout": {"n": 8, "temperature": 1.0, "max_new_tokens": 4, "val_temperature": 1.0,
                 "val_n": 4, "dynamic_sampling": True, "gen_batch_size": 16,
-                "max_num_gen_batches": 10},
+                "max_num_gen_batches": 40},
     "actor": {"micro_batch_size": 64, "mini_batch_size": 0, "ppo_epochs": 1},
     "optim": {"lr": 0.001, "weight_decay": 0.0, "clip_grad": 1.0},
     "loss": {"algorithm": "dapo"},
