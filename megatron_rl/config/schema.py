@@ -200,8 +200,9 @@ def range_error(name: str, value: Any) -> str | None:
 def check_ranges(cfg: Any) -> None:
     """Every number of ``cfg`` finite and in range, every choice allowed; raises ``ConfigError``
     naming the first bad field."""
-    from megatron_rl.config import ConfigError, RunConfig
     from megatron_rl.config_checks import closest
+
+    from megatron_rl.config import ConfigError, RunConfig
 
     for name, tp in leaf_fields(RunConfig):
         value = get_field(cfg, name)
