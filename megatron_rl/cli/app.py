@@ -7,7 +7,7 @@ import sys
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from megatron_rl.check import format_report, parity
+    from megatron_rl.cli.check import format_report, parity
 
     rep = parity(args.tp, args.pp, preset=args.model, micro_batches=args.micro_batches,
                  batch=args.batch, seq=args.seq, seed=args.seed, temperature=args.temperature,
@@ -17,7 +17,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _train_worker(cfg, mode: str = "train"):
-    from megatron_rl import commands, trainer
+    from megatron_rl.run import jobs as commands
+    from megatron_rl.run import trainer
 
     return {"train": trainer.train, "eval": commands.evaluate, "sft": commands.sft_only}[mode](cfg)
 
@@ -25,13 +26,14 @@ def _train_worker(cfg, mode: str = "train"):
 def _cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.default_recipe import DEFAULT_RECIPE
+    from megatron_rl.config.default_recipe import DEFAULT_RECIPE
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     config, overrides = split_config_arg(args.config, args.overrides)
     try:  # no YAML: the built-in recipe (a tiny DAPO demo that learns)
         cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
-        from megatron_rl.input_checks import check_inputs
+        from megatron_rl.run.input_checks import check_inputs
 
         check_inputs(cfg)  # data, tokenizer, reward plugin: before anything is written
     except ConfigError as exc:
@@ -62,10 +64,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool) -> int:
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config.errors import ConfigError
 
     if command == "train":  # resume preflight: changed config, finished run
-        from megatron_rl.run_guard import preflight
+        from megatron_rl.run.guard import preflight
 
         try:
             done = preflight(cfg, log=print if rank0 else (lambda *_: None))
@@ -178,7 +180,7 @@ def _run_in_place(cfg, command: str, plan, world: int) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from megatron_rl.plot import plot_run
+    from megatron_rl.metrics.plot import plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
@@ -186,7 +188,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from megatron_rl.export import export_run
+    from megatron_rl.run.export import export_run
 
     try:
         out = export_run(args.run_dir, args.step, args.out)
@@ -198,8 +200,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from megatron_rl.config import ConfigError
-    from megatron_rl.sweep import run_sweep
+    from megatron_rl.cli.sweep import run_sweep
+    from megatron_rl.config.errors import ConfigError
 
     try:
         return run_sweep(args.sweep_file, args.parallel, args.report_only, args.overrides)
@@ -231,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="RL training (SFT warm start when sft.steps > 0)")
     t.add_argument("config", nargs="?", default=None,
                    help="YAML config (default: the built-in tiny DAPO recipe, "
-                        "megatron_rl/default_recipe.py)")
+                        "megatron_rl/config/default_recipe.py)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
                                                 "output_dir=runs/x")
     t.add_argument("--check", dest="check_only", action="store_true",
@@ -252,14 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_subcommand(sub)
 
-    from megatron_rl.plan import add_plan_subcommand
+    from megatron_rl.plan.command import add_plan_subcommand
 
     add_plan_subcommand(sub)
 
-    from megatron_rl.repro import add_repro_subcommand
+    from megatron_rl.cli.repro import add_repro_subcommand
 
     add_repro_subcommand(sub)
-    from megatron_rl.config_doc import add_config_subcommand
+    from megatron_rl.config.doc import add_config_subcommand
 
     add_config_subcommand(sub)
 

@@ -225,7 +225,7 @@ def run_layouts(config: str | None, overrides: list[str], layouts: list[tuple[in
                 steps: int, out: str, sft_per_layout: bool = False,
                 timeout_s: float = 3600) -> dict[str, str]:
     """Train once per layout; returns ``{layout name: run dir}``."""
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
 
     cfg = load_config(config, overrides)
     os.makedirs(out, exist_ok=True)
@@ -281,7 +281,7 @@ def compare_dirs(runs: dict[str, str], atol: float, rtol: float,
 
 
 def _cmd_repro(args) -> int:
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config.errors import ConfigError
 
     try:
         layouts = parse_layouts(args.layouts)

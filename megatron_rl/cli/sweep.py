@@ -37,7 +37,8 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.load import load_config
 
 DONE = "sweep_done.json"
 PLOT_METRICS = (("val_success", "val/acc", "validation success"),

@@ -4,7 +4,7 @@ Everything that would otherwise be found only after the SFT warm start (or silen
 thing) is checked here, when the config is loaded: sampling parameters, batch divisibility, names
 of algorithms / estimators / loss fields (with the closest known name suggested), the single
 temperature, and the constant of the Dr.GRPO aggregation. Every error is one line naming the field
-and the allowed values (:class:`~megatron_rl.config.ConfigError`).
+and the allowed values (:class:`~megatron_rl.config.errors.ConfigError`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def closest(name: str, known: typing.Iterable[str]) -> str:
 
 
 def _error(msg: str) -> Exception:
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config.errors import ConfigError
 
     return ConfigError(msg)
 
@@ -197,7 +197,7 @@ def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     """All load-time checks (``raw``: the merged YAML + overrides mapping the config was built
     from). May normalise ``cfg`` in place: the actor temperature, loss override numbers, the
     Dr.GRPO constant."""
-    from megatron_rl.config_schema import check_ranges
+    from megatron_rl.config.schema import check_ranges
 
     check_advantage(cfg.trainer.advantage)
     check_names(cfg)

@@ -1,6 +1,6 @@
 """``python -m megatron_rl config --doc``: the configuration reference, generated.
 
-Every field of :class:`megatron_rl.config.RunConfig` (sections, nested sections) and every
+Every field of :class:`megatron_rl.config.sections.RunConfig` (sections, nested sections) and every
 ``loss.overrides`` key (:class:`megatron_rl.loss.LossConfig` fields) becomes one table row: dotted
 key, type, default, allowed values (where the load-time validation has a fixed set) and a one-line
 description. The description is the field line's trailing ``# comment`` in the source; a field
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DOC_COMMAND = "python -m megatron_rl config --doc"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 UNDOCUMENTED = "(undocumented)"
 
 # Fields whose source line has no trailing comment: their one-line description.
@@ -141,12 +141,12 @@ EXTRA_DOCS: dict[str, str] = {
 # Fields whose allowed values are a fixed set known to the validation: (module, attribute).
 ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "model.preset": ("megatron_rl.models.config", "PRESETS"),
-    "data.split_by": ("megatron_rl.config_doc", "_SPLIT_BY"),
-    "rollout.engine": ("megatron_rl.config_doc", "_ENGINES"),
-    "rollout.filter_metric": ("megatron_rl.config_checks", "FILTER_METRICS"),
+    "data.split_by": ("megatron_rl.config.doc", "_SPLIT_BY"),
+    "rollout.engine": ("megatron_rl.config.doc", "_ENGINES"),
+    "rollout.filter_metric": ("megatron_rl.config.checks", "FILTER_METRICS"),
     "rollout.sglang.launcher": ("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": ("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
-    "trainer.advantage": ("megatron_rl.config_checks", "ADVANTAGES"),
+    "trainer.advantage": ("megatron_rl.config.checks", "ADVANTAGES"),
     "actor.precision": ("megatron_rl.actor.precision", "PRECISIONS"),
     "actor.recompute": ("megatron_rl.actor.precision", "RECOMPUTE"),
     "optim.lr_decay_style": ("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
@@ -252,7 +252,7 @@ def allowed_values(key: str) -> str:
     try:
         values = getattr(importlib.import_module(where[0]), where[1])
     except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"megatron_rl.config_doc.ALLOWED_FROM[{key!r}] names "
+        raise RuntimeError(f"megatron_rl.config.doc.ALLOWED_FROM[{key!r}] names "
                            f"{where[0]}.{where[1]}, which does not exist ({exc}); update "
                            "ALLOWED_FROM") from exc
     names = sorted(values) if isinstance(values, dict) else list(values)
@@ -284,7 +284,7 @@ def section_rows(cls: type, prefix: str) -> list[tuple[str, type, list[FieldDoc]
 
 def all_sections() -> list[tuple[str, type, list[FieldDoc]]]:
     """Every section of the run config, then ``loss.overrides`` (the LossConfig fields)."""
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.sections import RunConfig
     from megatron_rl.loss import LossConfig
 
     top = section_rows(RunConfig, "")

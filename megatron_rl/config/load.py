@@ -42,7 +42,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return value
     if tp is float:
-        from megatron_rl.config_checks import as_float
+        from megatron_rl.config.checks import as_float
 
         value = as_float(value)  # "1e-6": PyYAML 1.1 reads exponents without a dot as str
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -129,7 +129,7 @@ _ALIASES = {"output_dir": "trainer.output_dir"}
 def load_config(path: str | None, overrides: list[str] | None = None,
                 base: Mapping[str, Any] | None = None) -> RunConfig:
     """Load a YAML file (or defaults when ``path`` is None; ``base``: a mapping used instead of
-    the file, e.g. :data:`megatron_rl.default_recipe.DEFAULT_RECIPE`) and apply overrides."""
+    the file, e.g. :data:`megatron_rl.config.default_recipe.DEFAULT_RECIPE`) and apply overrides."""
     data: dict = dict(base or {})
     if path is not None:
         try:
@@ -148,7 +148,7 @@ def load_config(path: str | None, overrides: list[str] | None = None,
              if "=" in o else o for o in (overrides or [])]
     data = _merge(data, parse_overrides(items))
     cfg = _build(RunConfig, data, "")
-    from megatron_rl.config_checks import check_run_config
+    from megatron_rl.config.checks import check_run_config
 
     check_run_config(cfg, data)
     validate_run_config(cfg)

@@ -5,7 +5,7 @@ finite and inside its field's range, every choice one of its allowed values, wha
 in (an ``rollout.sglang`` value is checked even while ``rollout.engine`` is ``embedded``). Errors
 name the dotted field, the allowed range or values, and the value given.
 
-Every ``int``/``float`` field of :class:`~megatron_rl.config.RunConfig` is listed in
+Every ``int``/``float`` field of :class:`~megatron_rl.config.sections.RunConfig` is listed in
 :data:`RANGES` or, with the reason, in :data:`UNBOUNDED`; every ``str`` field in :data:`CHOICES`
 or :data:`FREE_TEXT` (``tests/test_bad_input.py`` fails for a new field that is in none of them).
 """
@@ -112,7 +112,7 @@ def _choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:
 
 
 # Named choices: their allowed values (checked here, or, for the two names with a suggestion of the
-# closest known name, by megatron_rl.config_checks: model.preset, data.task, loss.algorithm).
+# closest known name, by megatron_rl.config.checks: model.preset, data.task, loss.algorithm).
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.preset": lambda: tuple(sorted(_choices("megatron_rl.models.config", "PRESETS")())),
     "parallel.backend": _choices("megatron_rl.parallel.runtime", "BACKENDS"),
@@ -121,13 +121,13 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "rollout.engine": lambda: ("embedded", "sglang"),
     "rollout.sglang.launcher": _choices("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": _choices("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
-    "rollout.filter_metric": _choices("megatron_rl.config_checks", "FILTER_METRICS"),
+    "rollout.filter_metric": _choices("megatron_rl.config.checks", "FILTER_METRICS"),
     "actor.precision": _choices("megatron_rl.actor.precision", "PRECISIONS"),
     "actor.recompute": _choices("megatron_rl.actor.precision", "RECOMPUTE"),
     "optim.lr_decay_style": _choices("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
     "loss.rollout_correction": lambda: ("none", "tis", "mis"),
-    "trainer.advantage": _choices("megatron_rl.config_checks", "ADVANTAGES"),
+    "trainer.advantage": _choices("megatron_rl.config.checks", "ADVANTAGES"),
     "env.name": _choices("megatron_rl.envs", "ENVS"),
 }
 
@@ -154,7 +154,7 @@ FREE_TEXT: dict[str, str] = {
 }
 
 
-# checked with the closest known name suggested (megatron_rl.config_checks), in their own order
+# checked with the closest known name suggested (megatron_rl.config.checks), in their own order
 _SUGGESTED = ("loss.algorithm",)
 
 
@@ -200,9 +200,9 @@ def range_error(name: str, value: Any) -> str | None:
 def check_ranges(cfg: Any) -> None:
     """Every number of ``cfg`` finite and in range, every choice allowed; raises ``ConfigError``
     naming the first bad field."""
-    from megatron_rl.config_checks import closest
-
-    from megatron_rl.config import ConfigError, RunConfig
+    from megatron_rl.config.checks import closest
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.sections import RunConfig
 
     for name, tp in leaf_fields(RunConfig):
         value = get_field(cfg, name)

@@ -10,8 +10,7 @@ from megatron_rl.config.sections import ParallelSection, RunConfig
 
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the field and the allowed values."""
-    from megatron_rl.model_source import ModelSourceError, validate_model_section
-
+    from megatron_rl.convert.model_source import ModelSourceError, validate_model_section
     from megatron_rl.models.config import ModelConfigError
 
     try:
@@ -37,7 +36,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         from megatron_rl.rollout.fleet import validate_sglang_section
 
         validate_sglang_section(cfg.rollout.sglang)
-    from megatron_rl.colocation import validate_colocation
+    from megatron_rl.run.colocation import validate_colocation
 
     validate_colocation(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):

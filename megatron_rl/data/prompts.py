@@ -7,7 +7,7 @@
   ``ValueError`` naming the file and the line (JSONL, 1-based) or row (Parquet, 0-based).
   Chat-style prompts (a list of ``{"role", "content"}`` messages, the verl/DAPO-Math layout) are
   kept whole in ``row["messages"]`` (rendered later with the tokenizer's chat template, see
-  :func:`megatron_rl.run_setup.build_datasets`); ``row["prompt"]`` is the last user message.
+  :func:`megatron_rl.run.setup.build_datasets`); ``row["prompt"]`` is the last user message.
   ``answer_key=None`` reads ``answer``, else ``reward_model.ground_truth`` (DEFAULT_ANSWER_KEYS).
 * :class:`PromptLoader`: batches of rows; epoch ``e`` visits the rows in the permutation given by
   ``(seed, e)``; the last partial batch of an epoch is dropped (every batch is full).

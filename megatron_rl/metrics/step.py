@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_rl.chaos_hook import phase_begins
+from megatron_rl.testing.chaos_hook import phase_begins
 
 PROGRESS_KEYS = {"reward": ("rollout/reward",), "acc": ("rollout/acc",),
                  "entropy": ("policy/entropy",)}
@@ -21,7 +21,8 @@ class Phases:
     On CUDA the device is synchronised at both ends of a phase (``sync``, default: when CUDA is
     initialised), so the kernels a phase queued count in that phase, not in the next one. Once
     per phase: a handful of syncs per step. With ``step`` given, each phase's start is also a
-    fault-injection marker (:func:`megatron_rl.chaos_hook.phase_begins`, inert unless enabled)."""
+    fault-injection marker (:func:`megatron_rl.testing.chaos_hook.phase_begins`, inert unless
+    enabled)."""
 
     def __init__(self, step: int | None = None, sync: bool | None = None) -> None:
         self.times: dict[str, float] = {}
@@ -49,7 +50,7 @@ class Phases:
 def last_stage_metrics(history: list[dict], src: int) -> dict:
     """The update's metrics live on the last stage (global rank ``src``); bring the last entry
     of ``history`` to every rank (the trainer passes the step's aggregate over all mini-batches
-    and epochs, :func:`megatron_rl.update_metrics.aggregate_updates`)."""
+    and epochs, :func:`megatron_rl.metrics.update.aggregate_updates`)."""
     from megatron_rl.parallel.runtime import broadcast_object
 
     last = history[-1] if history else {}

@@ -10,7 +10,8 @@ from megatron_rl.plan.report import format_plan, make_plan
 def _cmd_plan(args) -> int:
     import sys
 
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -116,9 +116,9 @@ def _sglang_field(cfg, name: str, default: Any) -> Any:
 
 
 def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
-    """:class:`PlanInputs` from a :class:`~megatron_rl.config.RunConfig`; ``overrides`` (CLI
-    flags, ``None`` = keep) win over the config."""
-    from megatron_rl.model_source import model_config
+    """:class:`PlanInputs` from a :class:`~megatron_rl.config.sections.RunConfig`;
+    ``overrides`` (CLI flags, ``None`` = keep) win over the config."""
+    from megatron_rl.convert.model_source import model_config
 
     m = model_config(cfg.model)
     a, p, r, t = cfg.actor, cfg.parallel, cfg.rollout, cfg.trainer

@@ -204,7 +204,7 @@ def server_breakdown(x: PlanInputs) -> dict[str, Any]:
 
 def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
                      server: dict[str, Any]) -> dict[str, float]:
-    """Bytes on one shared GPU in each phase of the colocated step (megatron_rl/colocation.py):
+    """Bytes on one shared GPU in each phase of the colocated step (megatron_rl/run/colocation.py):
     rollout = the server's static budget (weights + KV pool) + the trainer's runtime reserve
     (the actor is on the host); update = the actor's whole breakdown + a released server's
     reserve; weight sync = the actor's parameters (training dtype) + the resumed server + one

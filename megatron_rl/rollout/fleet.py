@@ -37,7 +37,7 @@ class ServerError(RuntimeError):
 
 def validate_sglang_section(s) -> None:
     """Load-time checks of ``rollout.sglang``; messages name the field and the allowed values."""
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config.errors import ConfigError
 
     if s.launcher not in LAUNCHERS:
         raise ConfigError(f"rollout.sglang.launcher={s.launcher!r} is not one of {LAUNCHERS}")
@@ -177,7 +177,7 @@ class Fleet:
         port = s.router_port + 1 + i
         url = f"http://{s.host}:{port}"
         env = dict(os.environ)
-        from megatron_rl.colocation import server_gpus  # colocate: the trainer's GPUs
+        from megatron_rl.run.colocation import server_gpus  # colocate: the trainer's GPUs
 
         if gpus := server_gpus(s, i):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)

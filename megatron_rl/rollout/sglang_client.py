@@ -257,7 +257,7 @@ def write_model_config(cfg, out_dir: str) -> str:
     from transformers import AutoConfig
 
     from megatron_rl.convert.registry import hf_config_dict
-    from megatron_rl.run_setup import model_config
+    from megatron_rl.run.setup import model_config
 
     fields = hf_config_dict(model_config(cfg))
     model_type = fields.pop("model_type")

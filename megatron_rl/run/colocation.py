@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config.errors import ConfigError
 
 
 def validate_colocation(cfg) -> None:
@@ -95,8 +95,8 @@ class Colocation:
 
     # ---- servers (rank 0 posts; every rank waits for it) ----------------------------------
     def _servers(self, action: str, tags: list[str] | None) -> None:
-        from megatron_rl.driver import broadcast_object
         from megatron_rl.rollout import memory_occupation as mo
+        from megatron_rl.run.driver import broadcast_object
 
         err = None
         engine = self.driver.engine

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.sections import RunConfig
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -23,9 +23,9 @@ class RolloutDriver:
     """Prompts, engine, tracker and early stopper, held by rank 0 (``None`` parts elsewhere)."""
 
     def __init__(self, cfg: RunConfig, tokenizer, score_fn) -> None:
-        from megatron_rl.data import PromptLoader
-        from megatron_rl.early_stop import EarlyStopper
-        from megatron_rl.run_setup import build_datasets
+        from megatron_rl.data.prompts import PromptLoader
+        from megatron_rl.run.early_stop import EarlyStopper
+        from megatron_rl.run.setup import build_datasets
 
         self.cfg, self.tok, self.score_fn = cfg, tokenizer, score_fn
         self.rank0 = dist.get_rank() == 0
@@ -47,8 +47,8 @@ class RolloutDriver:
 
     def start(self, make_engine, start_step: int, resuming: bool) -> None:
         """Create the engine and the metrics tracker (rank 0)."""
-        from megatron_rl.step_metrics import PROGRESS_KEYS
-        from megatron_rl.tracking import Tracker
+        from megatron_rl.metrics.step import PROGRESS_KEYS
+        from megatron_rl.metrics.tracking import Tracker
 
         if not self.rank0:
             return
@@ -165,7 +165,7 @@ class RolloutDriver:
         self.tracker.close()
         getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
         try:
-            from megatron_rl.plot import plot_run
+            from megatron_rl.metrics.plot import plot_run
             plot_run(self.cfg.trainer.output_dir)
         except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
             print(f"[train] plotting skipped: {exc}", flush=True)

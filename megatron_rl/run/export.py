@@ -22,7 +22,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from megatron_rl.actor.actor import Actor
-from megatron_rl.config import RunConfig
+from megatron_rl.config.sections import RunConfig
 
 HF_SUBDIR = "hf"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -30,7 +30,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def export_enabled(cfg: RunConfig) -> bool:
     """``trainer.export_hf``, defaulting to true for a model from ``model.hf_path``."""
-    from megatron_rl.model_source import source_kind
+    from megatron_rl.convert.model_source import source_kind
 
     flag = cfg.trainer.export_hf
     return source_kind(cfg.model) == "hf" if flag is None else bool(flag)
@@ -68,7 +68,7 @@ def export_checkpoint(ckpt_dir: str, cfg: RunConfig, out_dir: str, rank: int = 0
     float32 for presets."""
     from megatron_rl.convert.hf_io import copy_assets
     from megatron_rl.convert.megatron_to_hf import convert_megatron_to_hf
-    from megatron_rl.model_source import DEFAULT_PRESET, hf_config_of, tokenizer_dir
+    from megatron_rl.convert.model_source import DEFAULT_PRESET, hf_config_of, tokenizer_dir
 
     raw = hf_config_of(cfg.model)
     dtype = None
@@ -119,7 +119,7 @@ def load_run_config(run_dir: str) -> RunConfig:
     """The :class:`RunConfig` a run saved in ``run_dir/config.json``."""
     import json
 
-    from megatron_rl.config import _build
+    from megatron_rl.config.load import _build
 
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):

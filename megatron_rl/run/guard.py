@@ -3,9 +3,9 @@
 - :func:`preflight` (before any process starts): when ``trainer.resume`` finds a checkpoint, the
   new config is compared with the run's ``config.json``. Changed fields are listed as a warning;
   changes that break the run (the model, tokenizer, algorithm, advantage estimator, dataset, or
-  the checkpoint format) are refused with a :class:`~megatron_rl.config.ConfigError`. A run whose
-  newest checkpoint was written by an early stop is finished: preflight says so and the command
-  exits 0 instead of training one more step.
+  the checkpoint format) are refused with a :class:`~megatron_rl.config.errors.ConfigError`. A
+  run whose newest checkpoint was written by an early stop is finished: preflight says so and the
+  command exits 0 instead of training one more step.
 - :func:`write_config`: ``config.json`` is never silently overwritten; when it differs, the old one
   is kept as ``config.<n>.json`` first.
 - :func:`prune_checkpoints`: keep the newest ``trainer.keep_checkpoints`` checkpoints.
@@ -71,7 +71,7 @@ def preflight(cfg, log=print) -> str | None:
     """Check a resume before any work. Returns a message when the run is already finished by an
     early stop (nothing to do), else None. Raises ``ConfigError`` for breaking changes."""
     from megatron_rl.actor.checkpoint import latest_checkpoint
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config.errors import ConfigError
 
     t = cfg.trainer
     ckpt = latest_checkpoint(os.path.join(t.output_dir, "checkpoints"))

@@ -1,9 +1,9 @@
 """Checks of a run's inputs before any process starts (``train``, ``sft``, ``eval`` and
 ``train --check`` call :func:`check_inputs` right after loading the config).
 
-:func:`~megatron_rl.config.load_config` checks the config itself (names, types, ranges, the model
-directory's headers). The checks here read what the config points at, so that a bad input fails in
-seconds, before the SFT warm start or the first rollout, with nothing written to the run
+:func:`~megatron_rl.config.load.load_config` checks the config itself (names, types, ranges, the
+model directory's headers). The checks here read what the config points at, so that a bad input
+fails in seconds, before the SFT warm start or the first rollout, with nothing written to the run
 directory:
 
 * ``model.init_weights`` exists; the tokenizer's vocabulary fits the model's;
@@ -13,7 +13,7 @@ directory:
 * ``rollout.reward_fn``: imported, then called once on the first prompt with its reference answer
   as the response, under ``rollout.reward_timeout_s``: it must return a finite number.
 
-Every failure is a :class:`~megatron_rl.config.ConfigError` naming the field and the fix.
+Every failure is a :class:`~megatron_rl.config.errors.ConfigError` naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import math
 import os
 from typing import Any
 
-from megatron_rl.config import ConfigError, RunConfig
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.sections import RunConfig
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -42,8 +43,8 @@ def check_init_weights(cfg: RunConfig) -> None:
 
 def tokenizer_of(cfg: RunConfig):
     """The run's tokenizer; a vocabulary larger than the model's is a ``ConfigError``."""
-    from megatron_rl.hf_tokenizer import TokenizerError
-    from megatron_rl.run_setup import make_tokenizer
+    from megatron_rl.data.tokenizer import TokenizerError
+    from megatron_rl.run.setup import make_tokenizer
 
     try:
         return make_tokenizer(cfg)
@@ -55,7 +56,7 @@ def tokenizer_of(cfg: RunConfig):
 
 
 def context_length(cfg: RunConfig) -> int:
-    from megatron_rl.run_setup import model_config
+    from megatron_rl.run.setup import model_config
 
     return int(model_config(cfg).max_position_embeddings)
 
@@ -63,7 +64,7 @@ def context_length(cfg: RunConfig) -> int:
 def dataset_rows(cfg: RunConfig, tok) -> list[dict]:
     """The rendered training rows (a few generated ones for reasoning-gym tasks; none for
     multi-turn environments), after every data check."""
-    from megatron_rl.data import PromptDataset
+    from megatron_rl.data.prompts import PromptDataset
 
     d, r = cfg.data, cfg.rollout
     if cfg.env.name:
@@ -79,7 +80,7 @@ def dataset_rows(cfg: RunConfig, tok) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - reasoning-gym validates its own kwargs
             raise ConfigError(f"data.task_kwargs={d.task_kwargs!r} for data.task={d.task!r}: "
                               f"{type(exc).__name__}: {exc}") from exc
-    from megatron_rl.run_setup import build_datasets
+    from megatron_rl.run.setup import build_datasets
 
     try:
         train, val = build_datasets(cfg, tok)

@@ -7,16 +7,16 @@ import os
 
 import torch
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.sections import RunConfig
 
 
 def evaluate(cfg: RunConfig) -> float | None:
     """Validation accuracy of the newest checkpoint under ``trainer.output_dir`` (SPMD)."""
-    from megatron_rl import run_setup as setup
     from megatron_rl.actor.checkpoint import latest_checkpoint
-    from megatron_rl.driver import RolloutDriver
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.sync import sync_weights
+    from megatron_rl.run import setup
+    from megatron_rl.run.driver import RolloutDriver
 
     setup.init_parallel(cfg)
     root = os.path.join(cfg.trainer.output_dir, "checkpoints")
@@ -40,10 +40,10 @@ def evaluate(cfg: RunConfig) -> float | None:
 def sft_only(cfg: RunConfig) -> str | None:
     """Run the supervised warm start alone; write canonical weights to
     ``output_dir/sft_weights.pt`` (start RL from them with ``model.init_weights=...``)."""
-    from megatron_rl import run_setup as setup
-    from megatron_rl.driver import RolloutDriver
     from megatron_rl.parallel import runtime
-    from megatron_rl.sft import run_sft
+    from megatron_rl.run import setup
+    from megatron_rl.run.driver import RolloutDriver
+    from megatron_rl.run.sft import run_sft
 
     setup.init_parallel(cfg)
     driver = RolloutDriver(cfg, setup.make_tokenizer(cfg), setup.score_fn(cfg))

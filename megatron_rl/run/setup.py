@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.sections import RunConfig
 
 
 def init_parallel(cfg: RunConfig):
@@ -23,13 +23,13 @@ def init_parallel(cfg: RunConfig):
 
 
 def build_datasets(cfg: RunConfig, tokenizer=None):
-    """``(train_set, val_set)`` :class:`~megatron_rl.data.PromptDataset` s of the run's data
+    """``(train_set, val_set)`` :class:`~megatron_rl.data.prompts.PromptDataset` s of the run's data
     (files when ``data.path`` is set, else the reasoning-gym task), split disjointly.
 
     Prompts are rendered for ``tokenizer`` (default: the run's): chat messages (and, with a chat
     template, plain prompts as one user message) through its chat template; prompts longer than
     ``data.max_prompt_length`` tokens are dropped and counted."""
-    from megatron_rl.data import PromptDataset, train_val_split
+    from megatron_rl.data.prompts import PromptDataset, train_val_split
 
     d = cfg.data
     tokenizer = tokenizer or make_tokenizer(cfg)
@@ -50,8 +50,8 @@ def render_prompts(dataset, tokenizer, use_template: bool, max_len: int):
     """``(dataset with rendered prompts, number dropped)``: ``row["prompt"]`` becomes the text
     the model sees (``row["raw_prompt"]`` keeps the original); rows whose prompt is longer than
     ``max_len`` tokens (0: no limit) are dropped."""
-    from megatron_rl.data import PromptDataset
-    from megatron_rl.hf_tokenizer import render_prompt
+    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.data.tokenizer import render_prompt
 
     kept, dropped = [], 0
     for row in dataset.rows:
@@ -65,7 +65,7 @@ def render_prompts(dataset, tokenizer, use_template: bool, max_len: int):
 
 def model_config(cfg: RunConfig):
     """The run's architecture (preset, HF ``config.json`` or converted checkpoint)."""
-    from megatron_rl.model_source import model_config as of_section
+    from megatron_rl.convert.model_source import model_config as of_section
 
     return of_section(cfg.model)
 
@@ -73,8 +73,8 @@ def model_config(cfg: RunConfig):
 def make_tokenizer(cfg: RunConfig):
     """The run's tokenizer: the HF tokenizer of the model directory (or ``model.tokenizer``),
     else the byte tokenizer of the tiny presets. Its vocabulary must fit the model's."""
-    from megatron_rl.hf_tokenizer import HFTokenizer, check_vocab_fits
-    from megatron_rl.model_source import tokenizer_dir
+    from megatron_rl.convert.model_source import tokenizer_dir
+    from megatron_rl.data.tokenizer import HFTokenizer, check_vocab_fits
     from megatron_rl.rewards.tokenizer import ByteTokenizer
 
     path = tokenizer_dir(cfg.model)
@@ -121,7 +121,7 @@ def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state
                entropy_controller=None, actor_cfg=None, ref_state=None,
                use_reference: bool = False):
     """This rank's :class:`~megatron_rl.actor.actor.Actor` for the run's model and layout."""
-    from megatron_rl.export import actor_class
+    from megatron_rl.run.export import actor_class
 
     return actor_class(cfg)(model_config(cfg), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
                             total_steps, seed=cfg.trainer.seed, full_state=full_state,

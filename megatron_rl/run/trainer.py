@@ -9,7 +9,7 @@ prompts, the rollout engine, logging and early stopping, and broadcasts what the
         validate / log / early stop / checkpoint
 
 With ``rollout.sglang.colocate`` the servers and the actor take turns with the GPUs around these
-phases (:mod:`megatron_rl.colocation`).
+phases (:mod:`megatron_rl.run.colocation`).
 """
 
 from __future__ import annotations
@@ -18,27 +18,27 @@ import os
 import time
 from typing import Any
 
-from megatron_rl.colocation import Colocation
-from megatron_rl.config import RunConfig
-from megatron_rl.driver import RolloutDriver, broadcast_object
+from megatron_rl.config.sections import RunConfig
+from megatron_rl.metrics.step import Phases, last_stage_metrics, measured_entropy
 from megatron_rl.rollout.sync import sync_weights
-from megatron_rl.step_metrics import Phases, last_stage_metrics, measured_entropy
+from megatron_rl.run.colocation import Colocation
+from megatron_rl.run.driver import RolloutDriver, broadcast_object
 
 
 def train(cfg: RunConfig) -> dict[str, Any] | None:
     """Run the whole job; returns the summary on rank 0 (None elsewhere)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl import run_setup as setup
     from megatron_rl.actor.checkpoint import latest_checkpoint
-    from megatron_rl.host_stats import host_stats
+    from megatron_rl.metrics.host import host_stats
+    from megatron_rl.metrics.tracking import gpu_stats
+    from megatron_rl.metrics.update import aggregate_updates, logp_mismatch
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.collect import dp_rows
     from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
-    from megatron_rl.run_guard import prune_checkpoints, write_config
-    from megatron_rl.tracking import gpu_stats
-    from megatron_rl.update_metrics import aggregate_updates, logp_mismatch
-    from megatron_rl.warm_start import initial_weights, reference_weights
+    from megatron_rl.run import setup
+    from megatron_rl.run.guard import prune_checkpoints, write_config
+    from megatron_rl.run.warm_start import initial_weights, reference_weights
 
     t_start = time.perf_counter()
     t = cfg.trainer

@@ -13,15 +13,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.sections import RunConfig
 
 
 def initial_weights(cfg: RunConfig, tokenizer, train_rows, make_actor) -> tuple[dict | None, list]:
     """``(initial weights or None, SFT log)`` for a fresh run (SPMD over all ranks). The weights
     are a canonical full state dict, or a weight source (``load_into(model)``) that each rank
     loads its own shard from."""
-    from megatron_rl.model_source import weight_source
-    from megatron_rl.sft import run_sft
+    from megatron_rl.convert.model_source import weight_source
+    from megatron_rl.run.sft import run_sft
 
     if cfg.model.init_weights:
         return torch.load(cfg.model.init_weights, weights_only=True), []
@@ -58,7 +58,7 @@ def reference_weights(run_dir: str, needed: bool, init_state, resuming: bool) ->
         return init_state
     dist.barrier()
     if os.path.exists(src_path):
-        from megatron_rl.model_source import source_from_description
+        from megatron_rl.convert.model_source import source_from_description
 
         with open(src_path) as f:
             return source_from_description(json.load(f))
