@@ -202,7 +202,7 @@ def test_plain_prompt_answer_jsonl_and_renamed_fields(tiny, tmp_path):
 
 # --- slow: TP2xPP2 loading --------------------------------------------------------------------
 def _load_worker(hf_dirs: dict, mg_dir: str, tokens: torch.Tensor) -> dict:
-    from megatron_rl.convert.hf_to_megatron import peak_rss_bytes
+    from megatron_rl.convert.common import peak_rss_bytes
     from megatron_rl.convert.model_source import (
         HFShardSource,
         MegatronCkptSource,

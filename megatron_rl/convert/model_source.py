@@ -81,7 +81,7 @@ def hf_config_of(model_section) -> dict | None:
         with open(os.path.join(model_section.hf_path, "config.json")) as f:
             return json.load(f)
     if kind == "megatron":
-        from megatron_rl.convert.hf_to_megatron import read_sidecar
+        from megatron_rl.convert.ckpt_format import read_sidecar
 
         side = read_sidecar(model_section.megatron_ckpt) or {}
         return side.get("hf_config")
@@ -93,7 +93,7 @@ def tokenizer_dir(model_section) -> str | None:
 
     ``model.tokenizer`` when set (``"byte"``: the byte tokenizer); else the HF directory, or the
     tokenizer assets a conversion copied (``megatron_ckpt/hf_assets``) when they exist."""
-    from megatron_rl.convert.hf_to_megatron import ASSETS
+    from megatron_rl.convert.ckpt_format import ASSETS
 
     explicit = getattr(model_section, "tokenizer", None)
     if explicit:
