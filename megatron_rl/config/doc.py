@@ -178,7 +178,19 @@ class FieldDoc:
 
 def source_comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
     """``(trailing, group)`` for a dataclass: each field's trailing ``# comment`` on its own
-    (logical) line, and the standalone comment block directly above the first field of a group."""
+    (logical) line, and the standalone comment block directly above the first field of a group.
+    Fields declared in a dataclass base (``LossConfig``'s in ``LossParams``) are read there."""
+    trailing: dict[str, str] = {}
+    group: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        own_trailing, own_group = _own_source_comments(klass)
+        trailing.update(own_trailing)
+        group.update(own_group)
+    return trailing, group
+
+
+def _own_source_comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`source_comments` of the fields written in ``cls``'s own class body."""
     src = textwrap.dedent(inspect.getsource(cls))
     trailing: dict[str, str] = {}
     group: dict[str, str] = {}

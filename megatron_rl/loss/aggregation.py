@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.loss.config import AGG_MODES, LossConfigError
 from megatron_rl.loss.context import ReductionContext
 from megatron_rl.loss.masking import masked_zero
+from megatron_rl.loss.params import AGG_MODES, LossConfigError
 
 Tensor = torch.Tensor
 
