@@ -311,8 +311,7 @@ def test_colocation_config_accepted_and_server_placement(monkeypatch):
     from megatron_rl.config.errors import ConfigError
     from megatron_rl.config.load import load_config
     from megatron_rl.config.sections import SGLangSection
-    from megatron_rl.rollout.fleet import Fleet, server_command
-    from megatron_rl.run.colocation import server_gpus
+    from megatron_rl.rollout.fleet import Fleet, server_command, server_gpus
 
     cfg = load_config("examples/tiny_dapo.yaml", [
         "rollout.engine=sglang", "rollout.sglang.launcher=sglang", "rollout.sglang.colocate=true",

@@ -10,25 +10,17 @@ and the allowed values (:class:`~megatron_rl.config.errors.ConfigError`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from typing import Any, Mapping
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+from megatron_rl.config.errors import ConfigError, closest
+from megatron_rl.config.schema import ADVANTAGES, FILTER_METRICS, check_ranges
+
 RENAMED_ADVANTAGES = {"drgrpo": "dr_grpo"}
 SUM_NORM_MODES = ("seq-mean-token-sum-norm", "token-sum-norm")
-FILTER_METRICS = ("acc", "score", "reward")  # per-response record fields
-
-
-def closest(name: str, known: typing.Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` for the closest known name, or ``""``."""
-    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _error(msg: str) -> Exception:
-    from megatron_rl.config.errors import ConfigError
-
     return ConfigError(msg)
 
 
@@ -197,8 +189,6 @@ def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     """All load-time checks (``raw``: the merged YAML + overrides mapping the config was built
     from). May normalise ``cfg`` in place: the actor temperature, loss override numbers, the
     Dr.GRPO constant."""
-    from megatron_rl.config.schema import check_ranges
-
     check_advantage(cfg.trainer.advantage)
     check_names(cfg)
     check_ranges(cfg)  # every number in its range, every choice allowed

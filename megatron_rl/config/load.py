@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from megatron_rl.config.checks import as_float, check_run_config
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.sections import RunConfig
 from megatron_rl.config.validate import validate_run_config
@@ -42,8 +43,6 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return value
     if tp is float:
-        from megatron_rl.config.checks import as_float
-
         value = as_float(value)  # "1e-6": PyYAML 1.1 reads exponents without a dot as str
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
@@ -148,8 +147,6 @@ def load_config(path: str | None, overrides: list[str] | None = None,
              if "=" in o else o for o in (overrides or [])]
     data = _merge(data, parse_overrides(items))
     cfg = _build(RunConfig, data, "")
-    from megatron_rl.config.checks import check_run_config
-
     check_run_config(cfg, data)
     validate_run_config(cfg)
     return cfg

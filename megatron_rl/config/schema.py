@@ -19,7 +19,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from megatron_rl.config.errors import ConfigError, closest
+from megatron_rl.config.sections import RunConfig
+
 SEED_MAX = 2**32 - 1  # numpy's seeds are 32-bit
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+FILTER_METRICS = ("acc", "score", "reward")  # per-response record fields
 
 
 @dataclass(frozen=True)
@@ -121,13 +126,13 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "rollout.engine": lambda: ("embedded", "sglang"),
     "rollout.sglang.launcher": _choices("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": _choices("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
-    "rollout.filter_metric": _choices("megatron_rl.config.checks", "FILTER_METRICS"),
+    "rollout.filter_metric": lambda: FILTER_METRICS,
     "actor.precision": _choices("megatron_rl.actor.precision", "PRECISIONS"),
     "actor.recompute": _choices("megatron_rl.actor.precision", "RECOMPUTE"),
     "optim.lr_decay_style": _choices("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
     "loss.rollout_correction": lambda: ("none", "tis", "mis"),
-    "trainer.advantage": _choices("megatron_rl.config.checks", "ADVANTAGES"),
+    "trainer.advantage": lambda: ADVANTAGES,
     "env.name": _choices("megatron_rl.envs", "ENVS"),
 }
 
@@ -200,10 +205,6 @@ def range_error(name: str, value: Any) -> str | None:
 def check_ranges(cfg: Any) -> None:
     """Every number of ``cfg`` finite and in range, every choice allowed; raises ``ConfigError``
     naming the first bad field."""
-    from megatron_rl.config.checks import closest
-    from megatron_rl.config.errors import ConfigError
-    from megatron_rl.config.sections import RunConfig
-
     for name, tp in leaf_fields(RunConfig):
         value = get_field(cfg, name)
         kind = base_type(tp)

@@ -3,16 +3,20 @@ values."""
 
 from __future__ import annotations
 
-from megatron_rl.config.checks import ADVANTAGES
+import os
+
 from megatron_rl.config.errors import ConfigError
-from megatron_rl.config.sections import ParallelSection, RunConfig
+from megatron_rl.config.schema import ADVANTAGES
+from megatron_rl.config.sections import ParallelSection, RunConfig, SGLangSection
+from megatron_rl.convert.model_source import ModelSourceError, validate_model_section
+from megatron_rl.envs import ENVS
+from megatron_rl.models.config import ModelConfigError
+from megatron_rl.parallel.runtime import BACKENDS
+from megatron_rl.rollout.fleet import LAUNCHERS, WEIGHT_SYNCS
 
 
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the field and the allowed values."""
-    from megatron_rl.convert.model_source import ModelSourceError, validate_model_section
-    from megatron_rl.models.config import ModelConfigError
-
     try:
         validate_model_section(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
     except (ModelSourceError, ModelConfigError) as exc:
@@ -33,11 +37,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not one of "
                           "('embedded', 'sglang')")
     if cfg.rollout.engine == "sglang":
-        from megatron_rl.rollout.fleet import validate_sglang_section
-
         validate_sglang_section(cfg.rollout.sglang)
-    from megatron_rl.run.colocation import validate_colocation
-
     validate_colocation(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
         if getattr(cfg.trainer, name) < 1:
@@ -57,8 +57,6 @@ def validate_run_config(cfg: RunConfig) -> None:
 
 def validate_parallel_section(p: ParallelSection) -> None:
     """``parallel.backend`` and the two timeouts."""
-    from megatron_rl.parallel.runtime import BACKENDS
-
     if p.backend not in BACKENDS:
         raise ConfigError(f"parallel.backend={p.backend!r} is not one of {BACKENDS}")
     for name in ("timeout_s", "host_timeout_s"):
@@ -68,8 +66,6 @@ def validate_parallel_section(p: ParallelSection) -> None:
 
 def validate_env_critic(cfg: RunConfig) -> None:
     """Checks of the ``env`` and ``critic`` sections (multi-turn runs, GAE)."""
-    from megatron_rl.envs import ENVS
-
     e, c = cfg.env, cfg.critic
     if e.name is not None:
         if e.name not in ENVS:
@@ -100,3 +96,64 @@ def validate_env_critic(cfg: RunConfig) -> None:
     if c.warmup_steps < 0 or c.ppo_epochs < 1 or c.mini_batch_size < 0:
         raise ConfigError("critic.warmup_steps >= 0, critic.ppo_epochs >= 1 and "
                           "critic.mini_batch_size >= 0 are required")
+
+
+def validate_sglang_section(s: SGLangSection) -> None:
+    """Load-time checks of ``rollout.sglang``; messages name the field and the allowed values."""
+    if s.launcher not in LAUNCHERS:
+        raise ConfigError(f"rollout.sglang.launcher={s.launcher!r} is not one of {LAUNCHERS}")
+    if s.weight_sync not in WEIGHT_SYNCS:
+        raise ConfigError(f"rollout.sglang.weight_sync={s.weight_sync!r} is not one of "
+                          f"{WEIGHT_SYNCS}")
+    for u in s.servers:
+        if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.sglang.servers: {u!r} is not an http(s):// URL")
+    if not s.servers and s.num_servers < 1:
+        raise ConfigError("rollout.sglang.num_servers must be >= 1 when rollout.sglang.servers "
+                          "is empty")
+    for name in ("tp_size", "concurrency", "server_threads"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"rollout.sglang.{name} must be >= 1, got {getattr(s, name)}")
+    if s.max_retries < 0 or s.max_offpolicy_lag < -1 or s.probe_length < 0 or s.spot_checks < 0:
+        raise ConfigError("rollout.sglang: max_retries, probe_length, spot_checks must be >= 0 "
+                          "and max_offpolicy_lag >= -1")
+    if not 0 < s.mem_fraction_static <= 1:
+        raise ConfigError(f"rollout.sglang.mem_fraction_static must be in (0, 1], got "
+                          f"{s.mem_fraction_static}")
+    if s.serve_rules not in ("0.5.21", "0.5.20"):
+        raise ConfigError(f"rollout.sglang.serve_rules={s.serve_rules!r} is not one of "
+                          "('0.5.21', '0.5.20')")
+    if s.flush_retries < 0:
+        raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
+    if not isinstance(s.extra_args, list):
+        raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
+    if s.python is not None and not os.path.isfile(str(s.python)):
+        raise ConfigError(f"rollout.sglang.python={s.python!r} is not a file (an interpreter "
+                          "with sglang installed; unset: the trainer's)")
+    if s.probe_tolerance is not None and not s.probe_tolerance > 0:
+        raise ConfigError("rollout.sglang.probe_tolerance must be > 0 (or null: from the "
+                          "actor's and the servers' precisions)")
+    if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
+        raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
+                          f"= {s.num_servers * s.tp_size} are needed")
+
+
+def validate_colocation(cfg) -> None:
+    """Config rules of ``rollout.sglang.colocate``; messages name the fields and the allowed
+    values. (Servers started on the trainer's GPUs without colocation are refused when they would
+    start: :func:`server_gpus` -- a config may list its servers only on the command line.)"""
+    s = cfg.rollout.sglang
+    if not s.colocate:
+        return
+    if cfg.rollout.engine != "sglang":
+        raise ConfigError(f"rollout.sglang.colocate=true needs rollout.engine='sglang', got "
+                          f"{cfg.rollout.engine!r}")
+    if s.weight_sync == "from_distributed":
+        raise ConfigError("rollout.sglang.colocate=true needs rollout.sglang.weight_sync in "
+                          "('from_tensor', 'from_disk'), got 'from_distributed' (NCCL cannot "
+                          "join two ranks on one GPU; colocated weights go by CUDA IPC: "
+                          "from_tensor)")
+    if cfg.trainer.advantage == "gae":
+        raise ConfigError("rollout.sglang.colocate=true does not offload the critic: "
+                          "trainer.advantage='gae' is not available with it (allowed: grpo, "
+                          "dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)")

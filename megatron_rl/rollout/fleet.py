@@ -23,6 +23,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from megatron_rl.config.errors import ConfigError
+
 WEIGHT_SYNCS = ("from_disk", "from_tensor", "from_distributed")
 LAUNCHERS = ("serve", "sglang")
 
@@ -35,46 +37,37 @@ class ServerError(RuntimeError):
     """A request to a server failed (connection error, timeout or non-2xx status)."""
 
 
-def validate_sglang_section(s) -> None:
-    """Load-time checks of ``rollout.sglang``; messages name the field and the allowed values."""
-    from megatron_rl.config.errors import ConfigError
+PLACEMENT_ERROR = (
+    "rollout.sglang.launcher='sglang' with empty rollout.sglang.gpus would start the SGLang "
+    "servers on the trainer's GPUs while the actor keeps all its memory: set rollout.sglang.gpus "
+    "to GPUs the trainer does not use (a separate fleet), list running servers in "
+    "rollout.sglang.servers, or set rollout.sglang.colocate=true (share the trainer's GPUs; the "
+    "actor is offloaded during rollout and the servers release their memory during the update)")
 
-    if s.launcher not in LAUNCHERS:
-        raise ConfigError(f"rollout.sglang.launcher={s.launcher!r} is not one of {LAUNCHERS}")
-    if s.weight_sync not in WEIGHT_SYNCS:
-        raise ConfigError(f"rollout.sglang.weight_sync={s.weight_sync!r} is not one of "
-                          f"{WEIGHT_SYNCS}")
-    for u in s.servers:
-        if not isinstance(u, str) or not u.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout.sglang.servers: {u!r} is not an http(s):// URL")
-    if not s.servers and s.num_servers < 1:
-        raise ConfigError("rollout.sglang.num_servers must be >= 1 when rollout.sglang.servers "
-                          "is empty")
-    for name in ("tp_size", "concurrency", "server_threads"):
-        if getattr(s, name) < 1:
-            raise ConfigError(f"rollout.sglang.{name} must be >= 1, got {getattr(s, name)}")
-    if s.max_retries < 0 or s.max_offpolicy_lag < -1 or s.probe_length < 0 or s.spot_checks < 0:
-        raise ConfigError("rollout.sglang: max_retries, probe_length, spot_checks must be >= 0 "
-                          "and max_offpolicy_lag >= -1")
-    if not 0 < s.mem_fraction_static <= 1:
-        raise ConfigError(f"rollout.sglang.mem_fraction_static must be in (0, 1], got "
-                          f"{s.mem_fraction_static}")
-    if s.serve_rules not in ("0.5.21", "0.5.20"):
-        raise ConfigError(f"rollout.sglang.serve_rules={s.serve_rules!r} is not one of "
-                          "('0.5.21', '0.5.20')")
-    if s.flush_retries < 0:
-        raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
-    if not isinstance(s.extra_args, list):
-        raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
-    if s.python is not None and not os.path.isfile(str(s.python)):
-        raise ConfigError(f"rollout.sglang.python={s.python!r} is not a file (an interpreter "
-                          "with sglang installed; unset: the trainer's)")
-    if s.probe_tolerance is not None and not s.probe_tolerance > 0:
-        raise ConfigError("rollout.sglang.probe_tolerance must be > 0 (or null: from the "
-                          "actor's and the servers' precisions)")
-    if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
-        raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
-                          f"= {s.num_servers * s.tp_size} are needed")
+
+def on_cpu(s) -> bool:
+    """Whether started SGLang servers run on the CPU (``--device cpu`` in ``extra_args``)."""
+    args = [str(a) for a in (getattr(s, "extra_args", None) or [])]
+    return any(a == "--device=cpu" or (a == "--device" and args[k + 1:k + 2] == ["cpu"])
+               for k, a in enumerate(args))
+
+
+def server_gpus(s, i: int) -> list[str]:
+    """CUDA device ids of started server ``i``: ``rollout.sglang.gpus``, or -- colocated SGLang
+    servers with no list -- the trainer's own GPUs, ``tp_size`` per server from its first GPU
+    (through the trainer's ``CUDA_VISIBLE_DEVICES`` when set). An SGLang server with neither is
+    refused (:data:`PLACEMENT_ERROR`)."""
+    if s.gpus:
+        gpus = [str(g) for g in s.gpus]
+    elif s.launcher == "sglang" and s.colocate:
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        n = s.num_servers * s.tp_size
+        gpus = visible[:n] if visible else [str(g) for g in range(n)]
+    elif s.launcher == "sglang" and not on_cpu(s):
+        raise ConfigError(PLACEMENT_ERROR)
+    else:
+        gpus = []  # our CPU serve, or SGLang started with --device cpu
+    return gpus[i * s.tp_size:(i + 1) * s.tp_size]
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:
@@ -177,9 +170,7 @@ class Fleet:
         port = s.router_port + 1 + i
         url = f"http://{s.host}:{port}"
         env = dict(os.environ)
-        from megatron_rl.run.colocation import server_gpus  # colocate: the trainer's GPUs
-
-        if gpus := server_gpus(s, i):
+        if gpus := server_gpus(s, i):  # colocate: the trainer's GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
                                                                    self.eos_id), env)

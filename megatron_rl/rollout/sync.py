@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch.distributed
 
+from megatron_rl.parallel.runtime import broadcast_object
+
 
 def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     """Stream HF-named buckets out of the Megatron actor into the engine.
@@ -16,7 +18,6 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
-    from megatron_rl.run.driver import broadcast_object
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
     plan = broadcast_object(fleet_plan(engine) if torch.distributed.get_rank() == 0 else None)
@@ -52,7 +53,6 @@ def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
     rank 0), so all retry or all raise: no step is lost to a dead server."""
     from megatron_rl.rollout.weight_sync.common import WeightSyncError
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
-    from megatron_rl.run.driver import broadcast_object
 
     rank0 = torch.distributed.get_rank() == 0
     for attempt in range(retries + 1):

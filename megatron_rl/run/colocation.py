@@ -20,63 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from megatron_rl.config.errors import ConfigError
-
-
-def validate_colocation(cfg) -> None:
-    """Config rules of ``rollout.sglang.colocate``; messages name the fields and the allowed
-    values. (Servers started on the trainer's GPUs without colocation are refused when they would
-    start: :func:`server_gpus` -- a config may list its servers only on the command line.)"""
-    s = cfg.rollout.sglang
-    if not s.colocate:
-        return
-    if cfg.rollout.engine != "sglang":
-        raise ConfigError(f"rollout.sglang.colocate=true needs rollout.engine='sglang', got "
-                          f"{cfg.rollout.engine!r}")
-    if s.weight_sync == "from_distributed":
-        raise ConfigError("rollout.sglang.colocate=true needs rollout.sglang.weight_sync in "
-                          "('from_tensor', 'from_disk'), got 'from_distributed' (NCCL cannot "
-                          "join two ranks on one GPU; colocated weights go by CUDA IPC: "
-                          "from_tensor)")
-    if cfg.trainer.advantage == "gae":
-        raise ConfigError("rollout.sglang.colocate=true does not offload the critic: "
-                          "trainer.advantage='gae' is not available with it (allowed: grpo, "
-                          "dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)")
-
-
-PLACEMENT_ERROR = (
-    "rollout.sglang.launcher='sglang' with empty rollout.sglang.gpus would start the SGLang "
-    "servers on the trainer's GPUs while the actor keeps all its memory: set rollout.sglang.gpus "
-    "to GPUs the trainer does not use (a separate fleet), list running servers in "
-    "rollout.sglang.servers, or set rollout.sglang.colocate=true (share the trainer's GPUs; the "
-    "actor is offloaded during rollout and the servers release their memory during the update)")
-
-
-def on_cpu(s) -> bool:
-    """Whether started SGLang servers run on the CPU (``--device cpu`` in ``extra_args``)."""
-    args = [str(a) for a in (getattr(s, "extra_args", None) or [])]
-    return any(a == "--device=cpu" or (a == "--device" and args[k + 1:k + 2] == ["cpu"])
-               for k, a in enumerate(args))
-
-
-def server_gpus(s, i: int) -> list[str]:
-    """CUDA device ids of started server ``i``: ``rollout.sglang.gpus``, or -- colocated SGLang
-    servers with no list -- the trainer's own GPUs, ``tp_size`` per server from its first GPU
-    (through the trainer's ``CUDA_VISIBLE_DEVICES`` when set). An SGLang server with neither is
-    refused (:data:`PLACEMENT_ERROR`)."""
-    import os
-
-    if s.gpus:
-        gpus = [str(g) for g in s.gpus]
-    elif s.launcher == "sglang" and s.colocate:
-        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-        n = s.num_servers * s.tp_size
-        gpus = visible[:n] if visible else [str(g) for g in range(n)]
-    elif s.launcher == "sglang" and not on_cpu(s):
-        raise ConfigError(PLACEMENT_ERROR)
-    else:
-        gpus = []  # our CPU serve, or SGLang started with --device cpu
-    return gpus[i * s.tp_size:(i + 1) * s.tp_size]
+from megatron_rl.parallel.runtime import broadcast_object
 
 
 class Colocation:
@@ -96,7 +40,6 @@ class Colocation:
     # ---- servers (rank 0 posts; every rank waits for it) ----------------------------------
     def _servers(self, action: str, tags: list[str] | None) -> None:
         from megatron_rl.rollout import memory_occupation as mo
-        from megatron_rl.run.driver import broadcast_object
 
         err = None
         engine = self.driver.engine

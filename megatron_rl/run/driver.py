@@ -5,18 +5,10 @@ other ranks need (the batch, the stop decision) are broadcast, so the loop has n
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 
 from megatron_rl.config.sections import RunConfig
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank (host objects, pickled, over the gloo host group)."""
-    from megatron_rl.parallel.runtime import broadcast_object as host_broadcast
-
-    return host_broadcast(obj, src)
+from megatron_rl.parallel.runtime import broadcast_object
 
 
 class RolloutDriver:

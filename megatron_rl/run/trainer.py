@@ -20,9 +20,10 @@ from typing import Any
 
 from megatron_rl.config.sections import RunConfig
 from megatron_rl.metrics.step import Phases, last_stage_metrics, measured_entropy
+from megatron_rl.parallel.runtime import broadcast_object
 from megatron_rl.rollout.sync import sync_weights
 from megatron_rl.run.colocation import Colocation
-from megatron_rl.run.driver import RolloutDriver, broadcast_object
+from megatron_rl.run.driver import RolloutDriver
 
 
 def train(cfg: RunConfig) -> dict[str, Any] | None:
