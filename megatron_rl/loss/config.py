@@ -138,7 +138,7 @@ PRESETS: dict[str, dict] = {
                  log_ratio_clamp=INF),
     # §10.1: Skywork-OR1 dp_actor + or1_scripts/train/*.sh: plain PPO-clip, eps 0.2, token-mean,
     # no KL, no dual clip and no log-ratio clamp (A = -1, r = 5 gives loss 5 and gradient 5);
-    # the adaptive entropy controller is added by the trainer (run_setup.entropy_controller)
+    # the adaptive entropy controller is added by the trainer (run.setup.entropy_controller)
     "skywork_or1": dict(policy_loss="ppo", clip_ratio_c=INF, log_ratio_clamp=INF),
 }
 
