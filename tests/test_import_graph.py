@@ -10,6 +10,7 @@ files that importing ``b`` runs first, plus a string constant that names a modul
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,13 +84,33 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE,
                 targets = [node.value]
             for target in targets:
                 dep = _resolve(target, mods) if target.startswith(package) else None
-                if dep is None or dep == mod:
-                    continue
-                own = set(_ancestors(mod))
-                for d in [*(_ancestors(dep) if parents else []), dep]:  # __init__ runs first
-                    if d != mod and d not in own and d in mods:
-                        graph[mod].setdefault(d, node.lineno)
-    return graph
+                if dep is not None and dep != mod:
+                    graph[mod].setdefault(dep, node.lineno)
+    return with_parents(graph) if parents else graph
+
+
+def with_parents(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``graph`` plus, for each edge, the package ``__init__`` files that importing its target
+    runs first (those of the importer's own packages are running already)."""
+    out = {}
+    for mod, deps in graph.items():
+        own = set(_ancestors(mod))
+        out[mod] = dict(deps)
+        for dep, line in deps.items():
+            for d in _ancestors(dep):
+                if d != mod and d not in own and d in graph:
+                    out[mod].setdefault(d, line)
+    return out
+
+
+@functools.cache
+def _direct_graph() -> dict[str, dict[str, int]]:
+    return import_graph(ROOT, PACKAGE, parents=False)
+
+
+def package_graph(parents: bool = True) -> dict[str, dict[str, int]]:
+    """:func:`import_graph` of this checkout (the files are read once per test session)."""
+    return with_parents(_direct_graph()) if parents else _direct_graph()
 
 
 def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -179,7 +200,7 @@ def layer_of(mod: str) -> int:
 
 
 def test_no_import_cycles():
-    graph = import_graph()
+    graph = package_graph()
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(
         f"{len(c)} modules import each other ({', '.join(c)}), e.g. {cycle_path(graph, c)}"
@@ -187,7 +208,7 @@ def test_no_import_cycles():
 
 
 def test_imports_point_down_the_layers():
-    graph = import_graph(parents=False)
+    graph = package_graph(parents=False)
     up = []
     for mod, deps in graph.items():
         if mod == PACKAGE:
