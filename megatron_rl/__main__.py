@@ -1,5 +1,5 @@
 import sys
 
-from megatron_rl.cli import main
+from megatron_rl.cli.app import main
 
 sys.exit(main())

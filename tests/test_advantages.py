@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.advantages import (
+from megatron_rl.rollout.advantages import (
     advantage_metrics,
     broadcast_to_tokens,
     discounted_returns,

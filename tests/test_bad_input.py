@@ -17,8 +17,9 @@ from typing import Callable
 
 import pytest
 
-from megatron_rl.config import ConfigError, RunConfig, load_config
-from megatron_rl.config_schema import (
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.load import load_config
+from megatron_rl.config.schema import (
     CHOICES,
     FREE_TEXT,
     RANGES,
@@ -27,6 +28,7 @@ from megatron_rl.config_schema import (
     base_type,
     leaf_fields,
 )
+from megatron_rl.config.sections import RunConfig
 
 
 @dataclass
@@ -333,7 +335,7 @@ def run_config_case(case: Case, tmp: str) -> str | None:
 
 def run_train_case(case: Case, tmp: str, capsys) -> tuple[int, str, bool]:
     """``(exit code, stderr, run dir written?)`` of ``train`` on ``case``."""
-    from megatron_rl.cli import main
+    from megatron_rl.cli.app import main
 
     if case.setup:
         case.setup(tmp)
@@ -419,7 +421,7 @@ def test_file_corpus(case, tmp_path, capsys):
 
 def test_good_plugin_and_data_pass_the_checks(tmp_path, capsys):
     """The same files, not broken, pass ``train --check`` (the checks are not vacuous)."""
-    from megatron_rl.cli import main
+    from megatron_rl.cli.app import main
 
     _plugin(str(tmp_path))
     _jsonl(f"{tmp_path}/d.jsonl", _rows())

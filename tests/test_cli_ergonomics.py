@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.cli import build_parser, main, parse_args
-from megatron_rl.cli_parser import subcommands
-from megatron_rl.config import ConfigError, load_config
-from megatron_rl.overrides import OverrideConflict, resolve_exclusive
-from megatron_rl.progress import Progress, last_logged_step, progress
+from megatron_rl.cli.app import build_parser, main, parse_args
+from megatron_rl.cli.parser import subcommands
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.load import load_config
+from megatron_rl.config.overrides import OverrideConflict, resolve_exclusive
+from megatron_rl.util.progress import Progress, last_logged_step, progress
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -219,7 +219,7 @@ def test_serve_release_refused_while_a_request_runs(server):
 
 
 def test_serve_weight_sync_after_resume_restores_exact_weights(server, tmp_path):
-    from megatron_rl.config import SGLangSection
+    from megatron_rl.config.sections import SGLangSection
     from megatron_rl.models.config import get_preset
     from megatron_rl.rollout.embedded import build_hf_model
     from megatron_rl.rollout.fleet import Fleet
@@ -298,16 +298,18 @@ def test_colocated_run_equals_separate_run(tmp_path):
       "rollout.sglang.weight_sync=from_distributed"], "from_tensor"),
 ])
 def test_colocation_config_errors(overrides, match):
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config("examples/tiny_dapo.yaml", overrides)
 
 
 def test_colocation_config_accepted_and_server_placement(monkeypatch):
-    from megatron_rl.colocation import server_gpus
-    from megatron_rl.config import ConfigError, SGLangSection, load_config
-    from megatron_rl.rollout.fleet import Fleet, server_command
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+    from megatron_rl.config.sections import SGLangSection
+    from megatron_rl.rollout.fleet import Fleet, server_command, server_gpus
 
     cfg = load_config("examples/tiny_dapo.yaml", [
         "rollout.engine=sglang", "rollout.sglang.launcher=sglang", "rollout.sglang.colocate=true",
@@ -382,13 +384,13 @@ def _handoffs() -> dict:
     import threading
     from types import SimpleNamespace
 
-    from megatron_rl.colocation import Colocation
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
     from megatron_rl.models.config import get_preset
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.embedded import build_hf_model
     from megatron_rl.rollout.fleet import http_json
     from megatron_rl.rollout.serve import ServeState, make_server
+    from megatron_rl.run.colocation import Colocation
     from megatron_rl.testing.device_accounting import device_bytes
 
     rank0 = torch.distributed.get_rank() == 0

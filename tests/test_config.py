@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config, parse_overrides
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.load import load_config, parse_overrides
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -138,7 +139,7 @@ def test_dr_grpo_divides_by_max_response_length():
 
 
 def test_cli_config_errors_exit_2_without_traceback(capsys, tmp_path):
-    from megatron_rl.cli import main
+    from megatron_rl.cli.app import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout: [1,\n")
@@ -153,14 +154,14 @@ def test_cli_config_errors_exit_2_without_traceback(capsys, tmp_path):
 
 
 def test_cli_train_without_yaml_and_overrides_after_options(capsys):
-    from megatron_rl.cli import parse_args, split_config_arg
+    from megatron_rl.cli.app import parse_args, split_config_arg
 
     args = parse_args(["train", "--check", "trainer.seed=3", "optim.lr=1e-6"])
     assert args.check_only and split_config_arg(args.config, args.overrides) == (
         None, ["trainer.seed=3", "optim.lr=1e-6"])
     args = parse_args(["train", "examples/tiny_dapo.yaml", "--check", "trainer.seed=3"])
     assert args.config == "examples/tiny_dapo.yaml" and args.overrides == ["trainer.seed=3"]
-    from megatron_rl.cli import main
+    from megatron_rl.cli.app import main
 
     assert main(["train", "trainer.seed=3", "--check", "optim.lr=1e-6"]) == 0
     assert "built-in recipe + 2 override(s)" in capsys.readouterr().out

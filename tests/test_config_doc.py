@@ -10,8 +10,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl import config_doc
-from megatron_rl.cli import main
+from megatron_rl.cli.app import main
+from megatron_rl.config import doc as config_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -44,7 +44,7 @@ def _keys(cls: type, prefix: str) -> list[str]:
 
 
 def test_every_field_has_one_row():
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.sections import RunConfig
     from megatron_rl.loss import LossConfig
 
     rows = [r.key for _, _, rs in config_doc.all_sections() for r in rs]

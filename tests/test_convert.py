@@ -217,7 +217,8 @@ def test_tp_must_divide_heads(hf_dirs, tmp_path):
 
 # --- slow: spawned jobs -------------------------------------------------------------------------
 def _build_and_load(ckpt: str, seed: int):
-    from megatron_rl.convert.hf_to_megatron import load_megatron_checkpoint, read_sidecar
+    from megatron_rl.convert.ckpt_format import read_sidecar
+    from megatron_rl.convert.hf_to_megatron import load_megatron_checkpoint
     from megatron_rl.models.builder import build_gpt_model
 
     cfg = ModelConfig(**read_sidecar(ckpt)["model_config"])

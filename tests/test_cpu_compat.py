@@ -80,7 +80,7 @@ def _scenario(name: str, model, batch, ddp, optimizer, root: str) -> None:
 
 def _compat_worker(root: str) -> dict:
     from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
-    from megatron_rl.check import make_batch
+    from megatron_rl.cli.check import make_batch
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.config import get_preset
     from megatron_rl.parallel import runtime

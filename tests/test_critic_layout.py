@@ -27,7 +27,7 @@ def make_batch() -> dict:
 
 def _critic(total_steps: int):
     from megatron_rl.actor.train_step import ActorConfig
-    from megatron_rl.config import CriticSection
+    from megatron_rl.config.sections import CriticSection
     from megatron_rl.critic.critic import Critic
     from megatron_rl.models.config import get_preset
 

@@ -13,7 +13,7 @@ from megatron_rl.parallel.launch import spawn
 
 def _critic(precision: str):
     from megatron_rl.actor.train_step import ActorConfig
-    from megatron_rl.config import CriticSection
+    from megatron_rl.config.sections import CriticSection
     from megatron_rl.critic.critic import Critic
     from megatron_rl.models.config import get_preset
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_rl.data import PromptDataset, PromptLoader, train_val_split
+from megatron_rl.data.prompts import PromptDataset, PromptLoader, train_val_split
 
 
 def _write_jsonl(path, rows):

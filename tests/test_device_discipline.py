@@ -37,9 +37,9 @@ def _spied_step_worker(fused: bool) -> dict:
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
     from megatron_rl.loss import LossConfig
+    from megatron_rl.metrics.step import last_stage_metrics, measured_entropy
     from megatron_rl.models.config import get_preset
     from megatron_rl.parallel import runtime
-    from megatron_rl.step_metrics import last_stage_metrics, measured_entropy
 
     runtime.init_parallel(tp=1, pp=1, timeout_s=120)
     loss = LossConfig.for_algorithm("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-100.0,

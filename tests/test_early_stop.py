@@ -3,7 +3,7 @@
 import json
 import math
 
-from megatron_rl.early_stop import EarlyStopper
+from megatron_rl.run.early_stop import EarlyStopper
 
 
 def test_rv_collapse_triggers():

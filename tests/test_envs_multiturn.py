@@ -164,7 +164,7 @@ def test_reinforce_pp_multiturn_every_turn_receives_the_outcome(episodes):
 
 @pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
 def test_reinforce_pp_is_accepted_with_multi_turn_envs(advantage):
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
 
     cfg = load_config("examples/sweeps/tiny_frozenlake.yaml", [f"trainer.advantage={advantage}"])
     assert cfg.trainer.advantage == advantage and cfg.env.name == "frozenlake"
@@ -233,14 +233,16 @@ def test_environment_tokens_never_reach_the_loss(episodes):
     ("critic.mini_batch_size=12", "critic.mini_batch_size=12 must divide"),
 ])
 def test_env_and_critic_config_errors_name_the_field(override, match):
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     with pytest.raises(ConfigError, match=match):
         load_config("examples/sweeps/tiny_frozenlake.yaml", [override])
 
 
 def test_gae_needs_an_environment():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     with pytest.raises(ConfigError, match="needs a multi-turn environment"):
         load_config(None, ["trainer.advantage=gae"])
@@ -249,7 +251,7 @@ def test_gae_needs_an_environment():
 def test_chat_template_turns_rebuild_the_rendered_conversation(tmp_path):
     """With an HF chat template, prompt + reply(+EOS) + env turn == the template's rendering of
     the whole conversation, so the model sees exactly what the chat format says."""
-    from megatron_rl.hf_tokenizer import HFTokenizer
+    from megatron_rl.data.tokenizer import HFTokenizer
     from megatron_rl.rollout.multiturn import TurnRenderer
     from megatron_rl.testing.tiny_hf import make_tokenizer
 

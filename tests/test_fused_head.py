@@ -417,7 +417,7 @@ def _megatron_worker(presets: list[str]) -> list[dict]:
     """TP=2 megatron GPTModel: fused vs unfused head on random hidden states."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.check import make_batch
+    from megatron_rl.cli.check import make_batch
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.config import get_preset
     from megatron_rl.models.fused_head import fused_response_logprob_entropy, output_weight

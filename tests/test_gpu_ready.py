@@ -70,7 +70,7 @@ def test_backend_env_var_and_gloo_hide_cuda(monkeypatch):
 
 
 def test_local_spawn_refuses_before_starting_ranks(monkeypatch):
-    from megatron_rl import cli
+    from megatron_rl.cli import app as cli
 
     monkeypatch.delenv("MRL_PARALLEL_BACKEND", raising=False)
     assert cli.local_spawn_env("gloo", 4) == {"CUDA_VISIBLE_DEVICES": ""}
@@ -87,7 +87,8 @@ def test_local_spawn_refuses_before_starting_ranks(monkeypatch):
     ("parallel.timeout_s=-1", "parallel.timeout_s must be > 0"),
 ])
 def test_parallel_section_is_checked_at_load(override, needle):
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         load_config(None, [override])
@@ -104,7 +105,7 @@ def _timeout_worker(delay_s: float) -> dict:
     if rank == 0:
         time.sleep(delay_s)  # "rank 0 generates a long rollout"
     got = runtime.broadcast_object("batch" if rank == 0 else None)
-    from megatron_rl.driver import dp_rank_table, scatter_rows
+    from megatron_rl.run.driver import dp_rank_table, scatter_rows
 
     table = dp_rank_table()
     if rank == 0:
@@ -143,7 +144,7 @@ def test_host_group_outlives_the_update_timeout():
     (["actor.precision=bf16", "rollout.sglang.probe_tolerance=0.2"], 0.2),  # explicit wins
 ])
 def test_probe_tolerance_default_follows_precision(overrides, want):
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
     from megatron_rl.rollout.sglang_client import probe_tolerance_of
 
     cfg = load_config(None, ["rollout.engine=sglang", *overrides])
@@ -153,7 +154,7 @@ def test_probe_tolerance_default_follows_precision(overrides, want):
 
 # ---- item 4: the SFT actor is gone before the RL actor is built ---------------------------------
 def _sft_free_worker() -> dict:
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=1, pp=1, timeout_s=120)
@@ -170,9 +171,9 @@ def _sft_free_once(cfg) -> dict:
     import gc
     import weakref
 
-    from megatron_rl import run_setup as setup
     from megatron_rl.actor.precision import distributed_optimizers
-    from megatron_rl.sft import run_sft
+    from megatron_rl.run import setup
+    from megatron_rl.run.sft import run_sft
 
     refs = []
     kinds = []
@@ -317,7 +318,7 @@ def test_spot_check_converts_only_two_rows():
 
 # ---- item 16a: phase timers wait for the device ----------------------------------------------
 def test_phase_timer_synchronizes_cuda(monkeypatch):
-    from megatron_rl.step_metrics import Phases
+    from megatron_rl.metrics.step import Phases
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
@@ -348,9 +349,9 @@ def test_require_gpu_turns_skips_into_failures(require, rc, word):
 def _deterministic_worker(on: bool) -> dict:
     import os
 
-    from megatron_rl import run_setup as setup
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
     from megatron_rl.parallel import runtime
+    from megatron_rl.run import setup
 
     cfg = load_config(None, [f"trainer.deterministic={str(on).lower()}"])
     setup.init_parallel(cfg)

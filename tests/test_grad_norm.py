@@ -31,7 +31,7 @@ def _step_worker(tp: int, pp: int) -> dict:
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
-    from megatron_rl.check import make_batch
+    from megatron_rl.cli.check import make_batch
     from megatron_rl.loss import LossConfig
     from megatron_rl.models.config import get_preset
     from megatron_rl.parallel import runtime

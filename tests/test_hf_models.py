@@ -20,17 +20,18 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.load import load_config
 from megatron_rl.convert.common import to_canonical
 from megatron_rl.convert.hf_io import HFCheckpoint
-from megatron_rl.convert.registry import mapping_for
-from megatron_rl.hf_tokenizer import HFTokenizer, TokenizerError, check_vocab_fits
-from megatron_rl.model_source import (
+from megatron_rl.convert.model_source import (
     HFShardSource,
     assemble_shard,
     model_config,
     shard_reads,
 )
+from megatron_rl.convert.registry import mapping_for
+from megatron_rl.data.tokenizer import HFTokenizer, TokenizerError, check_vocab_fits
 from megatron_rl.models.weights import shard_for_rank
 
 transformers = pytest.importorskip("transformers")
@@ -131,7 +132,7 @@ def test_shard_reads_equal_slices_of_canonical_tensors(tiny, family, tp):
 
 # --- fast: tokenizer, datasets, rewards ---------------------------------------------------------
 def test_tokenizer_chat_template_eos_pad_and_vocab_check(tiny):
-    from megatron_rl.run_setup import make_tokenizer
+    from megatron_rl.run.setup import make_tokenizer
 
     tok = make_tokenizer(_cfg(f"model.hf_path={tiny['qwen2']['model']}"))
     assert isinstance(tok, HFTokenizer) and tok.has_chat_template
@@ -150,7 +151,7 @@ def test_tokenizer_chat_template_eos_pad_and_vocab_check(tiny):
 
 def test_dapo_parquet_rendered_filtered_and_scored_by_math_verify(tiny, capsys):
     from megatron_rl.rewards.math_verify_reward import math_reward_fn
-    from megatron_rl.run_setup import build_datasets, make_tokenizer, score_fn
+    from megatron_rl.run.setup import build_datasets, make_tokenizer, score_fn
 
     base = (f"model.hf_path={tiny['qwen2']['model']}", f"data.path={tiny['qwen2']['data']}",
             "data.val_size=8")
@@ -178,7 +179,7 @@ def test_dapo_parquet_rendered_filtered_and_scored_by_math_verify(tiny, capsys):
 
 def test_plain_prompt_answer_jsonl_and_renamed_fields(tiny, tmp_path):
     from megatron_rl.rewards.tasks import score
-    from megatron_rl.run_setup import build_datasets, make_tokenizer, score_fn
+    from megatron_rl.run.setup import build_datasets, make_tokenizer, score_fn
 
     path = tmp_path / "plain.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {i} plus 1 ?",
@@ -201,13 +202,13 @@ def test_plain_prompt_answer_jsonl_and_renamed_fields(tiny, tmp_path):
 
 # --- slow: TP2xPP2 loading --------------------------------------------------------------------
 def _load_worker(hf_dirs: dict, mg_dir: str, tokens: torch.Tensor) -> dict:
-    from megatron_rl.convert.hf_to_megatron import peak_rss_bytes
-    from megatron_rl.convert.verify import megatron_logits
-    from megatron_rl.model_source import (
+    from megatron_rl.convert.common import peak_rss_bytes
+    from megatron_rl.convert.model_source import (
         HFShardSource,
         MegatronCkptSource,
         build_model_from_source,
     )
+    from megatron_rl.convert.verify import megatron_logits
     from megatron_rl.models.config import ModelConfig  # noqa: F401
     from megatron_rl.parallel import runtime
 
@@ -276,10 +277,10 @@ def _actor_logits_worker(ckpt: str, cfg, tokens: torch.Tensor):
 def test_train_from_hf_dir_tp2pp2_exports_loadable_hf_checkpoints(tiny, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_rl.cli import main
+    from megatron_rl.cli.app import main
     from megatron_rl.convert.verify import hf_logits
-    from megatron_rl.export import load_run_config
     from megatron_rl.parallel.launch import spawn
+    from megatron_rl.run.export import load_run_config
 
     out = tmp_path / "run"
     (tmp_path / "run.yaml").write_text(f"model: {{hf_path: {tiny['qwen2']['model']}}}\n")

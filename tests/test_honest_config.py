@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.advantages import discounted_returns, masked_whiten
 from megatron_rl.parallel.launch import spawn
+from megatron_rl.rollout.advantages import discounted_returns, masked_whiten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def test_reinforce_pp_whitening_is_dp_invariant():
 
 # ---- update metrics ------------------------------------------------------------------------------
 def test_update_metrics_aggregate_all_minibatches():
-    from megatron_rl.update_metrics import aggregate_updates
+    from megatron_rl.metrics.update import aggregate_updates
 
     hist = [{"policy/pg_loss": 1.0, "actor/tokens": 10.0, "actor/grad_norm": 2.0,
              "actor/lr": 0.1, "actor/skipped": 0.0, "entropy_dynamics/batch_cov": 4.0},
@@ -105,7 +105,7 @@ def test_update_metrics_aggregate_all_minibatches():
 
 
 def test_update_metric_extremes_are_extremes_of_the_step():
-    from megatron_rl.update_metrics import aggregate_updates
+    from megatron_rl.metrics.update import aggregate_updates
 
     hist = [{"policy/ratio_max": 1.5, "erc/entropy_ratio_min": 0.7, "actor/tokens": 90.0},
             {"policy/ratio_max": 3.0, "erc/entropy_ratio_min": 0.2, "actor/tokens": 10.0}]
@@ -187,7 +187,7 @@ def test_entropy_controller_state_survives_resume_at_pp2(tmp_path):
 
 # ---- run directory: pruning, config history, preflight -------------------------------------------
 def test_prune_checkpoints_keeps_newest(tmp_path):
-    from megatron_rl.run_guard import prune_checkpoints
+    from megatron_rl.run.guard import prune_checkpoints
 
     for s in range(5):
         (tmp_path / f"step_{s:07d}").mkdir()
@@ -201,8 +201,8 @@ def test_prune_checkpoints_keeps_newest(tmp_path):
 
 
 def test_config_changes_and_breaking_fields():
-    from megatron_rl.config import load_config
-    from megatron_rl.run_guard import config_changes, is_breaking
+    from megatron_rl.config.load import load_config
+    from megatron_rl.run.guard import config_changes, is_breaking
 
     a = load_config(None, []).to_dict()
     b = load_config(None, ["trainer.total_steps=30", "model.preset=tiny", "data.seed=4",
@@ -214,8 +214,8 @@ def test_config_changes_and_breaking_fields():
 
 
 def test_write_config_keeps_the_previous_one(tmp_path):
-    from megatron_rl.config import load_config
-    from megatron_rl.run_guard import write_config
+    from megatron_rl.config.load import load_config
+    from megatron_rl.run.guard import write_config
 
     out = f"output_dir={tmp_path}"
     write_config(load_config(None, [out]))

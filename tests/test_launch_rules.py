@@ -3,7 +3,7 @@ the SLURM host-list parser. Environment dicts only: no processes, no SLURM neede
 
 import pytest
 
-from megatron_rl.cli import main
+from megatron_rl.cli.app import main
 from megatron_rl.parallel.launch import (
     expand_hostlist,
     launch_mode,

@@ -4,7 +4,7 @@ entropy at TP1xPP1, TP2xPP2 and TP4xPP1 (weights resharded by megatron_rl.models
 import pytest
 import torch
 
-from megatron_rl.check import compare, make_batch, run_layout
+from megatron_rl.cli.check import compare, make_batch, run_layout
 
 ATOL = 1e-5
 

@@ -8,23 +8,20 @@ import os
 
 import pytest
 
-from megatron_rl.cli import main
-from megatron_rl.config import load_config
+from megatron_rl.cli.app import main
+from megatron_rl.config.load import load_config
 from megatron_rl.models.config import get_preset
 from megatron_rl.parallel.launch import spawn
-from megatron_rl.plan import (
-    GIB,
-    PlanError,
-    PlanInputs,
+from megatron_rl.plan.inputs import GIB, PlanError, PlanInputs, inputs_from_config
+from megatron_rl.plan.layout_search import search
+from megatron_rl.plan.memory import (
     activation_bytes,
     checkpoint_host_bytes,
-    inputs_from_config,
-    make_plan,
     optimizer_state_bytes,
-    search,
     stage_params,
     total_params,
 )
+from megatron_rl.plan.report import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAPO_32B = os.path.join(ROOT, "examples", "dapo_32b.yaml")
@@ -160,7 +157,7 @@ def test_plan_cli_search_and_errors(capsys):
 
 
 def test_dapo_32b_config_has_the_fleet_and_the_memory_settings():
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
 
     cfg = load_config(DAPO_32B)
     assert cfg.rollout.engine == "sglang"
@@ -174,7 +171,7 @@ def test_dapo_32b_config_has_the_fleet_and_the_memory_settings():
 def test_colocated_layout_memory_is_the_peak_of_its_phases(capsys):
     """Qwen2.5-7B on 8 x 80 GiB, servers on the actor's GPUs: each phase by hand, the verdict
     from the largest phase; the same numbers as a sum would not fit."""
-    from megatron_rl.plan import HOST_LINK_GBPS, RUNTIME_RESERVE_GIB, SERVER_RESERVE_GIB
+    from megatron_rl.plan.inputs import HOST_LINK_GBPS, RUNTIME_RESERVE_GIB, SERVER_RESERVE_GIB
 
     m = get_preset("qwen2.5-7b")
     x = PlanInputs(model=m, tp=2, pp=1, dp=4, precision="bf16", recompute="full",

@@ -6,7 +6,7 @@ steps, these three included.)
 
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.config.load import load_config
 
 
 @pytest.mark.parametrize("recipe,loss,fields", [
@@ -30,6 +30,6 @@ def test_recipe_loads_with_the_references_defaults(recipe, loss, fields):
 def test_dppo_kl_variant_and_bad_override_fail_at_load_time():
     cfg = load_config("examples/tiny_dppo.yaml", ["loss.algorithm=dppo_kl"])
     assert cfg.loss.build().policy_loss == "dppo_kl"
-    from megatron_rl.config import ConfigError
+    from megatron_rl.config.errors import ConfigError
     with pytest.raises(ConfigError, match=r"sapo_tau_neg=0 is out of range; allowed: \(0, inf\)"):
         load_config("examples/tiny_sapo.yaml", ["loss.overrides={sapo_tau_neg: 0}"])

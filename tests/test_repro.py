@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from megatron_rl.cli import main
-from megatron_rl.repro import (
+from megatron_rl.cli.app import main
+from megatron_rl.cli.repro import (
     ReproError,
     compare_dirs,
     compare_runs,

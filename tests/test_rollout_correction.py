@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.config import load_config
+from megatron_rl.config.load import load_config
 from megatron_rl.loss import LossConfig
 from megatron_rl.loss.compute import compute_loss
 from megatron_rl.loss.context import ReductionContext

@@ -26,9 +26,10 @@ def _batch() -> dict[str, torch.Tensor]:
 def _worker(tp: int) -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.driver import broadcast_object, dp_rank_table, scatter_rows
     from megatron_rl.parallel import runtime
+    from megatron_rl.parallel.runtime import broadcast_object
     from megatron_rl.rollout.collect import dp_rows
+    from megatron_rl.run.driver import dp_rank_table, scatter_rows
 
     runtime.init_parallel(tp=tp, pp=1, timeout_s=120)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import SGLangSection
+from megatron_rl.config.sections import SGLangSection
 from megatron_rl.models.config import get_preset
 from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model
 from megatron_rl.rollout.engine import SamplingParams
@@ -295,7 +295,8 @@ def test_prefix_stop_rule_waits_for_the_complete_prefix():
 
 
 def test_sglang_config_section_and_errors():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
 
     cfg = load_config(None, ["rollout.engine=sglang",
                              "rollout.sglang.servers=[http://10.0.0.1:30001,http://h:30002]",

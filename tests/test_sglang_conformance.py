@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import load_config
+from megatron_rl.config.load import load_config
 from megatron_rl.models.config import get_preset
 from megatron_rl.rollout.embedded import build_hf_model
 from megatron_rl.rollout.fleet import ServerError, http_json

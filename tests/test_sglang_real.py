@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.config import SGLangSection
+from megatron_rl.config.sections import SGLangSection
 from megatron_rl.models.config import get_preset
 from megatron_rl.rollout import sglang_client
 from megatron_rl.rollout.embedded import build_hf_model

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("sglang_router")
 
-from megatron_rl.config import SGLangSection  # noqa: E402
+from megatron_rl.config.sections import SGLangSection  # noqa: E402
 from megatron_rl.models.config import get_preset  # noqa: E402
 from megatron_rl.rollout.embedded import build_hf_model  # noqa: E402
 from megatron_rl.rollout.engine import SamplingParams  # noqa: E402

@@ -91,7 +91,7 @@ def test_dapo_32b_layout_matches_its_config():
 def test_dapo_32b_overrides_are_valid_config(tmp_path):
     """What the script passes to ``train`` loads with ``examples/dapo_32b.yaml`` (the model and
     data paths aside: they name files of the cluster)."""
-    from megatron_rl.config import load_config
+    from megatron_rl.config.load import load_config
 
     cfg_path = REPO / "examples" / "dapo_32b.yaml"
     if not cfg_path.exists():

@@ -209,8 +209,8 @@ def test_malicious_checkpoint_is_refused(tmp_path, evil_in):
 def test_resume_preflight_refuses_malicious_metadata(tmp_path):
     """``train`` reads the newest checkpoint's metadata before starting: refused, nothing runs."""
     from megatron_rl.actor.checkpoint import UnsafeCheckpointError
-    from megatron_rl.config import load_config
-    from megatron_rl.run_guard import preflight
+    from megatron_rl.config.load import load_config
+    from megatron_rl.run.guard import preflight
 
     marker = str(tmp_path / "pwned")
     _fake_checkpoint(tmp_path, "trainer.pt", marker)
@@ -244,8 +244,8 @@ def test_plain_pickles_pass_the_allow_list(tmp_path):
 def test_servers_default_to_loopback():
     """``serve``, the router and fleet-started servers listen on rollout.sglang.host, by default
     127.0.0.1; the weight-sync store's port probe binds the chosen address only."""
-    from megatron_rl.cli import build_parser
-    from megatron_rl.config import SGLangSection
+    from megatron_rl.cli.app import build_parser
+    from megatron_rl.config.sections import SGLangSection
     from megatron_rl.rollout.fleet import router_command, server_command
     from megatron_rl.rollout.weight_sync.from_distributed import free_port
 

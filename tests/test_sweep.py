@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from megatron_rl.config import ConfigError
-from megatron_rl.sweep import load_sweep, summarize
+from megatron_rl.cli.sweep import load_sweep, summarize
+from megatron_rl.config.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(ROOT, "examples", "sweeps", "tiny_frozenlake.yaml")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron_rl.tracking import Tracker, gpu_stats
+from megatron_rl.metrics.tracking import Tracker, gpu_stats
 
 
 def _log_run(run_dir, steps, resume_step=None):
@@ -54,7 +54,7 @@ def test_gpu_stats_is_dict():
 
 def test_plot_run(tmp_path):
     pytest.importorskip("matplotlib")
-    from megatron_rl.plot import plot_run
+    from megatron_rl.metrics.plot import plot_run
 
     with pytest.raises(FileNotFoundError, match="no metrics file"):
         plot_run(str(tmp_path))

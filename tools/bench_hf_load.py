@@ -5,9 +5,10 @@
 
 A random model is saved with ``transformers`` (nothing downloaded). Each of the TP x PP ranks then
 builds its stage without random init (fp32 parameters, as the actor does), touches it, fills it
-with :class:`megatron_rl.model_source.HFShardSource` (each rank reads only its own slices), and
-reports: its RSS before the load (imports + its resident stage), its peak RSS (``VmHWM``, reset
-with ``/proc/self/clear_refs`` just before the load) during the load, the bytes of its own shard,
+with :class:`megatron_rl.convert.model_source.HFShardSource` (each rank reads only its own
+slices), and reports: its RSS before the load (imports + its resident stage), its peak RSS
+(``VmHWM``, reset with ``/proc/self/clear_refs`` just before the load) during the load, the bytes
+of its own shard,
 the bytes it read from the files, and the whole model's size. ``peak - before`` is the load's own
 cost; it should be about one shard's slices at most, never the model.
 """
@@ -36,8 +37,8 @@ def _rss(field: str) -> int:
 
 def load_worker(hf_dir: str, tp: int, pp: int) -> dict:
     from megatron_rl.convert.hf_to_megatron import build_uninitialized_model
+    from megatron_rl.convert.model_source import HFShardSource
     from megatron_rl.convert.registry import read_hf_config
-    from megatron_rl.model_source import HFShardSource
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=tp, pp=pp)

@@ -1,4 +1,4 @@
-"""Check the planner (megatron_rl/plan.py) against the memory the real actor reaches on CPU.
+"""Check the planner (megatron_rl/plan/) against the memory the real actor reaches on CPU.
 
 One fresh process per preset (TP1 x PP1 x DP1, fp32, gloo): build the :class:`Actor`, run RL steps
 (old-policy pass + update, Adam), and read the process's resident memory from ``/proc/self/status``:
@@ -103,7 +103,9 @@ def plan_for(preset: str, rows: int, micro: int, prompt: int, response: int,
              chunk: int | None):
     """The planner's estimate for the same shape."""
     from megatron_rl.models.config import get_preset
-    from megatron_rl.plan import PlanInputs, make_plan, optimizer_state_bytes, stage_params
+    from megatron_rl.plan.inputs import PlanInputs
+    from megatron_rl.plan.memory import optimizer_state_bytes, stage_params
+    from megatron_rl.plan.report import make_plan
 
     x = PlanInputs(model=get_preset(preset), precision="fp32", device="cpu",
                    micro_batch_size=micro, prompt_len=prompt, response_len=response,

@@ -7,10 +7,11 @@ step, resume, and check that the run ends exactly as an uninterrupted one.
 
 Each fault: a fresh run of the tiny job (``examples/tiny_dapo.yaml`` at TP1 x PP2, 3 RL steps,
 a checkpoint every step) is started with ``MRL_CHAOS_PHASE`` set, so every rank marks the start of
-each phase (:mod:`megatron_rl.chaos_hook`). The target's rank waits at the start of the phase of
-step 2 while the other ranks go on into it; then the injector sends the signal (``KILL`` = -9,
-``TERM``) to the launcher, to that rank, or to one ``serve`` process of the fleet, and releases
-the wait. A run that stopped is resumed with the same command (no fault). Survived means:
+each phase (:mod:`megatron_rl.testing.chaos_hook`). The target's rank waits at the start of the
+phase of step 2 while the other ranks go on into it; then the injector sends the signal
+(``KILL`` = -9, ``TERM``) to the launcher, to that rank, or to one ``serve`` process of the
+fleet, and releases the wait. A run that stopped is resumed with the same command (no fault).
+Survived means:
 
 * the launcher exited non-zero within 30 s of a launcher/rank fault (a server fault: the run goes
   on on the other server), naming the dead rank and its signal, and no process of the run was

@@ -29,9 +29,10 @@ from megatron_rl.models.weights import load_full_state_dict
 
 def _build_model(cfg: ModelConfig, seed: int, state) -> torch.nn.Module:
     """This rank's stage: from a weight source (anything with ``load_into(model)``, e.g.
-    :class:`megatron_rl.model_source.HFShardSource`), from canonical full weights, or seeded."""
+    :class:`megatron_rl.convert.model_source.HFShardSource`), from canonical full weights,
+    or seeded."""
     if hasattr(state, "load_into"):
-        from megatron_rl.model_source import build_model_from_source
+        from megatron_rl.convert.model_source import build_model_from_source
 
         return build_model_from_source(cfg, state)
     model = build_gpt_model(cfg, seed=seed)

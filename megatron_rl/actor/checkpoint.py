@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.distopt_compat import SHARDING_TYPE
-from megatron_rl.chaos_hook import phase_begins
+from megatron_rl.testing.chaos_hook import phase_begins
 
 LATEST = "latest"
 

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from megatron_rl.models.heads import response_indices, response_logprob_entropy
+from megatron_rl.models.heads import response_logprob_entropy
+from megatron_rl.models.response_tokens import response_indices
 
 
 def _position_ids(tokens: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,8 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
-from megatron_rl.models.heads import response_indices, response_logprob_entropy
+from megatron_rl.models.heads import response_logprob_entropy
+from megatron_rl.models.response_tokens import response_indices
 
 COV_LOSSES = ("clip_cov", "kl_cov")
 

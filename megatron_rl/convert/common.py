@@ -15,6 +15,7 @@ Everything else is a copy under another name.
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -178,3 +179,16 @@ def require(hf: Mapping[str, Any], field: str, allowed: Sequence[Any], default: 
     if val not in allowed:
         raise ConvertError(f"{arch}: config.json field {field}={val!r} is not supported "
                            f"(supported: {', '.join(repr(a) for a in allowed)})")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``,
+    which a spawned child inherits from its parent on Linux), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

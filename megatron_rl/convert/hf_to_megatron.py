@@ -13,43 +13,30 @@ original ``config.json``) and ``hf_assets/`` (tokenizer files), which the revers
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import time
-from dataclasses import asdict
 from typing import Callable, Iterator, Mapping
 
 import torch
 
+from megatron_rl.convert.ckpt_format import ASSETS, checkpoint_key, write_sidecar
 from megatron_rl.convert.common import (
     ConvertError,
     FamilyMapping,
     TensorMap,
     hf_shapes,
+    peak_rss_bytes,
     to_canonical,
 )
 from megatron_rl.convert.hf_io import HFCheckpoint, copy_assets
 from megatron_rl.convert.registry import read_hf_config
 from megatron_rl.models.config import ModelConfig, ModelConfigError, validate_for_layout
-from megatron_rl.progress import Progress
+from megatron_rl.util.progress import Progress
 
-SIDECAR = "megatron_rl_convert.json"
-ASSETS = "hf_assets"
 Log = Callable[[str], None]
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``,
-    which a spawned child inherits from its parent on Linux), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -212,7 +199,6 @@ def stream_tensors(hf_dir: str, out_dir: str, cfg: ModelConfig, maps: list[Tenso
     its :class:`~megatron_rl.convert.dcp_stream.DcpPart`. Holds one canonical tensor (and the HF
     tensors it is fused from) at a time."""
     from megatron_rl.convert.dcp_stream import EXTRA_STATE_MODULES, DcpStreamWriter
-    from megatron_rl.convert.megatron_to_hf import checkpoint_key
 
     n_layers = cfg.num_hidden_layers
     writer = DcpStreamWriter(out_dir, writer_rank)
@@ -282,22 +268,6 @@ def hf_to_megatron_worker(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
     stats = convert_rank(hf_dir, out_dir, dtype, log)
     dist.destroy_process_group()
     return dict(stats, rank=rank, wall_s=time.monotonic() - t0, peak_rss=peak_rss_bytes())
-
-
-def write_sidecar(out_dir: str, cfg: ModelConfig, hf_config: dict | None, dtype: str) -> None:
-    """Write ``megatron_rl_convert.json`` (model config, original HF config, dtype)."""
-    with open(os.path.join(out_dir, SIDECAR), "w") as f:
-        json.dump({"model_config": asdict(cfg), "hf_config": hf_config, "dtype": dtype}, f,
-                  indent=2)
-
-
-def read_sidecar(ckpt_dir: str) -> dict | None:
-    """The sidecar of a converted checkpoint, or None."""
-    path = os.path.join(ckpt_dir, SIDECAR)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def convert_hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1,

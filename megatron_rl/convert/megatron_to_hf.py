@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,11 +29,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_rl.convert.ckpt_format import ASSETS, checkpoint_key, read_sidecar
 from megatron_rl.convert.common import (
     ConvertError,
     FamilyMapping,
     TensorMap,
     canonical_shape,
+    peak_rss_bytes,
     to_hf,
 )
 from megatron_rl.convert.hf_io import (
@@ -44,16 +45,11 @@ from megatron_rl.convert.hf_io import (
     write_index,
     write_shard,
 )
-from megatron_rl.convert.hf_to_megatron import ASSETS, peak_rss_bytes, read_sidecar
 from megatron_rl.convert.registry import hf_config_dict, mapping_for, model_config_from_hf
 from megatron_rl.models.config import ModelConfig
-from megatron_rl.progress import Progress
+from megatron_rl.util.progress import Progress
 
 Log = Callable[[str], None]
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-# megatron's sharded_state_dict stores the local spec's norms under the Transformer Engine names.
-_LOCAL_TO_CKPT = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                  "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,16 +69,6 @@ class CkptTensor:
         """Bytes of the tensor stored as ``dtype`` (None: as in the checkpoint)."""
         size = torch.empty((), dtype=dtype or self.dtype).element_size()
         return torch.Size(self.shape).numel() * size
-
-
-def checkpoint_key(canonical: str, prefix: str = "") -> tuple[str, int | None]:
-    """Checkpoint key and layer of a canonical name (``decoder.layers.3.x`` -> ``decoder.layers.x``,
-    layer 3)."""
-    m = _LAYER_RE.match(canonical)
-    if not m:
-        return prefix + canonical, None
-    rest = _LOCAL_TO_CKPT.get(m.group(2), m.group(2))
-    return f"{prefix}decoder.layers.{rest}", int(m.group(1))
 
 
 class _SlicePlanner(DefaultLoadPlanner):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.loss.config import AGG_MODES, LossConfigError
 from megatron_rl.loss.context import ReductionContext
 from megatron_rl.loss.masking import masked_zero
+from megatron_rl.loss.params import AGG_MODES, LossConfigError
 
 Tensor = torch.Tensor
 
@@ -33,7 +33,7 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, ctx: ReductionContext,
     ``C`` is ``scale_factor`` or, when None, the global max padded length (set it explicitly, e.g.
     to the max response length, when padding differs between layouts). Runs set it: a run config
     gives the ``*-sum-norm`` modes ``loss_scale_factor = rollout.max_new_tokens`` (Dr.GRPO's
-    constant, ALGORITHMS.md §3.2; :func:`megatron_rl.config_checks.dr_grpo_constant`).
+    constant, ALGORITHMS.md §3.2; :func:`megatron_rl.config.checks.dr_grpo_constant`).
     """
     m = mask.bool()
     seq_sum = masked_sum_rows(values, m)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -48,7 +48,7 @@ def aspo_per_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps: Tens
     return loss, flags
 
 
-def aspo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def aspo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§8 ASPO with entropy-quantile clip widths from the config (needs ``inp.entropy``)."""
     if inp.entropy is None:
         raise ValueError("policy_loss='aspo' needs LossInputs.entropy (current-policy token "

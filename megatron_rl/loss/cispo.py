@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 
-def cispo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def cispo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§6: ``L = -sg(clip(r, 1-eps_low, 1+eps_high)) * A * logp``; every token keeps a gradient.
 
     ``policy/clip_frac`` = fraction of valid tokens whose weight was clipped (either side).

@@ -23,10 +23,10 @@ from typing import Sequence
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
-from megatron_rl.loss.config import LossConfig, LossConfigError
 from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import mask_bits, masked_zero, zero_where_not
 from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
     composite_key,
     float_order_key,
@@ -49,7 +49,7 @@ class CovSelection:
     stats: dict[str, Tensor]
 
 
-def cov_stat_logp(cfg: LossConfig, old_logp: TensorList, prepass_logp: TensorList | None = None
+def cov_stat_logp(cfg: LossParams, old_logp: TensorList, prepass_logp: TensorList | None = None
                   ) -> list[Tensor]:
     """The log-probs the covariance statistic is computed from (see module docstring)."""
     if cfg.cov_stat_source == "old_logp":
@@ -111,14 +111,14 @@ def _count_k(ratio: float, n: Tensor) -> Tensor:
     return torch.floor(ratio * n.double()).to(torch.int64).clamp_min(1)
 
 
-def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> Tensor:
+def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossParams) -> Tensor:
     """bool ``[B, T]``: the PPO clip is active (``L2 > L1``), ratio bounds from ``cfg``."""
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     return loss2 > loss1
 
 
-def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorList,
+def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorList,
                       old_logp: TensorList, advantages: TensorList, masks: TensorList,
                       step: int | Tensor = 0, salt: int = 0) -> CovSelection:
     """Global Clip-Cov / KL-Cov token selection for this rank's micro-batches (``cfg.policy_loss``
@@ -202,7 +202,7 @@ def _selected(inp: LossInputs, name: str) -> Tensor:
     return inp.cov_selected.bool()
 
 
-def clip_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§4 Clip-Cov: PPO-clip (no dual clip, no log-ratio clamp) with the selected tokens'
     loss and gradient zeroed; they still count in the denominator."""
     sel = _selected(inp, "clip_cov")
@@ -218,7 +218,7 @@ def clip_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     return TokenLoss(loss, stats)
 
 
-def kl_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def kl_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§4 KL-Cov: ``-A r`` (no clipping) plus ``kl_cov_coef * |logp - old_logp|`` on the selected
     tokens."""
     sel = _selected(inp, "kl_cov")

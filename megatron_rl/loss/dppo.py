@@ -48,8 +48,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -95,7 +95,7 @@ def truncated_surrogate(logp: Tensor, ratio: Tensor, cap: float) -> Tensor:
     return ratio.detach().clamp(max=cap) * torch.exp(logp - logp.detach())
 
 
-def _dppo_token_loss(inp: LossInputs, cfg: LossConfig, divergence: str, delta_low: float,
+def _dppo_token_loss(inp: LossInputs, cfg: LossParams, divergence: str, delta_low: float,
                      delta_high: float) -> TokenLoss:
     lr = log_ratio(inp.logp, inp.old_logp, cfg.log_ratio_clamp)
     ratio = torch.exp(lr)
@@ -116,11 +116,11 @@ def _dppo_token_loss(inp: LossInputs, cfg: LossConfig, divergence: str, delta_lo
     return TokenLoss(loss, stats)
 
 
-def dppo_tv_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def dppo_tv_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """DPPO-Binary-TV ``[B, T]``: thresholds ``dppo_tv_delta_low/high``."""
     return _dppo_token_loss(inp, cfg, "tv", cfg.dppo_tv_delta_low, cfg.dppo_tv_delta_high)
 
 
-def dppo_kl_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def dppo_kl_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """DPPO-Binary-KL ``[B, T]``: thresholds ``dppo_kl_delta_low/high``."""
     return _dppo_token_loss(inp, cfg, "kl", cfg.dppo_kl_delta_low, cfg.dppo_kl_delta_high)

@@ -44,8 +44,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import TokenStat, mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -71,7 +71,7 @@ def gmpo_clipped_log_ratio(diff: Tensor, seq_adv: Tensor, clip_low: float, clip_
     return torch.where(seq_adv > 0, pos, torch.where(seq_adv < 0, neg, diff))
 
 
-def gmpo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def gmpo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """GMPO: ``L_i = -A_i * exp(mean_t c_{i,t})`` on every valid token of sequence i ``[B, T]``.
 
     Metrics: ``policy/clip_frac`` (+ ``_upper`` for A > 0, ``_lower`` for A < 0), the sequence

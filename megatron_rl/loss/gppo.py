@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import dual_clip, log_ratio, ppo_clip_stats, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -22,7 +22,7 @@ def gradient_preserving_clip(ratio: Tensor, low: float, high: float) -> Tensor:
     return torch.where(r_sg > high, high / r_sg * ratio, out)
 
 
-def gppo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def gppo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§7 GPPO: forward equals PPO/DAPO; clipped tokens get gradient weight (1-eps_l)/(1+eps_h).
 
     The hard dual clip for A < 0 (``clip_ratio_c``) is kept, as in the official code. No log-ratio

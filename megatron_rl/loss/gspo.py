@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import ppo_kl_stat
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import TokenStat, mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -22,7 +22,7 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return (diff.sum(-1) / m.sum(-1).clamp_min(1)).unsqueeze(-1)
 
 
-def _gspo_from_log_s(log_s: Tensor, inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def _gspo_from_log_s(log_s: Tensor, inp: LossInputs, cfg: LossParams) -> TokenLoss:
     s = torch.exp(log_s.clamp(max=cfg.gspo_log_ratio_max))
     a = inp.advantages
     loss1 = -a * s
@@ -40,7 +40,7 @@ def _gspo_from_log_s(log_s: Tensor, inp: LossInputs, cfg: LossConfig) -> TokenLo
     return TokenLoss(loss, stats)
 
 
-def gspo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def gspo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§5 GSPO (sequence form): every token of sequence i carries ``max(-A s_i, -A clip(s_i))``,
     with the gradient flowing through ``log s_i`` (mean log-ratio). Aggregate seq-mean-token-mean.
     """
@@ -48,7 +48,7 @@ def gspo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     return _gspo_from_log_s(log_s, inp, cfg)
 
 
-def gspo_token_level_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def gspo_token_level_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§5 GSPO-token: ``log s_it = sg(log s_i) + logp - sg(logp)``; per-token advantages allowed."""
     log_s = sequence_log_ratio(inp.logp, inp.old_logp, inp.mask).detach()
     log_s_t = log_s + inp.logp - inp.logp.detach()

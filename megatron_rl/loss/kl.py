@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.loss.config import KL_TYPES, LossConfigError
+from megatron_rl.loss.params import KL_TYPES, LossConfigError
 
 Tensor = torch.Tensor
 

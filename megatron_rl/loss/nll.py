@@ -6,12 +6,12 @@ is ignored), unlike the PPO surrogate whose gradient only equals the NLL gradien
 
 from __future__ import annotations
 
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import TokenStat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 
-def nll_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def nll_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """Per-token ``-A * logp`` ``[B, T]``; logs the plain NLL ``-logp`` over valid tokens."""
     mask = inp.mask.bool()
     return TokenLoss(-inp.advantages * inp.logp,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import dual_clip, log_ratio, ppo_clip_stats, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -24,7 +24,7 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, low: Tensor | float,
     return loss1, loss2, torch.maximum(loss1, loss2)
 
 
-def ppo_token_loss(inp: LossInputs, cfg: LossConfig, low: Tensor | float | None = None,
+def ppo_token_loss(inp: LossInputs, cfg: LossParams, low: Tensor | float | None = None,
                    high: Tensor | float | None = None) -> TokenLoss:
     """§1 PPO-clip + hard dual clip; DAPO (§2.1) is this with ``clip_ratio_high=0.28``.
 
@@ -58,7 +58,7 @@ def dcpo_bounds(old_logp: Tensor, eps_low: float, eps_high: float, clip_c: float
     return low, high
 
 
-def dcpo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def dcpo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§10.2 DCPO: PPO clip with :func:`dcpo_bounds` in place of ``[1-eps_low, 1+eps_high]``."""
     low, high = dcpo_bounds(inp.old_logp, cfg.clip_ratio_low, cfg.clip_ratio_high,
                             cfg.clip_ratio_c)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat, ratio_stats
-from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.metrics import TokenStat, mean_stat
+from megatron_rl.loss.params import LossParams
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
 Tensor = torch.Tensor
@@ -57,7 +57,7 @@ def sapo_grad_weight(ratio: Tensor, tau: Tensor) -> Tensor:
     return 4.0 * sig * (1.0 - sig) * r
 
 
-def sapo_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+def sapo_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """SAPO ``L = -f(r) A`` ``[B, T]``; metrics: soft-gate weight mean/min, ratio, ppo_kl."""
     ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, cfg.log_ratio_clamp))
     tau = sapo_temperature(inp.advantages, cfg.sapo_tau_pos, cfg.sapo_tau_neg)

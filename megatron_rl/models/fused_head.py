@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.kernels.fused_head import fused_linear_logprob_entropy
-from megatron_rl.models.heads import response_index
+from megatron_rl.models.response_tokens import response_index
 
 __all__ = ["fused_response_logprob_entropy", "output_weight"]
 
@@ -58,7 +58,8 @@ def fused_response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor,
         chunk_size: rows per chunk (None: sized to ~8% of the ``[N, V/TP]`` logits).
         backend: ``"auto"`` (Triton on CUDA when installed, torch otherwise), ``"torch"``,
             ``"triton"``.
-        index: precomputed ``(b, t)`` of ``mask`` (``heads.response_indices``); None: here.
+        index: precomputed ``(b, t)`` of ``mask`` (``response_tokens.response_indices``); None:
+            here.
     """
     b, t = response_index(mask) if index is None else index
     weight = output_weight(model)

@@ -8,37 +8,11 @@ hidden state at ``t - 1``. Prompt positions never reach the output layer.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
+from megatron_rl.models.fused_head import fused_response_logprob_entropy
+from megatron_rl.models.response_tokens import response_index
 from megatron_rl.ops.vocab_parallel import vocab_parallel_logprob_entropy
-
-
-def response_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(b, t)`` index tensors ``[N]`` of response tokens in ``mask [B, S]`` (row-major order).
-
-    Position 0 cannot be scored (nothing precedes it), so it must not be marked.
-    """
-    if mask.dim() != 2:
-        raise ValueError(f"response mask must be [B, S], got shape {tuple(mask.shape)}")
-    b, t = mask.bool().nonzero(as_tuple=True)
-    return b, t
-
-
-def response_indices(masks: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`response_index` of every micro-batch mask ``[B, S]`` (all one shape) with a single
-    host sync for the mini-batch (the token counts) instead of one ``nonzero`` sync per
-    micro-batch; same order, same values. The indices live on the masks' device."""
-    if not masks:
-        return []
-    for m in masks:
-        if m.dim() != 2:
-            raise ValueError(f"response mask must be [B, S], got shape {tuple(m.shape)}")
-    stacked = torch.stack([m.bool() for m in masks])  # [M, B, S]
-    counts = stacked.flatten(1).sum(1).tolist()  # the one host sync per mini-batch
-    idx = torch.nonzero_static(stacked, size=sum(counts))  # [N, 3] (mb, b, t), no sync
-    return [(part[:, 1], part[:, 2]) for part in idx.split(counts)]
 
 
 def response_logits(model: torch.nn.Module, hidden: torch.Tensor, b: torch.Tensor,
@@ -70,8 +44,6 @@ def response_logprob_entropy(model: torch.nn.Module, hidden: torch.Tensor, token
     one host sync).
     """
     if fused:
-        from megatron_rl.models.fused_head import fused_response_logprob_entropy
-
         return fused_response_logprob_entropy(
             model, hidden, tokens, mask, temperature=temperature,
             compute_entropy=compute_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size,

@@ -11,15 +11,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from megatron_rl.advantages import (
+from megatron_rl.rewards.math_verify_reward import score_batch
+from megatron_rl.rollout.advantages import (
     broadcast_to_tokens,
     dr_grpo_advantages,
     grpo_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
-from megatron_rl.progress import Progress
-from megatron_rl.rewards.math_verify_reward import score_batch
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.filters import (
     DynamicSampler,
@@ -29,6 +28,7 @@ from megatron_rl.rollout.filters import (
     reward_variance_top_p,
     select_uids,
 )
+from megatron_rl.util.progress import Progress
 
 _uid = itertools.count()
 

@@ -6,11 +6,7 @@
 ``router_url`` is given) and registers every server through the router's worker API (router 0.3:
 ``POST /workers {"url"}`` -> ``worker_id``, ``GET /workers``, ``DELETE /workers/<worker_id>``).
 :meth:`Fleet.check_health` probes each server's ``/health_generate`` and removes a dead one from
-the router (its requests are retried elsewhere by the client). A dead server this fleet started
-is restarted at once (``restart_dead``, at most ``max_restarts`` times per server) on a new port;
-it stays out of the router until a weight sync has given it the current weights: the sync's
-targets are :meth:`Fleet.sync_targets` (registered servers + restarted ones, once healthy) and a
-verified sync ends with :meth:`Fleet.rejoin`.
+the router (its requests are retried elsewhere by the client).
 """
 
 from __future__ import annotations
@@ -27,6 +23,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from megatron_rl.config.errors import ConfigError
+
 WEIGHT_SYNCS = ("from_disk", "from_tensor", "from_distributed")
 LAUNCHERS = ("serve", "sglang")
 
@@ -39,51 +37,37 @@ class ServerError(RuntimeError):
     """A request to a server failed (connection error, timeout or non-2xx status)."""
 
 
-def validate_sglang_section(s) -> None:
-    """Load-time checks of ``rollout.sglang``; messages name the field and the allowed values."""
-    from megatron_rl.config import ConfigError
+PLACEMENT_ERROR = (
+    "rollout.sglang.launcher='sglang' with empty rollout.sglang.gpus would start the SGLang "
+    "servers on the trainer's GPUs while the actor keeps all its memory: set rollout.sglang.gpus "
+    "to GPUs the trainer does not use (a separate fleet), list running servers in "
+    "rollout.sglang.servers, or set rollout.sglang.colocate=true (share the trainer's GPUs; the "
+    "actor is offloaded during rollout and the servers release their memory during the update)")
 
-    if s.launcher not in LAUNCHERS:
-        raise ConfigError(f"rollout.sglang.launcher={s.launcher!r} is not one of {LAUNCHERS}")
-    if s.weight_sync not in WEIGHT_SYNCS:
-        raise ConfigError(f"rollout.sglang.weight_sync={s.weight_sync!r} is not one of "
-                          f"{WEIGHT_SYNCS}")
-    for u in s.servers:
-        if not isinstance(u, str) or not u.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout.sglang.servers: {u!r} is not an http(s):// URL")
-    if not s.servers and s.num_servers < 1:
-        raise ConfigError("rollout.sglang.num_servers must be >= 1 when rollout.sglang.servers "
-                          "is empty")
-    for name in ("tp_size", "concurrency", "server_threads"):
-        if getattr(s, name) < 1:
-            raise ConfigError(f"rollout.sglang.{name} must be >= 1, got {getattr(s, name)}")
-    if s.max_retries < 0 or s.max_offpolicy_lag < -1 or s.probe_length < 0 or s.spot_checks < 0:
-        raise ConfigError("rollout.sglang: max_retries, probe_length, spot_checks must be >= 0 "
-                          "and max_offpolicy_lag >= -1")
-    if not 0 < s.mem_fraction_static <= 1:
-        raise ConfigError(f"rollout.sglang.mem_fraction_static must be in (0, 1], got "
-                          f"{s.mem_fraction_static}")
-    if s.serve_rules not in ("0.5.21", "0.5.20"):
-        raise ConfigError(f"rollout.sglang.serve_rules={s.serve_rules!r} is not one of "
-                          "('0.5.21', '0.5.20')")
-    if s.flush_retries < 0:
-        raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
-    if getattr(s, "max_restarts", 0) < 0:
-        raise ConfigError(f"rollout.sglang.max_restarts must be >= 0, got {s.max_restarts}")
-    if not isinstance(getattr(s, "restart_dead", True), bool):
-        raise ConfigError(f"rollout.sglang.restart_dead must be true or false, got "
-                          f"{s.restart_dead!r}")
-    if not isinstance(s.extra_args, list):
-        raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
-    if s.python is not None and not os.path.isfile(str(s.python)):
-        raise ConfigError(f"rollout.sglang.python={s.python!r} is not a file (an interpreter "
-                          "with sglang installed; unset: the trainer's)")
-    if s.probe_tolerance is not None and not s.probe_tolerance > 0:
-        raise ConfigError("rollout.sglang.probe_tolerance must be > 0 (or null: from the "
-                          "actor's and the servers' precisions)")
-    if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
-        raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
-                          f"= {s.num_servers * s.tp_size} are needed")
+
+def on_cpu(s) -> bool:
+    """Whether started SGLang servers run on the CPU (``--device cpu`` in ``extra_args``)."""
+    args = [str(a) for a in (getattr(s, "extra_args", None) or [])]
+    return any(a == "--device=cpu" or (a == "--device" and args[k + 1:k + 2] == ["cpu"])
+               for k, a in enumerate(args))
+
+
+def server_gpus(s, i: int) -> list[str]:
+    """CUDA device ids of started server ``i``: ``rollout.sglang.gpus``, or -- colocated SGLang
+    servers with no list -- the trainer's own GPUs, ``tp_size`` per server from its first GPU
+    (through the trainer's ``CUDA_VISIBLE_DEVICES`` when set). An SGLang server with neither is
+    refused (:data:`PLACEMENT_ERROR`)."""
+    if s.gpus:
+        gpus = [str(g) for g in s.gpus]
+    elif s.launcher == "sglang" and s.colocate:
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        n = s.num_servers * s.tp_size
+        gpus = visible[:n] if visible else [str(g) for g in range(n)]
+    elif s.launcher == "sglang" and not on_cpu(s):
+        raise ConfigError(PLACEMENT_ERROR)
+    else:
+        gpus = []  # our CPU serve, or SGLang started with --device cpu
+    return gpus[i * s.tp_size:(i + 1) * s.tp_size]
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:
@@ -165,9 +149,6 @@ class Fleet:
         self.router_url = s.router_url or f"http://{s.host}:{s.router_port}"
         self.workers: dict[str, str] = {}
         self.dead: list[str] = []
-        self.slot: dict[str, int] = {}  # url -> server index i, for servers started here
-        self.pending: dict[str, int] = {}  # restarted, not in the router until a sync: url -> i
-        self.restarts: dict[int, int] = {}  # server index -> restarts so far
         self._health_lock = threading.Lock()
         atexit.register(self.stop)
 
@@ -183,21 +164,16 @@ class Fleet:
         return subprocess.Popen(guard + cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
-    def start_server(self, i: int, port: int | None = None, log_name: str | None = None
-                     ) -> str:
-        """Start server ``i`` (port ``router_port + 1 + i`` unless given, GPUs
-        ``gpus[i*tp:(i+1)*tp]``); log ``server{i}.log`` unless ``log_name``."""
+    def start_server(self, i: int) -> str:
+        """Start server ``i`` (port ``router_port + 1 + i``, GPUs ``gpus[i*tp:(i+1)*tp]``)."""
         s = self.s
-        port = s.router_port + 1 + i if port is None else port
+        port = s.router_port + 1 + i
         url = f"http://{s.host}:{port}"
         env = dict(os.environ)
-        from megatron_rl.colocation import server_gpus  # colocate: the trainer's GPUs
-
-        if gpus := server_gpus(s, i):
+        if gpus := server_gpus(s, i):  # colocate: the trainer's GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        self.procs[url] = self._spawn(log_name or f"server{i}",
-                                      server_command(s, port, self.model_path, self.eos_id), env)
-        self.slot[url] = i
+        self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
+                                                                   self.eos_id), env)
         return url
 
     def start(self) -> Fleet:
@@ -293,92 +269,6 @@ class Fleet:
                 self.remove_worker(u)
                 self.dead.append(u)
                 dead.append(u)
-                self._restart(u)
-        for u in list(self.pending):  # a restarted server that died before it rejoined
-            proc = self.procs.get(u)
-            if proc is not None and proc.poll() is not None:
-                self.dead.append(u)
-                dead.append(u)
-                self._restart(u)
-        if not self.workers and not self.pending:
+        if not self.workers:
             raise FleetError(f"every rollout server is dead ({self.dead})")
         return dead
-
-    # ---- restarts ------------------------------------------------------------------------------
-    def _end_process(self, url: str) -> None:
-        """End the (guarded) process of ``url`` if it still runs (a hung server) and forget it."""
-        proc = self.procs.pop(url, None)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()  # the guard ends the server's whole process tree
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    def _restart(self, url: str) -> str | None:
-        """Restart the dead server ``url`` on a new port (``restart_dead``, at most
-        ``max_restarts`` times per server; attached servers are only removed). It joins the
-        next sync's targets (:meth:`sync_targets`) and the router after it (:meth:`rejoin`).
-        Returns its new URL, None when it is not restarted."""
-        i = self.slot.pop(url, None)
-        self.pending.pop(url, None)
-        if i is None:  # attached by URL: not ours to restart
-            return None
-        self._end_process(url)
-        if not getattr(self.s, "restart_dead", True):
-            print(f"[fleet] server {i} ({url}) died; removed from the router "
-                  "(rollout.sglang.restart_dead=false)", flush=True)
-            return None
-        k, limit = self.restarts.get(i, 0), getattr(self.s, "max_restarts", 3)
-        if k >= limit:
-            print(f"[fleet] server {i} ({url}) died; not restarted: it was restarted {k} times "
-                  f"(rollout.sglang.max_restarts={limit}); removed from the router", flush=True)
-            return None
-        self.restarts[i] = k + 1
-        new = self.start_server(i, port=free_port(self.s.host),
-                                log_name=f"server{i}-restart{k + 1}")
-        self.pending[new] = i
-        print(f"[fleet] server {i} ({url}) died; restarted as {new} (restart {k + 1}/{limit}); "
-              "it rejoins the router once the next weight sync has given it the current "
-              "weights", flush=True)
-        return new
-
-    def sync_targets(self) -> list[str]:
-        """The servers a weight sync must reach: the registered ones and every restarted one,
-        waiting until it is healthy (one that fails to start is restarted again, bounded by
-        ``max_restarts``)."""
-        with self._health_lock:
-            ready: list[str] = []
-            while todo := [u for u in self.pending if u not in ready]:
-                for u in todo:
-                    try:
-                        wait_healthy(u, self.timeout, self.procs.get(u))
-                        ready.append(u)
-                    except FleetError as exc:
-                        print(f"[fleet] restarted server {u} did not start: {exc}", flush=True)
-                        self.dead.append(u)
-                        self._restart(u)
-            return self.urls + ready
-
-    def rejoin(self, urls: list[str], version: int | str) -> list[str]:
-        """Register with the router every restarted server among ``urls`` (they took part in
-        the verified sync of ``version``, so they hold the current weights). Returns them."""
-        back = []
-        with self._health_lock:
-            for u in urls:
-                if u in self.pending:
-                    self.add_worker(u)
-                    i = self.pending.pop(u)
-                    back.append(u)
-                    print(f"[fleet] restarted server {i} ({u}) holds weight version {version}; "
-                          "back in the router", flush=True)
-        return back
-
-
-def free_port(host: str) -> int:
-    """A port nobody listens on at ``host`` now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl.advantages import discounted_returns
+from megatron_rl.rollout.advantages import discounted_returns
 
 Tensor = torch.Tensor
 LATE_ESTIMATORS = ("reinforce_pp",)
@@ -49,8 +49,8 @@ def token_rewards(reward: Tensor, mask: Tensor, old_logp: Tensor, ref_logp: Tens
 
 def whiten_across(values: Tensor, mask: Tensor, group=None, eps: float = 1e-8) -> Tensor:
     """``(x - mean) * rsqrt(var_unbiased + eps)`` over the valid tokens of every rank of ``group``
-    (the result equals :func:`~megatron_rl.advantages.masked_whiten` on the concatenated batch);
-    ``[N, S]`` fp32, zero on padding. Two all-reduces, no host sync."""
+    (the result equals :func:`~megatron_rl.rollout.advantages.masked_whiten` on the concatenated
+    batch); ``[N, S]`` fp32, zero on padding. Two all-reduces, no host sync."""
     m = mask.bool()
     x = values.double()
     s = torch.stack([m.sum().double(), torch.where(m, x, 0.0).sum()])

@@ -56,7 +56,7 @@ class TurnRenderer:
         self.template = bool(use_template and getattr(tokenizer, "has_chat_template", False))
 
     def first_text(self, instructions: str, obs: str) -> str:
-        from megatron_rl.hf_tokenizer import render_prompt
+        from megatron_rl.data.tokenizer import render_prompt
 
         return render_prompt(self.tok, instructions + obs, self.template)
 

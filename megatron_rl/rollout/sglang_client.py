@@ -256,10 +256,10 @@ def write_model_config(cfg, out_dir: str) -> str:
     get the actor's by weight sync)."""
     from transformers import AutoConfig
 
+    from megatron_rl.convert.model_source import model_config
     from megatron_rl.convert.registry import hf_config_dict
-    from megatron_rl.run_setup import model_config
 
-    fields = hf_config_dict(model_config(cfg))
+    fields = hf_config_dict(model_config(cfg.model))
     model_type = fields.pop("model_type")
     AutoConfig.for_model(model_type, **fields).save_pretrained(out_dir)
     return out_dir

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch.distributed
 
+from megatron_rl.parallel.runtime import broadcast_object
+
 
 def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     """Stream HF-named buckets out of the Megatron actor into the engine.
@@ -15,7 +17,6 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets
-    from megatron_rl.driver import broadcast_object
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
@@ -51,7 +52,6 @@ def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
     from the router and restarted them; a log line says so), restarted servers included; those
     rejoin the router after the verified sync. Every rank takes the same decision (broadcast from
     rank 0), so all retry or all raise: no step is lost to a dead server."""
-    from megatron_rl.driver import broadcast_object
     from megatron_rl.rollout.weight_sync import rejoin
     from megatron_rl.rollout.weight_sync.common import WeightSyncError
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet

@@ -1,0 +1,321 @@
+"""Command-line entry points: ``python -m megatron_rl <command> ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_rl.cli.parser import Parser, chosen_parser, unrecognized
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from megatron_rl.cli.check import format_report, parity
+
+    rep = parity(args.tp, args.pp, preset=args.model, micro_batches=args.micro_batches,
+                 batch=args.batch, seq=args.seq, seed=args.seed, temperature=args.temperature,
+                 chunk_size=args.chunk_size)
+    print(format_report(rep, args.atol))
+    return 0 if rep.ok(args.atol) else 1
+
+
+def _train_worker(cfg, mode: str = "train"):
+    from megatron_rl.run import jobs as commands
+    from megatron_rl.run import trainer
+
+    return {"train": trainer.train, "eval": commands.evaluate, "sft": commands.sft_only}[mode](cfg)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import os
+
+    from megatron_rl.config.default_recipe import DEFAULT_RECIPE
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+
+    config, overrides = split_config_arg(args.config, args.overrides)
+    try:  # no YAML: the built-in recipe (a tiny DAPO demo that learns)
+        cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
+        from megatron_rl.run.input_checks import check_inputs
+
+        check_inputs(cfg)  # data, tokenizer, reward plugin: before anything is written
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "check_only", False):
+        print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
+        return 0
+    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    from megatron_rl.parallel.launch import launch_mode
+
+    plan = launch_mode(os.environ)
+    if plan.mode == "refuse":
+        print(f"[{args.command}] {plan.message}", file=sys.stderr)
+        return 2
+    lock = None
+    if (args.command in ("train", "sft") and rank0 and
+            (plan.mode == "local" or plan.world_size == world)):
+        lock = _lock_run_dir(cfg.trainer.output_dir, args.command)
+        if lock is None:
+            return 2
+    try:
+        return _preflight_and_run(cfg, args.command, plan, world, rank0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool) -> int:
+    from megatron_rl.config.errors import ConfigError
+
+    if command == "train":  # resume preflight: changed config, finished run
+        from megatron_rl.run.guard import preflight
+
+        try:
+            done = preflight(cfg, log=print if rank0 else (lambda *_: None))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if done:
+            if rank0:
+                print(done, flush=True)
+            return 0
+    if plan.mode in ("torchrun", "srun"):  # this process is one rank
+        return _run_in_place(cfg, command, plan, world)
+    return _launch_local(cfg, command, world)
+
+
+def _lock_run_dir(run_dir: str, command: str):
+    """The run directory's lock (one live trainer per directory), or None after printing why
+    not (another live trainer holds it)."""
+    from megatron_rl.parallel.lifecycle import RunDirBusy, RunLock
+
+    try:
+        lock = RunLock(run_dir).acquire()
+    except RunDirBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    if lock.taken_over:
+        print(f"[{command}] took over the lock of {lock.path} left by pid "
+              f"{lock.taken_over.get('pid')} (no longer running)", flush=True)
+    return lock
+
+
+def _launch_local(cfg, command: str, world: int) -> int:
+    """Spawn the ranks here; a stop signal (SIGTERM/SIGINT/SIGHUP) stops them all and exits
+    ``128 + signal``; a rank that dies or fails stops the job (exit 1) naming it."""
+    import time
+
+    from megatron_rl.parallel.launch import WorkerError, spawn
+    from megatron_rl.parallel.lifecycle import StopSignal, remove_partial_checkpoints, signal_name
+
+    try:
+        env = local_spawn_env(cfg.parallel.backend, world)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
+          f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
+    try:
+        spawn(_train_worker, world, (cfg, command), timeout_s=7 * 24 * 3600, env=env,
+              handle_signals=True)
+    except WorkerError as exc:
+        remove_partial_checkpoints(cfg.trainer.output_dir)
+        print(f"[{command}] failed: {exc}", file=sys.stderr)
+        return 1
+    except StopSignal as exc:
+        remove_partial_checkpoints(cfg.trainer.output_dir)
+        print(f"[{command}] stopped by {signal_name(exc.signum)}: all {world} rank(s) and their "
+              f"helper processes ended within {time.monotonic() - exc.at:.1f} s; the newest "
+              "complete checkpoint is kept (resume with the same command)", file=sys.stderr,
+              flush=True)
+        return 128 + exc.signum
+    return 0
+
+
+def local_spawn_env(backend: str, world: int) -> dict[str, str]:
+    """Environment of locally spawned ranks; refuses (``ParallelConfigError``) more ranks than
+    visible GPUs for NCCL before any process starts. gloo ranks get ``CUDA_VISIBLE_DEVICES=""``."""
+    import os
+
+    import torch
+
+    from megatron_rl.parallel.runtime import BACKEND_ENV, resolve_backend
+
+    req = backend if backend != "auto" else os.environ.get(BACKEND_ENV) or "auto"
+    cuda = 0 if req == "gloo" else torch.cuda.device_count()
+    return {"CUDA_VISIBLE_DEVICES": ""} if resolve_backend(req, world, cuda) == "gloo" else {}
+
+
+def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``train trainer.seed=3 ...`` (no YAML): a first positional that looks like ``key=value``
+    and is not a file is an override, and the built-in defaults are the config."""
+    import os
+
+    if config is not None and "=" in config and not os.path.exists(config):
+        return None, [config, *overrides]
+    return config, list(overrides)
+
+
+def _run_in_place(cfg, command: str, plan, world: int) -> int:
+    """Run this process's rank (torchrun / srun task); the launcher's world must be TP x PP x DP."""
+    import os
+    import warnings
+
+    import torch
+
+    from megatron_rl.parallel.launch import threads_per_rank
+
+    if plan.world_size != world:
+        print(f"[{command}] {plan.mode} started {plan.world_size} task(s) but parallel.tp x pp x "
+              f"dp = {cfg.parallel.tp} x {cfg.parallel.pp} x {cfg.parallel.dp} = {world}; "
+              f"start {world} tasks or change the layout", file=sys.stderr)
+        return 2
+    os.environ.update(plan.env)
+    threads = threads_per_rank()
+    if threads:
+        torch.set_num_threads(threads)
+    # megatron-core warns on import that apex/Transformer Engine are absent: expected on CPU.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    _train_worker(cfg, command)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from megatron_rl.metrics.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from megatron_rl.run.export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.step, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {out}")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from megatron_rl.cli.sweep import run_sweep
+    from megatron_rl.config.errors import ConfigError
+
+    try:
+        return run_sweep(args.sweep_file, args.parallel, args.report_only, args.overrides)
+    except ConfigError as exc:
+        print(f"sweep config error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    p = Parser(prog="python -m megatron_rl", description="RL post-training on megatron-core")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="one of the commands below; COMMAND --help lists its options")
+    c = sub.add_parser("check", help="per-token log-prob/entropy parity of a TPxPP layout vs "
+                                     "TP1xPP1 on the same weights (gloo processes on CPU)")
+    c.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    c.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    c.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    c.add_argument("--micro-batches", type=int, default=2,
+                   help="micro-batches per pipeline pass (default 2)")
+    c.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
+    c.add_argument("--seq", type=int, default=32, help="sequence length")
+    c.add_argument("--seed", type=int, default=1234, help="seed of the weights and tokens")
+    c.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature the log-probs are taken at (default 1.0)")
+    c.add_argument("--chunk-size", type=int, default=None,
+                   help="token chunk of the log-prob/entropy op (default: unchunked)")
+    c.add_argument("--atol", type=float, default=1e-5,
+                   help="largest allowed |difference| to TP1xPP1 (default 1e-5)")
+    c.set_defaults(func=_cmd_check)
+
+    t = sub.add_parser("train", help="RL training (SFT warm start when sft.steps > 0)")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML config (default: the built-in tiny DAPO recipe, "
+                        "megatron_rl/config/default_recipe.py)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.seed=3 "
+                                                "output_dir=runs/x")
+    t.add_argument("--check", dest="check_only", action="store_true",
+                   help="only load and check the config (exit 2 on an error), start nothing")
+    t.set_defaults(func=_cmd_train)
+    for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
+                       ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
+        e = sub.add_parser(name, help=text)
+        e.add_argument("config", nargs="?", default=None,
+                       help="YAML config (default: the built-in tiny DAPO recipe)")
+        e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. "
+                                                    "output_dir=runs/x")
+        e.set_defaults(func=_cmd_train)
+
+    from megatron_rl.convert.cli import add_convert_subcommand
+
+    add_convert_subcommand(sub)
+
+    from megatron_rl.rollout.serve import add_serve_subcommand
+
+    add_serve_subcommand(sub)
+
+    from megatron_rl.plan.command import add_plan_subcommand
+
+    add_plan_subcommand(sub)
+
+    from megatron_rl.cli.repro import add_repro_subcommand
+
+    add_repro_subcommand(sub)
+    from megatron_rl.config.doc import add_config_subcommand
+
+    add_config_subcommand(sub)
+
+    ex = sub.add_parser("export", help="Hugging Face directory (config, safetensors, tokenizer) "
+                        "of a run's checkpoint")
+    ex.add_argument("run_dir", help="run directory (trainer.output_dir)")
+    ex.add_argument("--step", type=int, default=None,
+                    help="checkpoint after this many RL steps (default: the newest)")
+    ex.add_argument("--out", required=True, help="output directory")
+    ex.set_defaults(func=_cmd_export)
+
+    sw = sub.add_parser("sweep", help="run a sweep file (base config x one axis per sweep), "
+                        "skipping finished runs; writes report.md and plots")
+    sw.add_argument("sweep_file", help="sweep YAML (base config, sweeps; docs/study.md)")
+    sw.add_argument("overrides", nargs="*", help="key=value overrides for every run (output_dir="
+                    "sets the sweep's directory), e.g. model.hf_path=/models/Qwen2.5-3B-Instruct")
+    sw.add_argument("--parallel", type=int, default=None,
+                    help="runs at the same time (default: the file's parallel_runs)")
+    sw.add_argument("--report-only", action="store_true",
+                    help="only (re)write the report and plots from the runs on disk")
+    sw.set_defaults(func=_cmd_sweep)
+
+    pl = sub.add_parser("plot", help="write PNG curves of a run directory")
+    pl.add_argument("run_dir", help="run directory with metrics.jsonl")
+    pl.set_defaults(func=_cmd_plot)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the command; returns the exit code."""
+    args = parse_args(argv)
+    return args.func(args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; ``key=value`` overrides of ``train``/``sft``/``eval`` may come
+    before or after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also come after options (argparse stops the positional list there)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-")
+                                                    for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        chosen_parser(parser, args).error(unrecognized(chosen_parser(parser, args), extra))
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

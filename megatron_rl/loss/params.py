@@ -1,0 +1,90 @@
+"""The loss parameters: every knob of every algorithm in ``ALGORITHMS.md`` (no hard-coded
+constants in the loss functions), their allowed named values, and the error a bad value raises.
+
+The loss functions read a :class:`LossParams`; :class:`megatron_rl.loss.config.LossConfig` is the
+same fields with validation and the published presets of each algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",  # Dr.GRPO reference: per-sequence sum / C, then mean over sequences
+    "token-sum-norm",  # verl's "seq-mean-token-sum-norm": total sum / C, no division by #sequences
+)
+KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+            "k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+")
+COV_STAT_SOURCES = ("prepass", "old_logp")
+
+
+class LossConfigError(ValueError):
+    """A loss config value is out of range; the message names the field and the allowed values."""
+
+
+@dataclass(frozen=True)
+class LossParams:
+    """All loss settings (ALGORITHMS.md section in brackets).
+
+    Ratios named ``*_ratio`` for Clip-Cov / KL-Cov are **fractions** of the global valid-token
+    count (verl convention: 2e-4 means 0.02 %), never percentages.
+    """
+
+
+    policy_loss: str = "ppo"
+    loss_agg_mode: str = "token-mean"  # [0]
+    loss_scale_factor: float | None = None  # C of the *-sum-norm modes [0]; None -> global max T
+    # PPO-family clip [1, 2.1, 7, 10.2]
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual clip, must be > 1; inf = no dual clip
+    log_ratio_clamp: float = 20.0  # inf = no clamp
+    # Clip-Cov / KL-Cov [4]
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0
+    cov_stat_source: str = "prepass"  # "prepass" (exact) | "old_logp" (exact only for 1st update)
+    cov_seed: int = 0
+    # GSPO [5]
+    gspo_log_ratio_max: float = 10.0
+    # GPPO positive-sample NLL [7]
+    positive_nll_coef: float = 0.0
+    # ASPO [8]
+    aspo_entropy_quantile: float = 0.8
+    aspo_eps_low_entropy: float = 0.2  # clip width of tokens with entropy <= per-seq quantile
+    aspo_eps_high_entropy: float = 0.4  # clip width of the top-entropy tokens
+    aspo_c_pos: float = 3.0
+    aspo_c_neg: float = 3.0
+    # GMPO (loss/gmpo.py): token log-ratio clip [-gmpo_clip_low, gmpo_clip_high] (log space)
+    gmpo_clip_low: float = 0.4  # GMPO: lower log-ratio clip (log space, > 0)
+    gmpo_clip_high: float = 0.4  # GMPO: upper log-ratio clip (log space, > 0)
+    # SAPO (loss/sapo.py): soft-gate temperatures for A > 0 / A <= 0
+    sapo_tau_pos: float = 1.0  # SAPO: gate temperature for A > 0 (> 0)
+    sapo_tau_neg: float = 1.05  # SAPO: gate temperature for A <= 0 (> 0)
+    # DPPO (loss/dppo.py): divergence thresholds, truncated-IS cap, prime-rl's (log r)^2 coef
+    dppo_tv_delta_low: float = 0.15  # DPPO-TV: max fall q - p of pi(token) when A <= 0
+    dppo_tv_delta_high: float = 0.15  # DPPO-TV: max rise p - q of pi(token) when A > 0
+    dppo_kl_delta_low: float = 0.05  # DPPO-KL: binary-KL bound on a fall when A <= 0
+    dppo_kl_delta_high: float = 0.05  # DPPO-KL: binary-KL bound on a rise when A > 0
+    dppo_ratio_cap: float = 20.0  # DPPO: cap C on the ratio in -A*min(r, C) (> 1)
+    dppo_sq_log_ratio_coef: float = 0.0  # DPPO: coefficient of an extra (log r)^2 term
+    # ERC gate [9]
+    erc: bool = False
+    erc_low: float = 0.95
+    erc_high: float = 1.05
+    # KL to reference [11]
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    # entropy bonus [10.1]; the adaptive controller overrides it when passed to compute_loss
+    entropy_coeff: float = 0.0
+    # entropy-dynamics diagnostic [12]
+    diagnostic_top_frac: float = 2e-4
+    # training/inference mismatch correction (loss/rollout_correction.py): none | tis | mis
+    rollout_correction: str = "none"
+    rollout_correction_threshold: float = 2.0  # C of TIS min(rho, C) / MIS 1[1/C <= rho <= C]

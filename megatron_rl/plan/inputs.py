@@ -1,0 +1,154 @@
+"""What one plan estimate is made of (:class:`PlanInputs`), read from a run config or CLI flags,
+and the planner's constants (reserves, host link bandwidth)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.models.config import ModelConfig, ModelConfigError, validate_for_layout
+
+GIB = 1024 ** 3
+
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+DEVICES = ("gpu", "cpu")
+
+
+RUNTIME_RESERVE_GIB = 3.0  # CUDA context + NCCL buffers + allocator fragmentation, per GPU
+
+
+MAX_CHUNK_ROWS = 4096  # the fused head's largest row chunk (kernels/fused_head_torch.py)
+
+
+SERVER_RESERVE_GIB = 1.0  # a released SGLang server: CUDA context and what it does not release
+
+
+HOST_LINK_GBPS = 25.0  # pinned host<->device copies (PCIe Gen4 x16 class), for the swap time
+
+
+class PlanError(ValueError):
+    """A planner input is invalid; the message names the field or flag."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything one estimate needs. Lengths are tokens, sizes are sequences per DP rank."""
+
+    model: ModelConfig
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    precision: str = "bf16"
+    recompute: str = "none"
+    distributed_optimizer: bool = False
+    device: str = "gpu"  # "gpu": fused norm/SwiGLU kernels; "cpu": torch's composite ones
+    micro_batch_size: int = 1
+    prompt_len: int = 2048
+    prompt_len_from_config: bool = True  # False: prompt_len is the planner's assumption
+    response_len: int = 2048
+    n_micro: int = 1  # micro-batches per optimizer step on one DP rank
+    responses_per_step: int = 8
+    gen_responses: int = 0  # responses generated per round (dynamic sampling); 0 = per step
+    fused_head: bool = True
+    head_chunk: int | None = None
+    use_ref: bool = False
+    offload_ref: bool = True
+    servers: int = 0
+    server_tp: int = 1
+    server_mem_fraction: float = 0.85
+    concurrency: int = 0  # requests in flight per server; 0 = responses_per_step / servers
+    colocate: bool = False  # servers on the actor's GPUs, taking turns with the memory
+    sync_bucket_mb: int = 64  # rollout.weight_sync_bucket_mb (the colocated sync's buffer)
+    gpu_mem_gb: float = 80.0
+    peak_tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
+    mfu: float = 0.35
+    rollout_mfu: float = 0.10
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def rollout_responses(self) -> int:
+        return self.gen_responses or self.responses_per_step
+
+    @property
+    def actor_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def validate(self) -> PlanInputs:
+        """Raise :class:`PlanError` naming the bad field."""
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.device not in DEVICES:
+            raise PlanError(f"device={self.device!r} is not one of {DEVICES}")
+        for name in ("tp", "pp", "dp", "micro_batch_size", "n_micro", "server_tp"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.colocate and self.servers * self.server_tp > self.actor_gpus:
+            raise PlanError(f"colocate: {self.servers} servers x TP{self.server_tp} need "
+                            f"{self.servers * self.server_tp} GPUs, the actor has "
+                            f"{self.actor_gpus}")
+        if not 0 < self.server_mem_fraction <= 1:
+            raise PlanError(f"server_mem_fraction must be in (0, 1], got "
+                            f"{self.server_mem_fraction}")
+        try:
+            validate_for_layout(self.model, self.tp, self.pp)
+        except ModelConfigError as exc:
+            raise PlanError(str(exc)) from exc
+        return self
+
+
+def _sglang_field(cfg, name: str, default: Any) -> Any:
+    sg = getattr(cfg.rollout, "sglang", None)
+    if sg is None:
+        return default
+    val = sg.get(name, default) if isinstance(sg, dict) else getattr(sg, name, default)
+    return default if val is None else val
+
+
+def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
+    """:class:`PlanInputs` from a :class:`~megatron_rl.config.sections.RunConfig`;
+    ``overrides`` (CLI flags, ``None`` = keep) win over the config."""
+    from megatron_rl.convert.model_source import model_config
+
+    m = model_config(cfg.model)
+    a, p, r, t = cfg.actor, cfg.parallel, cfg.rollout, cfg.trainer
+    responses = t.train_batch_size * r.n
+    mini = a.mini_batch_size or responses
+    servers = _sglang_field(cfg, "servers", 0)
+    servers = len(servers) if isinstance(servers, (list, tuple)) else int(servers or 0)
+    servers = servers or int(_sglang_field(cfg, "num_servers", 0))  # the fleet it would start
+    fused = a.fused_logprob_entropy
+    recompute = getattr(a, "recompute", "none")
+    vals: dict[str, Any] = dict(
+        model=m, tp=p.tp, pp=p.pp, dp=p.dp,
+        precision=getattr(a, "precision", None) or "bf16",
+        recompute=recompute if recompute in RECOMPUTE else ("full" if recompute else "none"),
+        distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        micro_batch_size=a.micro_batch_size,
+        prompt_len=cfg.data.max_prompt_length or 2048, response_len=r.max_new_tokens,
+        prompt_len_from_config=cfg.data.max_prompt_length > 0 or overrides.get(
+            "prompt_len") is not None,
+        n_micro=max(1, mini // p.dp // a.micro_batch_size), responses_per_step=responses,
+        gen_responses=(r.gen_batch_size or t.train_batch_size) * r.n,
+        fused_head=True if fused is None else fused, head_chunk=a.logprob_chunk_size,
+        use_ref=cfg.loss.build().use_kl_loss, offload_ref=bool(getattr(a, "offload_ref", True)),
+        servers=servers if r.engine == "sglang" or servers else 0,
+        server_tp=int(_sglang_field(cfg, "tp_size", 1)),
+        server_mem_fraction=float(_sglang_field(cfg, "mem_fraction_static", 0.85)),
+        concurrency=int(_sglang_field(cfg, "max_running_requests", 0)),
+        colocate=bool(_sglang_field(cfg, "colocate", False)) and r.engine == "sglang",
+        sync_bucket_mb=int(getattr(r, "weight_sync_bucket_mb", 64)))
+    vals.update({k: v for k, v in overrides.items() if v is not None})
+    if "dp" in overrides and overrides["dp"] is not None and "n_micro" not in overrides:
+        vals["n_micro"] = max(1, mini // vals["dp"] // vals["micro_batch_size"])
+    return PlanInputs(**vals).validate()

@@ -1,0 +1,218 @@
+"""Memory and step-time planner: does a run config fit its GPUs, and at which TP x PP x DP layout.
+
+``python -m megatron_rl plan CONFIG [--gpus N --gpu-mem-gb 80] [--search]`` prints, per GPU:
+
+* the **actor** (worst pipeline stage): weights in the training dtype, fp32 main weights, fp32
+  gradient buffer (megatron DDP reduces in fp32), Adam moments -- the last two sharded over DP with
+  the distributed optimizer; activations of the micro-batches in flight (1F1B: the first stage
+  holds ``min(pp, n_micro)``) with no / selective / full recomputation; the output head's working
+  set (the fused kernel's row chunk, or the ``[tokens, V/TP]`` logits of the unfused op);
+* the **reference model** (only when the loss has a KL term): resident weights, or none on the GPU
+  when offloaded to CPU between its passes;
+* one **rollout server** GPU (SGLang, ``server_tp`` GPUs per server): weights + the KV cache of the
+  configured concurrency at full length, against the ``mem_fraction_static`` budget;
+* with ``rollout.sglang.colocate`` (servers on the actor's GPUs, taking turns): each phase of the
+  colocated step on one shared GPU -- rollout (the server's static budget), update (the actor;
+  the server released), weight sync (the actor's parameters + the resumed server) -- and their
+  **peak**, not their sum, against the GPU; plus the time of the host<->device swaps;
+* the step time from FLOPs at a stated MFU (communication is not modelled).
+
+Every number is a closed-form estimate from the model shape (:class:`PlanInputs`); the README states
+how far it is from the actor's measured memory (``tools/bench_plan_check.py``). Config fields that
+only some builds have (``actor.precision``, ``actor.recompute``, ``actor.offload_ref``,
+``rollout.sglang.*``) are read with defaults, and the CLI can override each of them.
+
+This module: the parameter counts and the per-GPU memory of the actor, the rollout servers and
+the colocated phases. The step time is :mod:`megatron_rl.plan.step_time`; one layout's plan and
+its report :mod:`megatron_rl.plan.report`; the layout search :mod:`megatron_rl.plan.layout_search`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.plan.inputs import (
+    GIB,
+    MAX_CHUNK_ROWS,
+    RUNTIME_RESERVE_GIB,
+    SERVER_RESERVE_GIB,
+    PlanInputs,
+)
+
+
+def layer_params(m: ModelConfig) -> tuple[int, int]:
+    """(tensor-parallel-split, replicated) parameters of one transformer layer."""
+    d, h, f = m.kv_channels, m.hidden_size, m.intermediate_size
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
+    split = h * (q + 2 * kv) + q * h + 3 * h * f  # QKV, output proj, SwiGLU fc1 (2f) + fc2
+    split += (q + 2 * kv) if m.qkv_bias else 0
+    replicated = 2 * h + (2 * d if m.qk_layernorm else 0)  # two RMSNorms (+ q/k norms)
+    return split, replicated
+
+
+def total_params(m: ModelConfig) -> int:
+    """All parameters of the model (tied embeddings counted once)."""
+    split, rep = layer_params(m)
+    emb = m.vocab_size * m.hidden_size
+    return m.num_hidden_layers * (split + rep) + m.hidden_size + emb * (
+        1 if m.tie_word_embeddings else 2)
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
+    """Parameters one GPU of pipeline ``stage`` holds (its TP shard; megatron keeps a copy of
+    the tied embedding on the last stage when ``pp > 1``)."""
+    split, rep = layer_params(m)
+    n = (m.num_hidden_layers // pp) * (split // tp + rep)
+    emb = m.vocab_size // tp * m.hidden_size
+    if stage == 0:
+        n += emb
+    if stage == pp - 1:
+        n += m.hidden_size  # final norm
+        if not m.tie_word_embeddings or pp > 1:
+            n += emb
+    return n
+
+
+def _dtype_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def optimizer_state_bytes(params: int, x: PlanInputs) -> dict[str, float]:
+    """Weights, fp32 main weights, fp32 gradients and Adam moments of ``params`` parameters."""
+    shard = x.dp if x.distributed_optimizer else 1
+    w = _dtype_bytes(x.precision)
+    return {
+        "weights": params * w,
+        "main weights (fp32)": 0.0 if x.precision == "fp32" else params * 4 / shard,
+        "gradients (fp32)": params * 4.0,
+        "Adam moments (fp32)": params * 8 / shard,
+    }
+
+
+def layer_activation_elems(x: PlanInputs) -> tuple[float, float]:
+    """Saved-for-backward elements of one layer, without recomputation:
+    (per token, per sequence). Attention is SDPA on both devices (models/attention.py: flash /
+    fused kernels keep q, k, v, the output and log-sum-exp, no ``[S, S]`` scores), so the
+    per-sequence term is zero; the devices differ in the norm and SwiGLU kernels."""
+    m, tp = x.model, x.tp
+    h, f, d = m.hidden_size, m.intermediate_size, m.kv_channels
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
+    attn = (q + 2 * kv + q) / tp  # q, k, v + output (+ log-sum-exp, negligible)
+    if x.device == "gpu":  # fused RMSNorm (input + output), fused SwiGLU
+        norms = 2 * 2 * h
+        mlp = 3 * f / tp  # fc1 output (2f) + SwiGLU output (f)
+    else:  # torch's composite RMSNorm (input, normalised, output), plain SwiGLU
+        norms = 2 * 3 * h
+        mlp = 4 * f / tp  # fc1 output (2f), silu output (f), product (f)
+    return norms + attn + mlp, 0.0
+
+
+def activation_bytes(x: PlanInputs) -> dict[str, float]:
+    """Activations of the first pipeline stage (the one with the most micro-batches in flight)."""
+    a = _dtype_bytes(x.precision)
+    softmax_b = 4  # attention_softmax_in_fp32 (only for a per-sequence term)
+    tokens = x.micro_batch_size * x.seq_len
+    per_tok, per_seq = layer_activation_elems(x)
+    one_layer = tokens * per_tok * a + x.micro_batch_size * per_seq * softmax_b
+    layers = x.model.num_hidden_layers // x.pp
+    in_flight = min(x.pp, x.n_micro)
+    if x.recompute == "full":  # layer inputs kept, one layer re-materialised during backward
+        kept = in_flight * layers * tokens * x.model.hidden_size * a
+        return {"activations (layer inputs, full recompute)": kept,
+                "recompute working set (1 layer)": one_layer}
+    return {f"activations ({in_flight} micro-batch(es) x {layers} layers, recompute "
+            f"{x.recompute})": in_flight * layers * one_layer}
+
+
+def head_bytes(x: PlanInputs) -> dict[str, float]:
+    """Output head of the last stage, one micro-batch: response rows only."""
+    m, a = x.model, _dtype_bytes(x.precision)
+    rows = x.micro_batch_size * x.response_len
+    v_local = m.vocab_size // x.tp
+    hidden_rows = rows * m.hidden_size * a
+    if x.fused_head:
+        chunk = min(rows, x.head_chunk or MAX_CHUNK_ROWS)
+        return {"head: fused kernel chunk working set": hidden_rows + chunk * v_local * (a + 8)}
+    chunk = min(rows, x.head_chunk or rows)
+    # logits kept for backward + their gradient (input dtype) + fp32 working buffers per chunk;
+    # autograd's output-layer weight gradient [V/TP, H] exists before it is added to main_grad
+    # (the fused kernel adds straight into main_grad)
+    return {"head: [tokens, V/TP] logits + grad": rows * v_local * 2 * a + 2 * chunk * v_local * 4
+            + hidden_rows,
+            "head: output-layer weight gradient (transient)": v_local * m.hidden_size * a}
+
+
+def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
+    """(worst stage, bytes per item) of one actor GPU."""
+    best: tuple[int, dict[str, float]] | None = None
+    for stage in sorted({0, x.pp - 1}):
+        items = optimizer_state_bytes(stage_params(x.model, x.tp, x.pp, stage), x)
+        if stage == 0:
+            items.update(activation_bytes(x))
+        if stage == x.pp - 1:
+            if x.pp > 1:  # the last stage holds one micro-batch's activations
+                items.update(activation_bytes(dataclasses.replace(x, n_micro=1, pp=x.pp)))
+            items.update(head_bytes(x))
+        if x.use_ref:
+            p = stage_params(x.model, x.tp, x.pp, stage) * _dtype_bytes(x.precision)
+            items["reference model" + (" (offloaded to CPU)" if x.offload_ref else "")] = (
+                0.0 if x.offload_ref else p)
+        if x.device == "gpu":
+            items["runtime reserve (CUDA context, NCCL, fragmentation)"] = RUNTIME_RESERVE_GIB * GIB
+        if best is None or sum(items.values()) > sum(best[1].values()):
+            best = (stage, items)
+    assert best is not None
+    return best
+
+
+def checkpoint_host_bytes(x: PlanInputs) -> float:
+    """Host memory one rank of the worst stage needs to save or load a checkpoint with the
+    distributed optimizer: megatron's ``fully_reshardable`` format gathers the fp32 main weights
+    and both Adam moments of the rank's whole TP/PP shard over DP into host tensors (12 bytes per
+    parameter); a half-precision actor's load also reads the model part's fp32 weights into full
+    host buffers before each rank keeps its DP shard (4 more). 0 for the standard optimizer (each
+    rank writes its own state as it is)."""
+    if not x.distributed_optimizer:
+        return 0.0
+    per_param = 12.0 if x.precision == "fp32" else 16.0
+    return max(stage_params(x.model, x.tp, x.pp, s) for s in {0, x.pp - 1}) * per_param
+
+
+def kv_bytes_per_token(m: ModelConfig, server_tp: int) -> float:
+    """bf16 K and V of all layers for one token on one server GPU (KV heads split over TP,
+    replicated when TP exceeds them)."""
+    heads = max(1, m.num_key_value_heads // server_tp)
+    return 2 * m.num_hidden_layers * heads * m.kv_channels * 2
+
+
+def server_breakdown(x: PlanInputs) -> dict[str, Any]:
+    """One server GPU: weights, the KV cache the configured concurrency needs, the budget."""
+    m = x.model
+    weights = total_params(m) * 2 / x.server_tp
+    conc = x.concurrency or -(-x.rollout_responses // max(x.servers, 1))
+    kv_tok = kv_bytes_per_token(m, x.server_tp)
+    need = conc * x.seq_len * kv_tok
+    budget = x.server_mem_fraction * x.gpu_mem_gb * GIB
+    pool = max(budget - weights, 0.0)
+    return {"weights (bf16)": weights, "kv_per_token": kv_tok, "concurrency": conc,
+            "kv_needed": need, "kv_pool": pool,
+            "max_full_length_requests": int(pool // (x.seq_len * kv_tok)),
+            "weights_fit": weights < budget, "kv_fits": need <= pool}
+
+
+def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
+                     server: dict[str, Any]) -> dict[str, float]:
+    """Bytes on one shared GPU in each phase of the colocated step (megatron_rl/run/colocation.py):
+    rollout = the server's static budget (weights + KV pool) + the trainer's runtime reserve
+    (the actor is on the host); update = the actor's whole breakdown + a released server's
+    reserve; weight sync = the actor's parameters (training dtype) + the resumed server + one
+    bucket (grads and optimizer state are already on the host)."""
+    budget = server["weights (bf16)"] + server["kv_pool"]
+    reserve = RUNTIME_RESERVE_GIB * GIB if x.device == "gpu" else 0.0
+    params = stage_params(x.model, x.tp, x.pp, stage) * _dtype_bytes(x.precision)
+    return {"rollout (server budget + trainer runtime)": budget + reserve,
+            "update (actor + released server)": sum(actor.values()) + SERVER_RESERVE_GIB * GIB,
+            "weight sync (actor params + server + bucket)": params + budget + reserve
+            + x.sync_bucket_mb * 2**20}

@@ -1,0 +1,141 @@
+"""One layout's plan (:func:`make_plan`: memory, step time, colocated phases) and its
+human-readable report (:func:`format_plan`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_rl.plan.inputs import GIB, RECOMPUTE, PlanInputs
+from megatron_rl.plan.memory import (
+    actor_breakdown,
+    checkpoint_host_bytes,
+    colocated_phases,
+    server_breakdown,
+    total_params,
+)
+from megatron_rl.plan.step_time import step_seconds, swap_seconds
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    stage: int
+    actor: dict[str, float]
+    server: dict[str, Any] | None
+    seconds: dict[str, float] = field(default_factory=dict)
+    colocated: dict[str, float] | None = None  # bytes per phase on a shared GPU (colocate)
+
+    @property
+    def colocated_peak(self) -> float:
+        """The shared GPU's peak: the largest phase (phases take turns, they do not add)."""
+        return max(self.colocated.values()) if self.colocated else 0.0
+
+    @property
+    def actor_total(self) -> float:
+        return sum(self.actor.values())
+
+    @property
+    def actor_fits(self) -> bool:
+        return self.actor_total <= self.inputs.gpu_mem_gb * GIB
+
+    @property
+    def fits(self) -> bool:
+        if self.colocated:
+            return self.colocated_peak <= self.inputs.gpu_mem_gb * GIB and \
+                self.server["weights_fit"]
+        return self.actor_fits and (self.server is None or self.server["weights_fit"])
+
+    @property
+    def layout(self) -> str:
+        x = self.inputs
+        return f"TP{x.tp}xPP{x.pp}xDP{x.dp}"
+
+
+def make_plan(x: PlanInputs) -> Plan:
+    """The estimate for one layout."""
+    x.validate()
+    stage, items = actor_breakdown(x)
+    server = server_breakdown(x) if x.servers else None
+    seconds = step_seconds(x)
+    colocated = None
+    if x.colocate and server is not None:
+        colocated = colocated_phases(x, stage, items, server)
+        seconds["colocation swaps (host<->device)"] = swap_seconds(x, stage)
+    return Plan(x, stage, items, server, seconds, colocated)
+
+
+def _gib(b: float) -> str:
+    if b < 0.1 * GIB:
+        return f"{b / 1024 ** 2:8.2f} MiB"
+    return f"{b / GIB:8.2f} GiB"
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s / 60:.1f} min" if s >= 120 else f"{s:.2f} s"
+
+
+def format_plan(p: Plan, alternatives: bool = True) -> str:
+    """The human-readable report of one plan."""
+    x, m = p.inputs, p.inputs.model
+    lines = [
+        f"model: {m.family} {total_params(m) / 1e9:.2f}B params, {m.num_hidden_layers} layers, "
+        f"hidden {m.hidden_size}, vocab {m.vocab_size}",
+        f"actor: {p.layout} = {x.actor_gpus} GPUs ({x.gpu_mem_gb:g} GiB each), {x.precision}, "
+        f"recompute {x.recompute}, distributed optimizer "
+        f"{'on' if x.distributed_optimizer else 'off'}, device {x.device}",
+        f"batch: {x.responses_per_step} responses x {x.seq_len} tokens ({x.prompt_len} prompt"
+        f"{'' if x.prompt_len_from_config else ' (assumed; --prompt-len)'} + "
+        f"{x.response_len} response), micro-batch {x.micro_batch_size} seq, {x.n_micro} "
+        f"micro-batches per optimizer step per DP rank, head "
+        f"{'fused' if x.fused_head else 'unfused'}",
+        "",
+        f"actor GPU, worst pipeline stage ({p.stage}):",
+    ]
+    lines += [f"  {k:<58} {_gib(v)}" for k, v in p.actor.items()]
+    verdict = "fits" if p.actor_fits else "DOES NOT FIT"
+    lines.append(f"  {'total':<58} {_gib(p.actor_total)}  / {x.gpu_mem_gb:g} GiB -> {verdict}")
+    if host := checkpoint_host_bytes(x):
+        lines.append(f"  {'host RAM per rank for checkpoints (fully_reshardable)':<58} "
+                     f"{_gib(host)}")
+    if alternatives:
+        lines += ["", "  same layout, other settings (total per GPU):"]
+        for dist_opt in (False, True):
+            for rc in RECOMPUTE:
+                alt = make_plan(dataclasses.replace(x, distributed_optimizer=dist_opt,
+                                                    recompute=rc))
+                lines.append(f"    distributed optimizer {'on ' if dist_opt else 'off'} "
+                             f"recompute {rc:<9} {_gib(alt.actor_total)}  "
+                             f"{'fits' if alt.actor_fits else 'DOES NOT FIT'}")
+    if p.server is not None:
+        s = p.server
+        kv_label = f"KV for {s['concurrency']} requests x {x.seq_len} tokens"
+        lines += ["", f"rollout: {x.servers} servers x TP{x.server_tp} = "
+                      f"{x.servers * x.server_tp} GPUs, mem_fraction_static "
+                      f"{x.server_mem_fraction}:",
+                  f"  {'weights (bf16) per GPU':<58} {_gib(s['weights (bf16)'])}",
+                  f"  {'KV pool per GPU (budget - weights)':<58} {_gib(s['kv_pool'])}",
+                  f"  {'KV per token per GPU':<58} {s['kv_per_token'] / 1024:8.1f} KiB",
+                  f"  {kv_label:<58} {_gib(s['kv_needed'])}",
+                  f"  full-length requests in flight per server: {s['max_full_length_requests']} "
+                  f"(configured {s['concurrency']})" + ("" if s["kv_fits"] else
+                  " -> the server queues the rest (KV-bound; shorter responses admit more)"),
+                  "  weights " + ("fit" if s["weights_fit"] else "DO NOT FIT") +
+                  " in the static budget"]
+    if p.colocated:
+        lines += ["", "colocated (servers on the actor's GPUs, taking turns): one shared GPU per "
+                      "phase"]
+        lines += [f"  {k:<58} {_gib(v)}" for k, v in p.colocated.items()]
+        gpu = x.gpu_mem_gb * GIB
+        lines.append(f"  {'peak (max of the phases, not their sum)':<58} "
+                     f"{_gib(p.colocated_peak)}  / {x.gpu_mem_gb:g} GiB -> "
+                     f"{'fits' if p.colocated_peak <= gpu else 'DOES NOT FIT'}")
+    total = sum(p.seconds.values())
+    lines += ["", f"step time at MFU {x.mfu:.0%} (actor), {x.rollout_mfu:.0%} (rollout), "
+                  f"{x.peak_tflops:g} TFLOP/s peak, padded max lengths (upper bound), no "
+                  f"communication:"]
+    lines += [f"  {k:<32} {_fmt_s(v)}" for k, v in p.seconds.items()]
+    lines.append(f"  {'total (phases sequential)':<32} {_fmt_s(total)}")
+    lines.append(f"verdict: {p.layout} {'FITS' if p.fits else 'DOES NOT FIT'}")
+    return "\n".join(lines)

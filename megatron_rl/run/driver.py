@@ -1,0 +1,259 @@
+"""Rank 0's share of the RL loop: prompts, rollout engine, rewards, validation, logging and early
+stopping. Every method is called on all ranks (SPMD); rank 0 does the work and the results the
+other ranks need are sent to them, so the loop has no rank branches: each rank receives only its
+data-parallel rows of the step batch (:func:`scatter_rows`; the TP/PP ranks of one DP rank get
+the same rows), and the small objects (metrics, the stop decision) are broadcast.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.sections import RunConfig
+from megatron_rl.parallel.runtime import broadcast_object
+
+
+def dp_rank_table() -> list[int]:
+    """The data-parallel rank of every global rank (collective over the host group)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.parallel.runtime import host_group
+
+    table: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(table, ps.get_data_parallel_rank(), group=host_group())
+    return [int(x) for x in table]
+
+
+def _pack(rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """int64 tensors (token ids) travel as int32 when their values fit (half the bytes)."""
+    out: dict[str, Any] = {}
+    for k, v in rows.items():
+        if isinstance(v, torch.Tensor) and v.dtype == torch.int64 and (
+                v.numel() == 0 or -2**31 <= int(v.min()) and int(v.max()) < 2**31):
+            out[k] = ("int64 as int32", v.to(torch.int32))
+        else:
+            out[k] = v
+    return out
+
+
+def _unpack(rows: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v[1].to(torch.int64) if isinstance(v, tuple) and v[0] == "int64 as int32" else v
+            for k, v in rows.items()}
+
+
+def scatter_rows(batch: dict[str, torch.Tensor] | None, metrics: Any, table: list[int],
+                 dp: int, mini: int) -> tuple[dict[str, torch.Tensor] | None, Any, int]:
+    """Rank 0's step ``batch`` (host tensors ``[N, ...]``, or None on every rank but 0) ->
+    ``(this rank's rows, metrics, bytes this rank received)`` on every rank.
+
+    Rank 0 cuts the rows of each DP rank (:func:`megatron_rl.rollout.collect.dp_rows`, the order
+    the loss assumes), pickles each DP rank's share once and sends it, over the gloo host group,
+    to every global rank with that DP rank (``table``: :func:`dp_rank_table`); so each rank
+    receives ``1/dp`` of the batch instead of all of it. The rows are the same tensors the
+    broadcast-then-slice path gives (token ids travel as int32 and come back as int64). A
+    ``None`` batch (every group filtered out) arrives as ``None`` everywhere.
+    """
+    from megatron_rl.parallel.runtime import host_group
+    from megatron_rl.rollout.collect import dp_rows
+
+    group, rank = host_group(), dist.get_rank()
+    if rank == 0:
+        shares: list[dict | None] = [None] * dp
+        if batch is not None:
+            n = batch["tokens"].shape[0]
+            shares = [{k: v[dp_rows(n, dp, d, mini)] for k, v in batch.items()}
+                      for d in range(dp)]
+        blobs: dict[int, torch.Tensor] = {}
+        works = []
+        for dst in range(1, len(table)):
+            d = table[dst]
+            if d not in blobs:
+                obj = (None if shares[d] is None else _pack(shares[d]), metrics)
+                blobs[d] = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)),
+                                            dtype=torch.uint8)
+            size = torch.tensor([blobs[d].numel()], dtype=torch.int64)
+            works += [dist.isend(size, dst=dst, group=group),
+                      dist.isend(blobs[d], dst=dst, group=group)]
+        for w in works:
+            w.wait()
+        return shares[table[0]], metrics, 0
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=0, group=group)
+    blob = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(blob, src=0, group=group)
+    rows, metrics = pickle.loads(blob.numpy().tobytes())
+    return (None if rows is None else _unpack(rows)), metrics, size.numel() * 8 + blob.numel()
+
+
+class RolloutDriver:
+    """Prompts, engine, tracker and early stopper, held by rank 0 (``None`` parts elsewhere)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, score_fn) -> None:
+        from megatron_rl.data.prompts import PromptLoader
+        from megatron_rl.run.early_stop import EarlyStopper
+        from megatron_rl.run.setup import build_datasets
+
+        self.cfg, self.tok, self.score_fn = cfg, tokenizer, score_fn
+        self.rank0 = dist.get_rank() == 0
+        self.train_rows = self.val_rows = self.loader = None
+        if self.rank0 and cfg.env.name:  # multi-turn envs: seeds instead of prompts
+            from megatron_rl.rollout.multiturn import EnvSeedLoader, env_sft_rows
+
+            self.train_rows = env_sft_rows(cfg, tokenizer, 256) if cfg.sft.steps else None
+            self.loader = EnvSeedLoader(cfg.trainer.train_batch_size, cfg.env.seed)
+        elif self.rank0:  # only rank 0 reads prompts
+            train_set, val_set = build_datasets(cfg)
+            self.train_rows, self.val_rows = train_set.rows, val_set.rows
+            self.loader = PromptLoader(train_set, cfg.rollout.gen_batch_size or
+                                       cfg.trainer.train_batch_size, seed=cfg.data.seed)
+        self.stopper = EarlyStopper(**_early_stop_kwargs(cfg))
+        self.engine = self.tracker = None
+        self.history: list[dict] = []
+        self.val_start: float | None = None
+        self._dp_table: list[int] | None = None
+        self.received_bytes = 0  # the last step's rows, as this rank received them
+
+    def start(self, make_engine, start_step: int, resuming: bool) -> None:
+        """Create the engine and the metrics tracker (rank 0)."""
+        from megatron_rl.metrics.step import PROGRESS_KEYS
+        from megatron_rl.metrics.tracking import Tracker
+
+        if not self.rank0:
+            return
+        t, lg = self.cfg.trainer, self.cfg.logging
+        self.engine = make_engine(self.cfg, self.tok)
+        self.tracker = Tracker(t.output_dir, total_steps=t.total_steps,
+                               use_tensorboard=lg.tensorboard, use_wandb=lg.wandb,
+                               project=lg.project, config=self.cfg.to_dict(),
+                               resume_step=start_step if resuming else None,
+                               progress_keys=PROGRESS_KEYS)
+
+    # ---- rollout ------------------------------------------------------------------------------
+    def collect(self, step: int, rows_multiple: int, dp: int, mini: int
+                ) -> tuple[dict | None, dict]:
+        """Generate, score and filter one step's responses; this rank's data-parallel rows of
+        the padded batch on every rank (host tensors; None everywhere when every group was
+        filtered out) and the rollout metrics (:func:`scatter_rows`)."""
+        from megatron_rl.rollout.collect import collect_step, records_to_batch
+
+        batch = metrics = None
+        if self.rank0 and self.cfg.env.name:
+            from megatron_rl.rollout.multiturn import collect_env_step, episodes_to_batch
+
+            records, metrics = collect_env_step(self.engine, self.tok, self.loader, self.cfg, step)
+            if records:
+                batch = episodes_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
+                                          rows_multiple)
+        elif self.rank0:
+            records, metrics = collect_step(self.engine, self.tok, self.loader, self.cfg,
+                                            self.score_fn, step)
+            if records:
+                batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
+                                         rows_multiple)
+        if self._dp_table is None:
+            self._dp_table = dp_rank_table()
+        local, metrics, self.received_bytes = scatter_rows(batch, metrics, self._dp_table, dp,
+                                                           mini)
+        return local, metrics
+
+    def validate(self) -> float | None:
+        """Validation accuracy on rank 0 (greedy unless ``rollout.val_temperature > 0``)."""
+        if self.engine is None:
+            return None
+        if self.cfg.env.name:
+            from megatron_rl.rollout.multiturn import validate_envs
+
+            return validate_envs(self.engine, self.tok, self.cfg)
+        from megatron_rl.rollout.collect import generate_records
+        from megatron_rl.rollout.engine import SamplingParams
+
+        r = self.cfg.rollout
+        params = SamplingParams(n=r.val_n, max_new_tokens=r.max_new_tokens,
+                                temperature=r.val_temperature or 1.0,
+                                greedy=r.val_temperature == 0)
+        recs = generate_records(self.engine, self.tok, self.val_rows, params, self.score_fn,
+                                seed=self.cfg.trainer.seed)
+        return sum(x["acc"] for x in recs) / max(1, len(recs))
+
+    def validate_start(self) -> float | None:
+        """Validation right after the warm start (once per run, kept across resumes)."""
+        if self.val_start is None:
+            self.val_start = self.validate()
+            if self.rank0:
+                self.tracker.log({"val/acc": self.val_start}, step=0)
+                print(f"[train] validation accuracy after warm start: {self.val_start:.3f}",
+                      flush=True)
+        return self.val_start
+
+    def last_val(self) -> float | None:
+        return self.history[-1].get("val/acc", self.val_start) if self.history else self.val_start
+
+    # ---- logging and early stopping ------------------------------------------------------------
+    def skip_step(self, step: int, metrics: dict) -> None:
+        """Every group was filtered out: log it, count it for the early stopper."""
+        if self.rank0:
+            print(f"[train] step {step + 1}: no trainable groups after filtering; skipped",
+                  flush=True)
+            self.stopper.update_train(float("nan"), trained=False)
+            self.tracker.log(metrics, step=step + 1)
+
+    def finish_step(self, step: int, metrics: dict, val_acc: float | None):
+        """Log the step's metrics, update the early stopper; the decision on every rank."""
+        decision = None
+        if self.rank0:
+            decision = self.stopper.update_train(metrics.get("rollout/in_group_reward_std",
+                                                             float("nan")))
+            if val_acc is not None:
+                metrics["val/acc"] = val_acc
+                decision = self.stopper.update_val(val_acc)
+            metrics.update(decision.metrics)
+            self.history.append({k: v for k, v in metrics.items()
+                                 if k in ("val/acc", "rollout/acc")})
+            self.tracker.log(metrics, step=step + 1)
+        return broadcast_object(decision)
+
+    # ---- checkpointed state --------------------------------------------------------------------
+    def state_dict(self, next_step: int) -> dict:
+        """The trainer's part of a checkpoint (the same object on every rank)."""
+        state = {"next_step": next_step, "history": self.history, "val_start": self.val_start,
+                 "early_stop": self.stopper.state_dict() if self.rank0 else None,
+                 "loader": self.loader.state_dict() if self.rank0 else None}
+        return broadcast_object(state)
+
+    def load_state_dict(self, st: dict) -> int:
+        """Restore from a checkpoint's trainer state; returns the next step."""
+        self.history, self.val_start = st.get("history", []), st.get("val_start")
+        self.stopper.load_state_dict(st["early_stop"])
+        if self.rank0:
+            self.loader.load_state_dict(st["loader"])
+        return st["next_step"]
+
+    def close(self, val_acc: float | None, wall_s: float, steps: int) -> dict | None:
+        """Final validation if none ran, plots, the summary line; the summary on rank 0."""
+        if not self.rank0:
+            return None
+        if val_acc is None:
+            val_acc = self.validate()
+        summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
+                   "steps": steps}
+        self.tracker.close()
+        getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
+        try:
+            from megatron_rl.metrics.plot import plot_run
+            plot_run(self.cfg.trainer.output_dir)
+        except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
+            print(f"[train] plotting skipped: {exc}", flush=True)
+        print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
+              f"wall_s={wall_s:.1f}", flush=True)
+        return summary
+
+
+def _early_stop_kwargs(cfg: RunConfig) -> dict:
+    e = cfg.early_stop
+    return {"enabled": e.enabled, "rv_baseline_steps": e.rv_warmup_steps,
+            "rv_patience": e.rv_patience, "rv_ratio": e.rv_ratio,
+            "val_threshold": e.val_threshold, "val_patience": e.val_patience}

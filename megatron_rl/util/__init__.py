@@ -1,0 +1,1 @@
+"""Small dependency-free helpers every layer may use (progress display)."""
