@@ -28,11 +28,14 @@ from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import mask_bits, masked_zero, zero_where_not
 from megatron_rl.loss.metrics import mean_stat
 from megatron_rl.loss.select import (
-    composite_key,
-    float_order_key,
+    TopK,
+    float_order_u32,
     global_token_index,
     global_topk_mask,
-    token_hash32_flat,
+    masked_composite_key,
+    reversed_index,
+    select_top_keys,
+    token_hash32_flat_i32,
     topk_bound,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
@@ -79,19 +82,30 @@ def _flat_covariance(ctx: ReductionContext, logp: Tensor, adv: Tensor, valid: Te
                      sizes: list[int]) -> tuple[Tensor, Tensor]:
     """:func:`token_covariance` on flat ``[N]`` tensors (micro-batches of ``sizes`` elements
     concatenated): fp32 ``Cov [N]`` and the fp64 batch covariance. The fp64 sums run per
-    micro-batch, then over micro-batches (the summation order of the per-list version)."""
-    bits = mask_bits(valid, torch.float64)
-    logp, adv = logp.double(), adv.double()
-    x, a = zero_where_not(logp, bits), zero_where_not(adv, bits)
-    parts = [torch.stack([xs.sum(), as_.sum(), (xs * as_).sum()])
-             for xs, as_ in zip(x.split(sizes), a.split(sizes), strict=True)]
-    sums = torch.stack(parts).sum(0)
+    micro-batch, then over micro-batches (the summation order of the per-list version).
+    Padding is zeroed (bit masking) in the input dtype before the fp64 conversion."""
+    x = _zero_padding(logp, valid).double()
+    a = _zero_padding(adv, valid).double()
+    xa = x * a
+    if len(set(sizes)) == 1:  # equal micro-batches: one row-wise sum per quantity
+        parts = torch.stack([t.view(len(sizes), -1).sum(1) for t in (x, a, xa)], dim=1)
+    else:
+        parts = torch.stack([torch.stack([xs.sum(), as_.sum(), xas.sum()]) for xs, as_, xas in
+                             zip(x.split(sizes), a.split(sizes), xa.split(sizes), strict=True)])
+    sums = parts.sum(0)
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / n, sums[1] / n
     batch_cov = sums[2] / n - mean_lp * mean_a
-    cov = zero_where_not((logp - mean_lp) * (adv - mean_a), bits).float()
+    cov = zero_where_not(((x - mean_lp) * (a - mean_a)).float(), mask_bits(valid, torch.float32))
     return cov, batch_cov
+
+
+def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
+    """``x`` with padding set to +0 (bit masking in ``x``'s dtype; ``where`` for others)."""
+    if x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return zero_where_not(x, mask_bits(valid, x.dtype))
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _flat(xs: list[Tensor]) -> Tensor:
@@ -137,41 +151,58 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
     valid = _flat(ms)
     lp_f, adv_f = _flat([x.detach() for x in lp]), _flat([a.detach() for a in adv])
     cov_f, batch_cov = _flat_covariance(ctx, lp_f, adv_f, valid, sizes)
-    one_rank = ctx.group is None or ctx.dp_size == 1
-    if one_rank:  # only the order of the tie-break index matters
-        idx = torch.arange(valid.numel(), dtype=torch.int64, device=device)
-    else:
-        idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
     if cfg.policy_loss == "kl_cov":
         active = valid
-        keys = composite_key(float_order_key(cov_f), idx)
+        score = float_order_u32(cov_f)
         ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
         old_f = _flat([o.detach() for o in old])
         clipped = ppo_clipped(torch.exp(log_ratio(lp_f, old_f, None)), adv_f, cfg)
         active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        rand = token_hash32_flat(seed, step, [ctx.seq_index(i, m.shape[0], device)
-                                              for i, m in enumerate(ms)],
-                                 [m.shape[1] for m in ms])
-        keys = composite_key(rand, idx)
+        score = token_hash32_flat_i32(seed, step, [ctx.seq_index(i, m.shape[0], device)
+                                                   for i, m in enumerate(ms)],
+                                      [m.shape[1] for m in ms])
         ratio_k = cfg.clip_cov_ratio
     else:
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    sel = global_topk_mask(keys, active, _count_k(ratio_k, ctx.num_tokens), ctx,
-                           k_max=topk_bound(ratio_k, valid.numel()))
-    sel_cov = zero_where_not(cov_f, mask_bits(sel, torch.float32)).sum(dtype=torch.float64)
-    sums = torch.stack([sel.sum().double(), sel_cov, active.sum().double()])
-    ctx.all_reduce(sums)
+    top = _global_top(ctx, ms, score, active, cov_f, ratio_k)
     n = ctx.num_tokens.clamp_min(1).double()
+    num = top.count.double()
     name = cfg.policy_loss
     stats = {"cov/batch_cov": batch_cov.float(),
-             "cov/mean_selected": (sums[1] / sums[0].clamp_min(1)).float(),
-             f"{name}/num_selected": sums[0].float(),
-             f"{name}/selected_frac": (sums[0] / n).float(),
-             f"{name}/candidate_frac": (sums[2] / n).float()}
-    return CovSelection(_unflat(sel, ms), stats)
+             "cov/mean_selected": (top.value_sum / num.clamp_min(1)).float(),
+             f"{name}/num_selected": num.float(),
+             f"{name}/selected_frac": (num / n).float(),
+             f"{name}/candidate_frac": (top.active.double() / n).float()}
+    return CovSelection(_unflat(top.selected, ms), stats)
+
+
+def _global_top(ctx: ReductionContext, ms: list[Tensor], score_u32: Tensor, active: Tensor,
+                values: Tensor, ratio: float) -> TopK:
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned ``score_u32``
+    desc, global token index asc) among ``active`` ones (flat over this rank's micro-batches
+    ``ms``). One ``topk``; with several DP ranks one ``all_gather`` of candidates when
+    ``ctx.numel_bound`` is known, else the radix selection (four all-reduces)."""
+    device = score_u32.device
+    k = _count_k(ratio, ctx.num_tokens)
+    one_rank = ctx.group is None or ctx.dp_size == 1
+    if one_rank:  # only the order of the tie-break index matters
+        rev = reversed_index(score_u32.numel(), device)
+        bound = score_u32.numel()
+    else:
+        rev = (2**31 - 1) - _flat(global_token_index(ctx, [m.shape for m in ms], device))
+        bound = ctx.numel_bound
+    keys = masked_composite_key(score_u32, active, rev)
+    active_count = active.sum()
+    if bound is not None:
+        return select_top_keys(keys, values, active_count, k, topk_bound(ratio, bound), ctx)
+    sel = global_topk_mask(keys.clamp_min(0), active, k, ctx)  # radix (device counts, no bound)
+    value_sum = zero_where_not(values, mask_bits(sel, torch.float32)).sum(dtype=torch.float64)
+    sums = torch.stack([sel.sum().double(), value_sum, active_count.double()])
+    ctx.all_reduce(sums)
+    return TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
 
 
 def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advantages: TensorList,
@@ -180,18 +211,14 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
     mean over all tokens, so users see which tokens drive entropy collapse."""
     ms = [m.bool() for m in as_list(masks)]
-    device = ms[0].device
     cov, batch_cov = token_covariance(ctx, logp, advantages, ms)
     cov_f, valid = _flat(cov), _flat(ms)
-    idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
-    sel = global_topk_mask(composite_key(float_order_key(cov_f), idx), valid,
-                           _count_k(top_frac, ctx.num_tokens), ctx)
-    sums = torch.stack([sel.double().sum(), torch.where(sel, cov_f.double(), 0.0).sum()])
-    ctx.all_reduce(sums)
+    top = _global_top(ctx, ms, float_order_u32(cov_f), valid, cov_f, top_frac)
+    num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),
-            "entropy_dynamics/cov_mean_top": (sums[1] / sums[0].clamp_min(1)).float(),
-            "entropy_dynamics/top_count": sums[0].float()}
+            "entropy_dynamics/cov_mean_top": (top.value_sum / num.clamp_min(1)).float(),
+            "entropy_dynamics/top_count": num.float()}
 
 
 def _selected(inp: LossInputs, name: str) -> Tensor:

@@ -45,7 +45,11 @@ def as_float(x: Tensor) -> Tensor:
 
 
 def mean_stat(value: Tensor, weight: Tensor) -> TokenStat:
-    return TokenStat(as_float(value), as_float(weight), "mean")
+    """Mean of ``value`` over ``weight``; bool values / weights stay bool (a mask needs no
+    multiplication and its counts are exact integer sums, same results as their 0/1 floats)."""
+    value, weight = value.detach(), weight.detach()
+    return TokenStat(value if value.dtype == torch.bool else value.float(),
+                     weight if weight.dtype == torch.bool else weight.float(), "mean")
 
 
 class MetricAccumulator:
@@ -58,12 +62,18 @@ class MetricAccumulator:
         self._max: dict[str, Tensor] = {}
         self._sum: dict[str, Tensor] = {}
 
-    def add(self, name: str, stat: TokenStat) -> None:
+    def add(self, name: str, stat: TokenStat, _cache: dict | None = None) -> None:
         """Accumulate one record (sync-free)."""
         v = stat.value.detach()
         if stat.kind == "sum":
             self._sum[name] = self._sum.get(name, 0) + v.sum(dtype=torch.float64)
             return
+        if (stat.kind == "mean" and stat.weight is not None and stat.weight.dtype == torch.bool
+                and stat.weight.shape == v.shape):
+            self._add_masked_mean(name, v, stat.weight, {} if _cache is None else _cache)
+            return
+        if v.dtype == torch.bool:
+            v = as_float(v)
         w = stat.weight.detach() > 0 if stat.weight is not None else torch.ones_like(v, dtype=bool)
         if stat.kind == "mean":
             wf = stat.weight.detach().to(v.dtype)
@@ -83,9 +93,26 @@ class MetricAccumulator:
         else:
             raise ValueError(f"TokenStat.kind={stat.kind!r}; allowed: {list(KINDS)}")
 
+    def _add_masked_mean(self, name: str, v: Tensor, w: Tensor, cache: dict) -> None:
+        """``mean`` with a bool weight (the mask): the same sums as with its 0/1 float
+        (``v * 1 = v``; the count is an exact integer), without the multiplication; the mask's
+        bits and count are shared by the records of one :meth:`update` (``cache``)."""
+        key = (id(w), v.dtype)
+        if key not in cache:
+            cache[key] = (mask_bits(w, v.dtype) if v.dtype != torch.bool else None,
+                          w.sum().to(torch.float64))
+        bits, den = cache[key]
+        if v.dtype == torch.bool:
+            num = (v & w).sum().to(torch.float64)
+        else:
+            num = zero_where_not(v, bits).sum(dtype=torch.float64)
+        self._num[name] = self._num.get(name, 0) + num
+        self._den[name] = self._den.get(name, 0) + den
+
     def update(self, stats: dict[str, TokenStat]) -> None:
+        cache: dict = {}  # mask bits / counts shared by this update's records
         for name, stat in stats.items():
-            self.add(name, stat)
+            self.add(name, stat, cache)
 
     def reduce(self, ctx: ReductionContext) -> dict[str, Tensor]:
         """All-reduce (2 collectives) and return ``{name: 0-dim fp32 tensor}``."""

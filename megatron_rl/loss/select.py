@@ -16,6 +16,7 @@ Both run on device with integer tensor ops and never read a value on the host.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -73,20 +74,30 @@ def token_hash32_flat(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
     flattened row-major and concatenated: ``[sum B_i T_i]`` int64, the same values. The sequence
     and position parts are hashed once for all micro-batches, the per-token mix once on the flat
     tensor (few kernels whatever the number of micro-batches)."""
+    return unsigned_i64(token_hash32_flat_i32(seed, step, seq_idx, lengths))
+
+
+def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                          lengths: Sequence[int]) -> Tensor:
+    """:func:`token_hash32_flat` as int32 bit patterns (read them with :func:`unsigned_i64`)."""
     rows = [s.to(torch.int64) for s in seq_idx]
     device = rows[0].device
-    seq = torch.cat(rows)
+    seq = torch.cat(rows) if len(rows) > 1 else rows[0]
     step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
     h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
     h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
     pos = torch.arange(max(lengths), dtype=torch.int64, device=device)
     h_pos = _to_i32(_fmix32(_fmix32((pos & _M32) ^ 0x9E3779B9)))
-    parts, start = [], 0
-    for r, t in zip(rows, lengths, strict=True):
-        parts.append((h_seq[start:start + r.numel()].unsqueeze(-1) ^ h_pos[:t].unsqueeze(0))
-                     .reshape(-1))
-        start += r.numel()
-    return _fmix32_i32(torch.cat(parts)).to(torch.int64) & _M32
+    if all(t == lengths[0] for t in lengths):  # one broadcast for all micro-batches
+        mixed = (h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0)).reshape(-1)
+    else:
+        parts, start = [], 0
+        for r, t in zip(rows, lengths, strict=True):
+            parts.append((h_seq[start:start + r.numel()].unsqueeze(-1) ^ h_pos[:t].unsqueeze(0))
+                         .reshape(-1))
+            start += r.numel()
+        mixed = torch.cat(parts)
+    return _fmix32_i32(mixed)
 
 
 def _to_i32(x: Tensor) -> Tensor:
@@ -108,6 +119,18 @@ def _fmix32_i32(h: Tensor) -> Tensor:
     h = h ^ ((h >> 13) & 0x7FFFF)
     h = h * _i32(0xC2B2AE35)
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def unsigned_i64(x: Tensor) -> Tensor:
+    """int32 tensor read as unsigned 32-bit -> int64 in ``[0, 2**32)`` (one conversion)."""
+    return x.contiguous().view(torch.uint32).to(torch.int64)
+
+
+def float_order_u32(x: Tensor) -> Tensor:
+    """int32 bits whose **unsigned** order equals the order of the fp32 values ``x`` (no NaN):
+    :func:`float_order_key` ``== unsigned_i64(float_order_u32(x))``, in int32 ops only."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ _i32(0x80000000)
 
 
 def float_order_key(x: Tensor) -> Tensor:
@@ -182,3 +205,76 @@ def local_topk_mask(keys: Tensor, active: Tensor, k: Tensor, k_max: int) -> Tens
     k_eff = torch.minimum(k.to(torch.int64), active.sum())
     thr = top.gather(0, (k_eff - 1).clamp(0, top.numel() - 1).view(1)).squeeze(0)
     return active & (keys >= thr) & (k_eff > 0)
+
+
+def masked_composite_key(score_u32: Tensor, active: Tensor, rev_index: Tensor) -> Tensor:
+    """Unique int64 key ``(unsigned score << 31) | rev_index`` of the ``active`` tokens, -1 for
+    the others (below every real key). ``score_u32``: int32 bit patterns read as unsigned;
+    ``rev_index = 2**31 - 1 - global index`` (the smaller index wins ties). All 1-D, same length;
+    the same keys as ``composite_key(unsigned_i64(score_u32), index)`` with inactive ones at -1."""
+    not_active = active.contiguous().view(torch.uint8).to(torch.int64) - 1  # 0 / -1
+    return (unsigned_i64(score_u32) << _IDX_BITS) | rev_index | not_active
+
+
+def reversed_index(n: int, device: torch.device) -> Tensor:
+    """``2**31 - 1 - arange(n)``: :func:`masked_composite_key`'s ``rev_index`` of one process."""
+    top = 2**_IDX_BITS - 1
+    return torch.arange(top, top - n, -1, dtype=torch.int64, device=device)
+
+
+@dataclass
+class TopK:
+    """Result of :func:`select_top_keys`: this rank's selected tokens and global totals."""
+
+    selected: Tensor  # [N] bool, this rank's tokens among the global top k
+    count: Tensor  # int64 0-dim: number selected over all ranks, min(k, #active)
+    active: Tensor  # int64 0-dim: active tokens over all ranks
+    value_sum: Tensor  # fp64 0-dim: sum of ``values`` over the selected tokens of all ranks
+
+
+def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tensor, k_max: int,
+                    ctx: ReductionContext) -> TopK:
+    """Exact global top-``min(k, #active)`` of masked unique int64 ``keys`` ([N], -1 = inactive,
+    from :func:`masked_composite_key` with global indices), given a host bound ``k_max >= k``.
+
+    ``values`` ([N] fp32) are summed over the selection (a metric); ``active_count`` is this
+    rank's number of active tokens (int64 0-dim). One ``topk`` of ``min(k_max, N)`` keys per
+    rank; with several DP ranks each sends its ``k_max`` best keys, their values and its active
+    count in **one** ``all_gather`` (every token of the global top k is among its rank's top
+    ``k_max``), and every rank picks the global top k from the gathered candidates. No host sync.
+    """
+    n, device = keys.numel(), keys.device
+    kk = min(int(k_max), n)
+    if kk > 0:
+        top_v, top_i = torch.topk(keys, kk, sorted=True)
+    else:
+        top_v = torch.empty(0, dtype=torch.int64, device=device)
+        top_i = torch.empty(0, dtype=torch.int64, device=device)
+    top_val = values.gather(0, top_i).to(torch.float64)
+    k = k.to(torch.int64)
+    if ctx.group is None or ctx.dp_size == 1:
+        count = torch.minimum(k, active_count.to(torch.int64))
+        flags = (torch.arange(kk, device=device) < count) & (top_v >= 0)
+        total_active = active_count.to(torch.int64)
+        value_sum = torch.where(flags, top_val, 0.0).sum()
+    else:
+        import torch.distributed as dist
+
+        cand = torch.full((2 * k_max + 1,), -1, dtype=torch.int64, device=device)
+        cand[:kk] = top_v
+        cand[k_max:k_max + kk] = top_val.view(torch.int64)
+        cand[2 * k_max] = active_count
+        rows = [torch.empty_like(cand) for _ in range(ctx.dp_size)]
+        dist.all_gather(rows, cand, group=ctx.group)  # the one collective of the selection
+        g = torch.stack(rows)
+        g_keys = g[:, :k_max].reshape(-1)
+        g_vals = g[:, k_max:2 * k_max].reshape(-1).view(torch.float64)
+        total_active = g[:, 2 * k_max].sum()
+        count = torch.minimum(k, total_active)
+        best_v, best_i = torch.topk(g_keys, min(k_max, g_keys.numel()), sorted=True)
+        g_flags = (torch.arange(best_v.numel(), device=device) < count) & (best_v >= 0)
+        thr = best_v.gather(0, (count - 1).clamp(0, best_v.numel() - 1).view(1)).squeeze(0)
+        flags = (top_v >= thr) & (top_v >= 0) & (count > 0)
+        value_sum = torch.where(g_flags, g_vals.gather(0, best_i), 0.0).sum()
+    selected = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, top_i, flags)
+    return TopK(selected, count, total_active, value_sum)
