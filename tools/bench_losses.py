@@ -30,14 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from megatron_rl.loss import (  # noqa: E402
-    LossConfig,
-    LossInputs,
-    MetricAccumulator,
-    ReductionContext,
-    compute_loss,
-    select_cov_tokens,
-)
+import megatron_rl.loss as ours_lib  # noqa: E402
+from megatron_rl.loss import LossConfig, ReductionContext, select_cov_tokens  # noqa: E402
 
 B, T = 64, 4096
 
@@ -137,19 +131,44 @@ def anchor_step(mbs, cfg, fn):
 
 
 # ---- ours ------------------------------------------------------------------------------------
-def global_step(mbs, cfg):
+def global_step(mbs, cfg, lib=None):
+    """One mini-batch with the global selection; ``lib``: another checkout's ``megatron_rl.loss``
+    (``--baseline``), default this one."""
+    L = lib or ours_lib
     masks = [mb["mask"] for mb in mbs]
-    ctx = ReductionContext.from_minibatch(masks, group=None)
-    sel = select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
-                            [mb["adv"] for mb in mbs], masks, step=1)
-    acc = MetricAccumulator()
+    ctx = L.ReductionContext.from_minibatch(masks, group=None)
+    sel = L.select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
+                              [mb["adv"] for mb in mbs], masks, step=1)
+    acc = L.MetricAccumulator()
     for i, mb in enumerate(mbs):
         logp = mb["logp"].clone().requires_grad_(True)
-        out = compute_loss(LossInputs(logp, mb["old"], mb["adv"], mb["mask"],
-                                      cov_selected=sel.selected[i]), cfg, ctx)
+        out = L.compute_loss(L.LossInputs(logp, mb["old"], mb["adv"], mb["mask"],
+                                          cov_selected=sel.selected[i]), cfg, ctx)
         out.loss_for_backward.backward()
         acc.update(out.stats)
     acc.reduce(ctx)
+
+
+def load_baseline(root: str):
+    """``megatron_rl.loss`` of another checkout ``root`` (e.g. ``git worktree add /tmp/base
+    <commit>``), imported beside this one's for a side-by-side timing."""
+    import importlib
+
+    def ours(k: str) -> bool:
+        return k == "megatron_rl" or k.startswith("megatron_rl.")
+
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, str(pathlib.Path(root).resolve()))
+    try:
+        lib = importlib.import_module("megatron_rl.loss")
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    return lib
 
 
 def selection_only(mbs, cfg):
@@ -175,15 +194,25 @@ CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU seconds of this
 
 
 def timed(fn, repeats: int) -> tuple[float, int]:
-    fn()  # warm-up
-    with count_host_syncs() as box:
-        fn()
-    best = float("inf")
+    return timed_side_by_side([fn], repeats)[0]
+
+
+def timed_side_by_side(fns, repeats: int) -> list[tuple[float, int]]:
+    """Best time and host syncs of each function; the repeats are interleaved (A, B, A, B, ...)
+    so that a load change on a shared machine hits every variant alike."""
+    syncs = []
+    for fn in fns:
+        fn()  # warm-up
+        with count_host_syncs() as box:
+            fn()
+        syncs.append(box["n"])
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = CLOCK()
-        fn()
-        best = min(best, CLOCK() - t0)
-    return best, box["n"]
+        for i, fn in enumerate(fns):
+            t0 = CLOCK()
+            fn()
+            best[i] = min(best[i], CLOCK() - t0)
+    return list(zip(best, syncs, strict=True))
 
 
 def prepass_ratio(repeats: int) -> float:
@@ -207,13 +236,16 @@ def prepass_ratio(repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1 avoids OpenMP spin-wait noise on a shared box)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter; cpu: process CPU time (steadier on a shared box, "
                          "where waiting for a core inflates wall time)")
+    ap.add_argument("--baseline", metavar="DIR", default=None,
+                    help="also time the global selection of another checkout DIR (before/after)")
     args = ap.parse_args()
+    base = load_baseline(args.baseline) if args.baseline else None
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
@@ -228,13 +260,20 @@ def main() -> None:
     print(f"{'variant':<34}{'ms / mini-batch':>16}{'host syncs':>12}")
     for name, cfg in cfgs.items():
         cfg.validate()
-        t_sel, s_sel = timed(lambda cfg=cfg: selection_only(mbs, cfg), args.repeats)
-        t_g, s_g = timed(lambda cfg=cfg: global_step(mbs, cfg), args.repeats)
-        t_a, s_a = timed(lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name]),
-                         args.repeats)
+        fns = [lambda cfg=cfg: selection_only(mbs, cfg), lambda cfg=cfg: global_step(mbs, cfg),
+               lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name])]
+        if base is not None:
+            bcfg = base.LossConfig(**vars(cfg))
+            fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base))
+        res = timed_side_by_side(fns, args.repeats)
+        (t_sel, s_sel), (t_g, s_g), (t_a, s_a) = res[:3]
         print(f"{name + ' global selection only':<34}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
         print(f"{name + ' global (ours), full step':<34}{t_g * 1e3:>16.1f}{s_g:>12d}")
         print(f"{name + ' per-micro-batch (anchor)':<34}{t_a * 1e3:>16.1f}{s_a:>12d}")
+        if base is not None:
+            t_b, s_b = res[3]
+            print(f"{name + ' global (baseline), full step':<34}{t_b * 1e3:>16.1f}{s_b:>12d}")
+            print(f"{name + ' time ratio baseline/anchor':<34}{t_b / t_a:>16.2f}")
         print(f"{name + ' time ratio ours/anchor':<34}{t_g / t_a:>16.2f}")
     r = prepass_ratio(args.repeats)
     print(f"prepass cost: no-grad forward / (forward+backward) = {r:.2f} "

@@ -28,6 +28,7 @@ the number of micro-batches (``calculate_per_token_loss=False``), multiply by th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -124,14 +125,15 @@ class ReductionContext:
             dp_grad_average=dp_grad_average, numel_bound=numel_bound)
 
     # ---- denominators -------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def token_denominator(self) -> Tensor:
-        """Global valid-token count as fp32, at least 1 (an empty mini-batch gives loss 0)."""
+        """Global valid-token count as fp32, at least 1 (an empty mini-batch gives loss 0);
+        computed once per context."""
         return self.num_tokens.clamp_min(1).to(torch.float32)
 
-    @property
+    @functools.cached_property
     def seq_denominator(self) -> Tensor:
-        """Global count of non-empty sequences as fp32, at least 1."""
+        """Global count of non-empty sequences as fp32, at least 1; computed once."""
         return self.num_seqs.clamp_min(1).to(torch.float32)
 
     def count(self, name: str) -> Tensor:

@@ -25,8 +25,8 @@ import torch
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.config import LossConfig, LossConfigError
 from megatron_rl.loss.context import ReductionContext, as_list
-from megatron_rl.loss.masking import mask_bits, masked_zero, zero_where_not
-from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.masking import mask_bits, masked_zero, not_mask_bits, zero_where_not
+from megatron_rl.loss.metrics import as_float, mean_stat
 from megatron_rl.loss.select import (
     TopK,
     float_order_u32,
@@ -109,7 +109,7 @@ def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
 
 
 def _flat(xs: list[Tensor]) -> Tensor:
-    return torch.cat([x.reshape(-1) for x in xs])
+    return torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
 
 
 def _unflat(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
@@ -132,6 +132,7 @@ def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> Tensor:
     return loss2 > loss1
 
 
+@torch.no_grad()
 def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorList,
                       old_logp: TensorList, advantages: TensorList, masks: TensorList,
                       step: int | Tensor = 0, salt: int = 0) -> CovSelection:
@@ -149,14 +150,14 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
     device = lp[0].device
     sizes = [m.numel() for m in ms]
     valid = _flat(ms)
-    lp_f, adv_f = _flat([x.detach() for x in lp]), _flat([a.detach() for a in adv])
+    lp_f, adv_f = _flat(lp), _flat(adv)  # no_grad: nothing to detach
     cov_f, batch_cov = _flat_covariance(ctx, lp_f, adv_f, valid, sizes)
     if cfg.policy_loss == "kl_cov":
         active = valid
         score = float_order_u32(cov_f)
         ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
-        old_f = _flat([o.detach() for o in old])
+        old_f = _flat(old)
         clipped = ppo_clipped(torch.exp(log_ratio(lp_f, old_f, None)), adv_f, cfg)
         active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
@@ -205,6 +206,7 @@ def _global_top(ctx: ReductionContext, ms: list[Tensor], score_u32: Tensor, acti
     return TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
 
 
+@torch.no_grad()
 def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advantages: TensorList,
                                 masks: TensorList, top_frac: float = 2e-4) -> dict[str, Tensor]:
     """§12 diagnostic: global batch ``Cov(log pi, A)`` and the mean ``Cov_t`` of the top
@@ -229,31 +231,125 @@ def _selected(inp: LossInputs, name: str) -> Tensor:
     return inp.cov_selected.bool()
 
 
+def _fusable(*xs: Tensor) -> bool:
+    """The fused per-token losses below handle same-shape fp32/fp64 tensors of one dtype."""
+    return (all(x.dtype == xs[0].dtype and x.shape == xs[0].shape for x in xs)
+            and xs[0].dtype in (torch.float32, torch.float64))
+
+
+def _bits_of(mask: Tensor, like: Tensor) -> Tensor:
+    return mask_bits(mask, like.dtype)
+
+
+class _ClipCovLoss(torch.autograd.Function):
+    """PPO-clip per-token loss, zero outside ``keep`` (padding and the selected tokens); value and
+    gradient bit-identical to autograd through ``masked_zero(masked_zero(maximum(-A r,
+    -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the loss, then the
+    aggregation's padding mask). The backward is a few masked multiplications instead of the
+    generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU."""
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, keep: Tensor, lo: float,
+                hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
+        ctx.set_materialize_grads(False)
+        ratio = torch.exp(logp - old_logp)
+        na = -adv
+        loss1 = na * ratio
+        clamped = ratio.clamp(lo, hi)
+        loss2 = na * clamped
+        clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
+        keep_bits = _bits_of(keep, logp)
+        loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
+        if ctx.needs_input_grad[0]:
+            tie, over = loss1 == loss2, loss1 > loss2
+            in_range = clamped == ratio  # == (ratio >= lo) & (ratio <= hi), NaN -> False
+            ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, over, in_range)
+        ctx.mark_non_differentiable(clipped)
+        return loss, clipped
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _grad_clipped: Tensor | None = None):  # noqa: D102
+        if grad is None:
+            return None, None, None, None, None, None
+        ratio, na, keep_bits, tie, clipped, over, in_range = ctx.saved_tensors
+        g = zero_where_not(grad, keep_bits)
+        g = g * (1.0 - 0.5 * as_float(tie).to(g.dtype))  # maximum's tie: grad / 2 to each side
+        g1 = zero_where_not(g, not_mask_bits(clipped, g.dtype))
+        g2 = zero_where_not(g, not_mask_bits(over, g.dtype))
+        g_ratio = g1 * na + zero_where_not(g2 * na, _bits_of(in_range, g))
+        return g_ratio * ratio, None, None, None, None, None
+
+
 def clip_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """§4 Clip-Cov: PPO-clip (no dual clip, no log-ratio clamp) with the selected tokens'
     loss and gradient zeroed; they still count in the denominator."""
     sel = _selected(inp, "clip_cov")
-    ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
     a = inp.advantages
-    loss1 = -a * ratio
-    loss2 = -a * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    loss = masked_zero(torch.maximum(loss1, loss2), ~sel)
+    lo, hi = 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high
     m = inp.mask
+    if _fusable(inp.logp, inp.old_logp, a) and sel.shape == m.shape == inp.logp.shape:
+        loss, clipped = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, m.bool() & ~sel, lo, hi)
+        premasked = True
+    else:
+        ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
+        loss1 = -a * ratio
+        loss2 = -a * ratio.clamp(lo, hi)
+        loss, clipped = masked_zero(torch.maximum(loss1, loss2), ~sel), loss2 > loss1
+        premasked = False
     stats = {"clip_cov/zeroed_frac": mean_stat(sel, m),
-             "policy/clip_frac": mean_stat(loss2 > loss1, m),
+             "policy/clip_frac": mean_stat(clipped, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats)
+    return TokenLoss(loss, stats, premasked=premasked)
+
+
+class _KLCovLoss(torch.autograd.Function):
+    """``masked_zero(-A exp(lr) + masked_zero(coef * |lr|, sel), mask)`` with
+    ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), value and gradient
+    bit-identical to autograd through that expression, in fewer kernels."""
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, sel: Tensor, valid: Tensor,
+                coef: float) -> tuple[Tensor, Tensor]:  # noqa: D102
+        ctx.set_materialize_grads(False)
+        lr = logp - old_logp
+        e = torch.exp(lr)
+        na = -adv
+        abs_lr = lr.abs()
+        sel_bits, valid_bits = _bits_of(sel, logp), _bits_of(valid, logp)
+        loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(lr, e, na, sel_bits, valid_bits)
+        ctx.coef = coef
+        ctx.mark_non_differentiable(abs_lr)
+        return loss, abs_lr
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _grad_abs: Tensor | None = None):  # noqa: D102
+        if grad is None:
+            return None, None, None, None, None, None
+        lr, e, na, sel_bits, valid_bits = ctx.saved_tensors
+        grad = zero_where_not(grad, valid_bits)
+        g_pen = (zero_where_not(grad, sel_bits) * ctx.coef) * lr.sgn()
+        return (grad * na) * e + g_pen, None, None, None, None, None
 
 
 def kl_cov_token_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """§4 KL-Cov: ``-A r`` (no clipping) plus ``kl_cov_coef * |logp - old_logp|`` on the selected
     tokens."""
     sel = _selected(inp, "kl_cov")
-    lr = log_ratio(inp.logp, inp.old_logp, None)
-    loss = -inp.advantages * torch.exp(lr)
-    loss = loss + masked_zero(cfg.kl_cov_coef * lr.abs(), sel)
     m = inp.mask
+    if (_fusable(inp.logp, inp.old_logp, inp.advantages)
+            and sel.shape == m.shape == inp.logp.shape):
+        loss, abs_lr = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
+                                        float(cfg.kl_cov_coef))
+        premasked = True
+    else:
+        lr = log_ratio(inp.logp, inp.old_logp, None)
+        loss = -inp.advantages * torch.exp(lr)
+        abs_lr = lr.abs()
+        loss = loss + masked_zero(cfg.kl_cov_coef * abs_lr, sel)
+        premasked = False
     stats = {"kl_cov/penalised_frac": mean_stat(sel, m),
-             "policy/abs_log_ratio": mean_stat(lr.abs(), m),
+             "policy/abs_log_ratio": mean_stat(abs_lr, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats)
+    return TokenLoss(loss, stats, premasked=premasked)

@@ -86,8 +86,7 @@ def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tenso
     step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
     h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
     h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
-    pos = torch.arange(max(lengths), dtype=torch.int64, device=device)
-    h_pos = _to_i32(_fmix32(_fmix32((pos & _M32) ^ 0x9E3779B9)))
+    h_pos = _position_hash(max(lengths), device)
     if all(t == lengths[0] for t in lengths):  # one broadcast for all micro-batches
         mixed = (h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0)).reshape(-1)
     else:
@@ -98,6 +97,21 @@ def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tenso
             start += r.numel()
         mixed = torch.cat(parts)
     return _fmix32_i32(mixed)
+
+
+_POS_HASH: dict[tuple[int, str], Tensor] = {}
+
+
+def _position_hash(t: int, device: torch.device) -> Tensor:
+    """int32 ``[t]``: the per-position part of :func:`token_hash32` (it depends on nothing else,
+    so the longest one per device is kept and sliced)."""
+    key = (0, str(device))
+    have = _POS_HASH.get(key)
+    if have is None or have.numel() < t:
+        pos = torch.arange(t, dtype=torch.int64, device=device)
+        have = _to_i32(_fmix32(_fmix32((pos & _M32) ^ 0x9E3779B9)))
+        _POS_HASH[key] = have
+    return have[:t]
 
 
 def _to_i32(x: Tensor) -> Tensor:
