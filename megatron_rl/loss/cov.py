@@ -34,8 +34,8 @@ from megatron_rl.loss.select import (
     global_topk_mask,
     masked_composite_key,
     reversed_index,
-    select_top_keys,
-    token_hash32_flat_i32,
+    select_top_keys_chunks,
+    token_hash32_rows_i32,
     topk_bound,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
@@ -72,32 +72,28 @@ def token_covariance(ctx: ReductionContext, logp: TensorList, advantages: Tensor
     """Per-token ``Cov_t`` (fp32 ``[B_m, T_m]``, 0 at padding) with global fp64 means, and the
     global batch covariance ``mean_t Cov_t`` (0-dim fp64). One ``all_reduce`` of 3 numbers."""
     ms = [m.bool() for m in as_list(masks)]
-    cov, batch_cov = _flat_covariance(ctx, _flat([x.detach() for x in as_list(logp)]),
-                                      _flat([a.detach() for a in as_list(advantages)]),
-                                      _flat(ms), [m.numel() for m in ms])
-    return _unflat(cov, ms), batch_cov
+    with torch.no_grad():
+        return _covariances(ctx, as_list(logp), as_list(advantages), ms)
 
 
-def _flat_covariance(ctx: ReductionContext, logp: Tensor, adv: Tensor, valid: Tensor,
-                     sizes: list[int]) -> tuple[Tensor, Tensor]:
-    """:func:`token_covariance` on flat ``[N]`` tensors (micro-batches of ``sizes`` elements
-    concatenated): fp32 ``Cov [N]`` and the fp64 batch covariance. The fp64 sums run per
-    micro-batch, then over micro-batches (the summation order of the per-list version).
-    Padding is zeroed (bit masking) in the input dtype before the fp64 conversion."""
-    x = _zero_padding(logp, valid).double()
-    a = _zero_padding(adv, valid).double()
-    xa = x * a
-    if len(set(sizes)) == 1:  # equal micro-batches: one row-wise sum per quantity
-        parts = torch.stack([t.view(len(sizes), -1).sum(1) for t in (x, a, xa)], dim=1)
-    else:
-        parts = torch.stack([torch.stack([xs.sum(), as_.sum(), xas.sum()]) for xs, as_, xas in
-                             zip(x.split(sizes), a.split(sizes), xa.split(sizes), strict=True)])
-    sums = parts.sum(0)
+def _covariances(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
+                 valid: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """:func:`token_covariance` micro-batch by micro-batch (each one's tensors stay in cache):
+    padding zeroed by bit masking in the input dtype, fp64 sums per micro-batch, then over
+    micro-batches; after the ``all_reduce`` the fp32 ``Cov`` of each micro-batch."""
+    xs, as_, parts = [], [], []
+    for lp, a, v in zip(logp, adv, valid, strict=True):
+        x, y = _zero_padding(lp, v).double(), _zero_padding(a, v).double()
+        xs.append(x)
+        as_.append(y)
+        parts.append(torch.stack([x.sum(), y.sum(), (x * y).sum()]))
+    sums = torch.stack(parts).sum(0)
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / n, sums[1] / n
     batch_cov = sums[2] / n - mean_lp * mean_a
-    cov = zero_where_not(((x - mean_lp) * (a - mean_a)).float(), mask_bits(valid, torch.float32))
+    cov = [zero_where_not(((x - mean_lp) * (y - mean_a)).float(), mask_bits(v, torch.float32))
+           for x, y, v in zip(xs, as_, valid, strict=True)]
     return cov, batch_cov
 
 
@@ -148,27 +144,24 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
     device = lp[0].device
-    sizes = [m.numel() for m in ms]
-    valid = _flat(ms)
-    lp_f, adv_f = _flat(lp), _flat(adv)  # no_grad: nothing to detach
-    cov_f, batch_cov = _flat_covariance(ctx, lp_f, adv_f, valid, sizes)
+    cov, batch_cov = _covariances(ctx, lp, adv, ms)
     if cfg.policy_loss == "kl_cov":
-        active = valid
-        score = float_order_u32(cov_f)
+        active = ms
+        scores = [float_order_u32(c) for c in cov]
         ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
-        old_f = _flat(old)
-        clipped = ppo_clipped(torch.exp(log_ratio(lp_f, old_f, None)), adv_f, cfg)
-        active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
+        active = [v & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
+                  & ~ppo_clipped(torch.exp(log_ratio(x, o, None)), a, cfg)
+                  for v, c, x, o, a in zip(ms, cov, lp, old, adv, strict=True)]
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        score = token_hash32_flat_i32(seed, step, [ctx.seq_index(i, m.shape[0], device)
-                                                   for i, m in enumerate(ms)],
-                                      [m.shape[1] for m in ms])
+        scores = token_hash32_rows_i32(seed, step, [ctx.seq_index(i, m.shape[0], device)
+                                                    for i, m in enumerate(ms)],
+                                       [m.shape[1] for m in ms])
         ratio_k = cfg.clip_cov_ratio
     else:
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    top = _global_top(ctx, ms, score, active, cov_f, ratio_k)
+    selected, top = _global_top(ctx, ms, scores, active, cov, ratio_k)
     n = ctx.num_tokens.clamp_min(1).double()
     num = top.count.double()
     name = cfg.policy_loss
@@ -177,33 +170,46 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
              f"{name}/num_selected": num.float(),
              f"{name}/selected_frac": (num / n).float(),
              f"{name}/candidate_frac": (top.active.double() / n).float()}
-    return CovSelection(_unflat(top.selected, ms), stats)
+    return CovSelection(selected, stats)
 
 
-def _global_top(ctx: ReductionContext, ms: list[Tensor], score_u32: Tensor, active: Tensor,
-                values: Tensor, ratio: float) -> TopK:
-    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned ``score_u32``
-    desc, global token index asc) among ``active`` ones (flat over this rank's micro-batches
-    ``ms``). One ``topk``; with several DP ranks one ``all_gather`` of candidates when
-    ``ctx.numel_bound`` is known, else the radix selection (four all-reduces)."""
-    device = score_u32.device
+def _global_top(ctx: ReductionContext, ms: list[Tensor], scores: list[Tensor],
+                active: list[Tensor], values: list[Tensor], ratio: float
+                ) -> tuple[list[Tensor], TopK]:
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned int32 ``scores``
+    desc, global token index asc) among ``active`` ones; all lists per micro-batch
+    ``[B_m, T_m]``. One ``topk`` per micro-batch and one over their candidates; with several DP
+    ranks one ``all_gather`` of candidates when ``ctx.numel_bound`` is known, else the radix
+    selection (four all-reduces). Returns each micro-batch's selected mask and the totals."""
+    device = ms[0].device
     k = _count_k(ratio, ctx.num_tokens)
     one_rank = ctx.group is None or ctx.dp_size == 1
-    if one_rank:  # only the order of the tie-break index matters
-        rev = reversed_index(score_u32.numel(), device)
-        bound = score_u32.numel()
+    if one_rank:  # only the order of the tie-break index matters: flat position
+        revs, start = [], 0
+        for m in ms:
+            revs.append(reversed_index(m.numel(), device, start))
+            start += m.numel()
+        bound = start
     else:
-        rev = (2**31 - 1) - _flat(global_token_index(ctx, [m.shape for m in ms], device))
+        revs = [(2**31 - 1) - g.reshape(-1)
+                for g in global_token_index(ctx, [m.shape for m in ms], device)]
         bound = ctx.numel_bound
-    keys = masked_composite_key(score_u32, active, rev)
-    active_count = active.sum()
+    keys = [masked_composite_key(sc.reshape(-1), ac.reshape(-1), r)
+            for sc, ac, r in zip(scores, active, revs, strict=True)]
+    vals = [v.reshape(-1) for v in values]
+    active_count = torch.stack([ac.sum() for ac in active]).sum()
     if bound is not None:
-        return select_top_keys(keys, values, active_count, k, topk_bound(ratio, bound), ctx)
-    sel = global_topk_mask(keys.clamp_min(0), active, k, ctx)  # radix (device counts, no bound)
-    value_sum = zero_where_not(values, mask_bits(sel, torch.float32)).sum(dtype=torch.float64)
+        sel, top = select_top_keys_chunks(keys, vals, active_count, k, topk_bound(ratio, bound),
+                                          ctx)
+        return [s_.view(m.shape) for s_, m in zip(sel, ms, strict=True)], top
+    # radix over device counts (no host bound of the global size)
+    flat_keys, flat_active = _flat(keys).clamp_min(0), _flat([a.reshape(-1) for a in active])
+    sel = global_topk_mask(flat_keys, flat_active, k, ctx)
+    value_sum = zero_where_not(_flat(vals), mask_bits(sel, torch.float32)).sum(
+        dtype=torch.float64)
     sums = torch.stack([sel.sum().double(), value_sum, active_count.double()])
     ctx.all_reduce(sums)
-    return TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
+    return _unflat(sel, ms), TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
 
 
 @torch.no_grad()
@@ -213,9 +219,8 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
     mean over all tokens, so users see which tokens drive entropy collapse."""
     ms = [m.bool() for m in as_list(masks)]
-    cov, batch_cov = token_covariance(ctx, logp, advantages, ms)
-    cov_f, valid = _flat(cov), _flat(ms)
-    top = _global_top(ctx, ms, float_order_u32(cov_f), valid, cov_f, top_frac)
+    cov, batch_cov = _covariances(ctx, as_list(logp), as_list(advantages), ms)
+    _, top = _global_top(ctx, ms, [float_order_u32(c) for c in cov], ms, cov, top_frac)
     num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),

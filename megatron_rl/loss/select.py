@@ -99,19 +99,37 @@ def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tenso
     return _fmix32_i32(mixed)
 
 
-_POS_HASH: dict[tuple[int, str], Tensor] = {}
+_POS_HASH: dict[str, Tensor] = {}
 
 
 def _position_hash(t: int, device: torch.device) -> Tensor:
     """int32 ``[t]``: the per-position part of :func:`token_hash32` (it depends on nothing else,
     so the longest one per device is kept and sliced)."""
-    key = (0, str(device))
-    have = _POS_HASH.get(key)
+    have = _POS_HASH.get(str(device))
     if have is None or have.numel() < t:
         pos = torch.arange(t, dtype=torch.int64, device=device)
         have = _to_i32(_fmix32(_fmix32((pos & _M32) ^ 0x9E3779B9)))
-        _POS_HASH[key] = have
+        _POS_HASH[str(device)] = have
     return have[:t]
+
+
+def token_hash32_rows_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                          lengths: Sequence[int]) -> list[Tensor]:
+    """:func:`token_hash32` per micro-batch as int32 bit patterns ``[B_i, T_i]`` (the sequence
+    and position parts hashed once for all micro-batches; read with :func:`unsigned_i64`)."""
+    rows = [s.to(torch.int64) for s in seq_idx]
+    device = rows[0].device
+    seq = torch.cat(rows) if len(rows) > 1 else rows[0]
+    step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
+    h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
+    h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
+    h_pos = _position_hash(max(lengths), device)
+    out, start = [], 0
+    for r, t in zip(rows, lengths, strict=True):
+        out.append(_fmix32_i32(h_seq[start:start + r.numel()].unsqueeze(-1)
+                               ^ h_pos[:t].unsqueeze(0)))
+        start += r.numel()
+    return out
 
 
 def _to_i32(x: Tensor) -> Tensor:
@@ -230,10 +248,18 @@ def masked_composite_key(score_u32: Tensor, active: Tensor, rev_index: Tensor) -
     return (unsigned_i64(score_u32) << _IDX_BITS) | rev_index | not_active
 
 
-def reversed_index(n: int, device: torch.device) -> Tensor:
-    """``2**31 - 1 - arange(n)``: :func:`masked_composite_key`'s ``rev_index`` of one process."""
-    top = 2**_IDX_BITS - 1
-    return torch.arange(top, top - n, -1, dtype=torch.int64, device=device)
+_REV_INDEX: dict[str, Tensor] = {}
+
+
+def reversed_index(n: int, device: torch.device, start: int = 0) -> Tensor:
+    """``2**31 - 1 - arange(start, start + n)``: :func:`masked_composite_key`'s ``rev_index``
+    of one process (flat positions; the longest one per device is kept and sliced)."""
+    have = _REV_INDEX.get(str(device))
+    if have is None or have.numel() < start + n:
+        top = 2**_IDX_BITS - 1
+        have = torch.arange(top, top - (start + n), -1, dtype=torch.int64, device=device)
+        _REV_INDEX[str(device)] = have
+    return have[start:start + n]
 
 
 @dataclass
@@ -292,3 +318,31 @@ def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tenso
         value_sum = torch.where(g_flags, g_vals.gather(0, best_i), 0.0).sum()
     selected = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, top_i, flags)
     return TopK(selected, count, total_active, value_sum)
+
+
+def select_top_keys_chunks(keys: Sequence[Tensor], values: Sequence[Tensor], active_count: Tensor,
+                           k: Tensor, k_max: int, ctx: ReductionContext
+                           ) -> tuple[list[Tensor], TopK]:
+    """:func:`select_top_keys` over several 1-D chunks (one per micro-batch, each small enough
+    to stay in cache): one ``topk`` of ``min(k_max, n_i)`` per chunk, then the selection over
+    the concatenated chunk candidates (the global top k is among them). Returns each chunk's
+    selected mask and the totals (``TopK.selected`` is over the candidates)."""
+    device = keys[0].device
+    tops, cand_v, cand_x = [], [], []
+    for kc, vc in zip(keys, values, strict=True):
+        kk = min(int(k_max), kc.numel())
+        if kk > 0:
+            tv, ti = torch.topk(kc, kk, sorted=False)
+        else:
+            tv = torch.empty(0, dtype=torch.int64, device=device)
+            ti = torch.empty(0, dtype=torch.int64, device=device)
+        tops.append(ti)
+        cand_v.append(tv)
+        cand_x.append(vc.gather(0, ti))
+    res = select_top_keys(torch.cat(cand_v), torch.cat(cand_x), active_count, k, k_max, ctx)
+    out, start = [], 0
+    for kc, ti in zip(keys, tops, strict=True):
+        out.append(torch.zeros(kc.numel(), dtype=torch.bool, device=device)
+                   .scatter_(0, ti, res.selected[start:start + ti.numel()]))
+        start += ti.numel()
+    return out, res
