@@ -266,22 +266,27 @@ class _ClipCovLoss(torch.autograd.Function):
         keep_bits = _bits_of(keep, logp)
         loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
         if ctx.needs_input_grad[0]:
-            tie, over = loss1 == loss2, loss1 > loss2
+            tie = loss1 == loss2
             in_range = clamped == ratio  # == (ratio >= lo) & (ratio <= hi), NaN -> False
-            ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, over, in_range)
+            ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
         ctx.mark_non_differentiable(clipped)
         return loss, clipped
 
     @staticmethod
     def backward(ctx, grad: Tensor | None, _grad_clipped: Tensor | None = None):  # noqa: D102
+        """Autograd's chain, op for op: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to
+        each on a tie (``g * 0.5``, the same number), nothing to the smaller; each side times
+        ``-A``; ``clamp`` passes its side's share inside the bounds only; the two shares add up
+        (in either order, the same sum); times ``r`` (``exp``). Inside the bounds ``clamp(r) ==
+        r``, so both sides are equal and get the same share: ``t + t``; outside, the clamped
+        side's share is masked to +0: ``t + 0``. Hence no ``loss1 > loss2`` mask is needed."""
         if grad is None:
             return None, None, None, None, None, None
-        ratio, na, keep_bits, tie, clipped, over, in_range = ctx.saved_tensors
+        ratio, na, keep_bits, tie, clipped, in_range = ctx.saved_tensors
         g = zero_where_not(grad, keep_bits)
-        g = g * (1.0 - 0.5 * as_float(tie).to(g.dtype))  # maximum's tie: grad / 2 to each side
-        g1 = zero_where_not(g, not_mask_bits(clipped, g.dtype))
-        g2 = zero_where_not(g, not_mask_bits(over, g.dtype))
-        g_ratio = g1 * na + zero_where_not(g2 * na, _bits_of(in_range, g))
+        g = g * torch.add(1.0, as_float(tie).to(g.dtype), alpha=-0.5)  # 0.5 on ties, else 1
+        t = zero_where_not(g, not_mask_bits(clipped, g.dtype)) * na
+        g_ratio = t + zero_where_not(t, _bits_of(in_range, g))
         return g_ratio * ratio, None, None, None, None, None
 
 
