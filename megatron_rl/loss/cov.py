@@ -12,7 +12,9 @@ Per mini-batch, before any micro-batch runs backward:
    Cov tokens (ties -> smaller global index); Clip-Cov takes
    ``min(max(floor(clip_cov_ratio * N), 1), #candidates)`` candidates uniformly at random,
    the randomness being a hash of (``cov_seed``, step, global token index);
-3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below.
+3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below, whose
+   fused forward/backward (:class:`_ClipCovLoss`, :class:`_KLCovLoss`) equal autograd through
+   the plain expressions bit for bit.
 """
 
 from __future__ import annotations
@@ -81,26 +83,32 @@ def _covariances(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
     """:func:`token_covariance` micro-batch by micro-batch (each one's tensors stay in cache):
     padding zeroed by bit masking in the input dtype, fp64 sums per micro-batch, then over
     micro-batches; after the ``all_reduce`` the fp32 ``Cov`` of each micro-batch."""
-    xs, as_, parts = [], [], []
+    xs, as_, parts, bits32 = [], [], [], []
     for lp, a, v in zip(logp, adv, valid, strict=True):
-        x, y = _zero_padding(lp, v).double(), _zero_padding(a, v).double()
+        bits: dict[torch.dtype, Tensor] = {}  # one mask word per dtype, shared
+        x, y = _zero_padding(lp, v, bits).double(), _zero_padding(a, v, bits).double()
         xs.append(x)
         as_.append(y)
+        bits32.append(bits.get(torch.float32))
         parts.append(torch.stack([x.sum(), y.sum(), (x * y).sum()]))
     sums = torch.stack(parts).sum(0)
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / n, sums[1] / n
     batch_cov = sums[2] / n - mean_lp * mean_a
-    cov = [zero_where_not(((x - mean_lp) * (y - mean_a)).float(), mask_bits(v, torch.float32))
-           for x, y, v in zip(xs, as_, valid, strict=True)]
+    cov = [zero_where_not(((x - mean_lp) * (y - mean_a)).float(),
+                          b if b is not None else mask_bits(v, torch.float32))
+           for x, y, v, b in zip(xs, as_, valid, bits32, strict=True)]
     return cov, batch_cov
 
 
-def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
-    """``x`` with padding set to +0 (bit masking in ``x``'s dtype; ``where`` for others)."""
+def _zero_padding(x: Tensor, valid: Tensor, bits: dict[torch.dtype, Tensor]) -> Tensor:
+    """``x`` with padding set to +0 (bit masking in ``x``'s dtype, the mask words kept in
+    ``bits`` per dtype; ``where`` for other dtypes)."""
     if x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        return zero_where_not(x, mask_bits(valid, x.dtype))
+        if x.dtype not in bits:
+            bits[x.dtype] = mask_bits(valid, x.dtype)
+        return zero_where_not(x, bits[x.dtype])
     return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -123,9 +131,8 @@ def _count_k(ratio: float, n: Tensor) -> Tensor:
 
 def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossConfig) -> Tensor:
     """bool ``[B, T]``: the PPO clip is active (``L2 > L1``), ratio bounds from ``cfg``."""
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    return loss2 > loss1
+    na = -advantages
+    return na * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high) > na * ratio
 
 
 @torch.no_grad()
@@ -137,9 +144,13 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossConfig, stat_logp: TensorL
     order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
-    Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k; none with a DP group of one), no host
-    sync. Ties in the score go to the smaller global token index: with one DP rank the flat
-    position stands in for it (same order, see ``context.py``).
+    Work runs micro-batch by micro-batch (tensors of cache size): covariance, keys, one
+    ``topk`` each, then one ``topk`` over their candidates. Collectives with several DP ranks:
+    1 ``all_reduce`` (means) + 1 ``all_gather`` of each rank's candidates (keys, Cov values,
+    active count) when ``ctx.numel_bound`` is known (one process, gloo); else a radix selection
+    (4 ``all_reduce``) + 1 for the metrics. None with one rank; no host sync. Ties in the score
+    go to the smaller global token index: with one DP rank the flat position stands in for it
+    (same order, see ``context.py``).
     """
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
