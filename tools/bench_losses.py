@@ -14,7 +14,10 @@ Also printed: the cost of the "prepass" statistic source, as the ratio of a no-g
 forward + backward of a small transformer (the pre-pass is one extra no-grad forward per
 mini-batch; the "old_logp" source costs nothing).
 
-Usage: ``python tools/bench_losses.py [--micro-batches 8] [--repeats 3] [--clock wall|cpu]``
+Usage: ``python tools/bench_losses.py [--micro-batches 8] [--repeats 5] [--clock wall|cpu]
+[--baseline DIR] [--dp 2]``: ``--baseline`` times another checkout's implementation in the same
+run (before/after); ``--dp 2`` runs 2 gloo ranks, each with half of the mini-batch, ours over the
+DP group vs the anchor on the rank's shard plus one all-reduce.
 """
 
 from __future__ import annotations
@@ -120,23 +123,30 @@ def anchor_kl_cov(logp, old, adv, mask, cfg: LossConfig):
     return loss
 
 
-def anchor_step(mbs, cfg, fn):
+def anchor_step(mbs, cfg, fn, dp: bool = False):
+    """Per-micro-batch losses on this rank's micro-batches; with ``dp`` one ``all_reduce`` of
+    the summed loss per mini-batch (for logging: the least a DP run needs besides the
+    gradients, which DDP reduces in both variants)."""
     n = len(mbs)
+    total = torch.zeros(())
     for mb in mbs:
         logp = mb["logp"].clone().requires_grad_(True)
         per_tok = fn(logp, mb["old"], mb["adv"], mb["mask"], cfg)
         m = mb["mask"].float()
         loss = (per_tok * m).sum() / m.sum().item() / n  # per-mb token-mean, grad accumulation
         loss.backward()
+        total = total + loss.detach()
+    if dp:
+        torch.distributed.all_reduce(total)
 
 
 # ---- ours ------------------------------------------------------------------------------------
-def global_step(mbs, cfg, lib=None):
+def global_step(mbs, cfg, lib=None, group=None):
     """One mini-batch with the global selection; ``lib``: another checkout's ``megatron_rl.loss``
-    (``--baseline``), default this one."""
+    (``--baseline``), default this one; ``group="default"``: the DP group (``--dp``)."""
     L = lib or ours_lib
     masks = [mb["mask"] for mb in mbs]
-    ctx = L.ReductionContext.from_minibatch(masks, group=None)
+    ctx = L.ReductionContext.from_minibatch(masks, group=group)
     sel = L.select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
                               [mb["adv"] for mb in mbs], masks, step=1)
     acc = L.MetricAccumulator()
@@ -233,6 +243,55 @@ def prepass_ratio(repeats: int) -> float:
     return timed(fwd, repeats)[0] / timed(fwd_bwd, repeats)[0]
 
 
+CFGS = {"clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=2e-4, clip_ratio_low=0.2,
+                         clip_ratio_high=0.2),
+        "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=2e-4)}
+ANCHORS = {"clip_cov": anchor_clip_cov, "kl_cov": anchor_kl_cov}
+
+
+def _dp_worker(dp: int, n_micro: int, repeats: int, clock: str, baseline: str | None) -> dict:
+    """One DP rank: its shard (rows ``rank::dp`` blocks) of the same mini-batch; ours (global
+    selection over the DP group) vs the anchor on the shard plus one all-reduce."""
+    from megatron_rl.parallel.runtime import init_distributed
+
+    global CLOCK
+    CLOCK = time.process_time if clock == "cpu" else time.perf_counter
+    torch.set_num_threads(1)
+    init_distributed(backend="gloo", timeout_s=300)
+    rank = torch.distributed.get_rank()
+    base = load_baseline(baseline) if baseline else None
+    mbs = make_minibatch(n_micro)
+    per = len(mbs) // dp
+    mbs = mbs[rank * per:(rank + 1) * per]
+    out = {}
+    for name, kw in CFGS.items():
+        cfg = LossConfig(**kw).validate()
+        fns = [lambda cfg=cfg: global_step(mbs, cfg, group="default"),
+               lambda cfg=cfg, name=name: anchor_step(mbs, cfg, ANCHORS[name], dp=True)]
+        if base is not None:
+            bcfg = base.LossConfig(**kw)
+            fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base, group="default"))
+        out[name] = [t for t, _ in timed_side_by_side(fns, repeats)]
+    return out
+
+
+def main_dp(args) -> None:
+    from megatron_rl.parallel.launch import spawn
+
+    res = spawn(_dp_worker, args.dp, (args.dp, args.micro_batches, args.repeats, args.clock,
+                                      args.baseline), timeout_s=1200)
+    print(f"mini-batch {B}x{T}, DP={args.dp} gloo ranks x {args.micro_batches // args.dp} "
+          f"micro-batches, {args.clock} clock; ms per mini-batch, slowest rank")
+    for name in CFGS:
+        t = [max(r[name][i] for r in res) for i in range(len(res[0][name]))]
+        print(f"{name + ' global (ours)':<38}{t[0] * 1e3:>16.1f}")
+        print(f"{name + ' per-rank anchor + all-reduce':<38}{t[1] * 1e3:>16.1f}")
+        if len(t) > 2:
+            print(f"{name + ' global (baseline)':<38}{t[2] * 1e3:>16.1f}")
+            print(f"{name + ' time ratio baseline/anchor':<38}{t[2] / t[1]:>16.2f}")
+        print(f"{name + ' time ratio ours/anchor':<38}{t[0] / t[1]:>16.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--micro-batches", type=int, default=8)
@@ -244,7 +303,12 @@ def main() -> None:
                          "where waiting for a core inflates wall time)")
     ap.add_argument("--baseline", metavar="DIR", default=None,
                     help="also time the global selection of another checkout DIR (before/after)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="DP ranks (gloo processes), each with its shard of the mini-batch")
     args = ap.parse_args()
+    if args.dp > 1:
+        main_dp(args)
+        return
     base = load_baseline(args.baseline) if args.baseline else None
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -253,11 +317,9 @@ def main() -> None:
     n_tok = int(sum(mb["mask"].sum() for mb in mbs))
     print(f"mini-batch {B}x{T} ({n_tok} valid tokens), {args.micro_batches} micro-batches, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {args.clock} clock")
-    cfgs = {"clip_cov": LossConfig(policy_loss="clip_cov", clip_cov_ratio=2e-4,
-                                   clip_ratio_low=0.2, clip_ratio_high=0.2),
-            "kl_cov": LossConfig(policy_loss="kl_cov", kl_cov_ratio=2e-4)}
-    anchors = {"clip_cov": anchor_clip_cov, "kl_cov": anchor_kl_cov}
-    print(f"{'variant':<34}{'ms / mini-batch':>16}{'host syncs':>12}")
+    cfgs = {name: LossConfig(**kw) for name, kw in CFGS.items()}
+    anchors = ANCHORS
+    print(f"{'variant':<38}{'ms / mini-batch':>16}{'host syncs':>12}")
     for name, cfg in cfgs.items():
         cfg.validate()
         fns = [lambda cfg=cfg: selection_only(mbs, cfg), lambda cfg=cfg: global_step(mbs, cfg),
@@ -267,14 +329,14 @@ def main() -> None:
             fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base))
         res = timed_side_by_side(fns, args.repeats)
         (t_sel, s_sel), (t_g, s_g), (t_a, s_a) = res[:3]
-        print(f"{name + ' global selection only':<34}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
-        print(f"{name + ' global (ours), full step':<34}{t_g * 1e3:>16.1f}{s_g:>12d}")
-        print(f"{name + ' per-micro-batch (anchor)':<34}{t_a * 1e3:>16.1f}{s_a:>12d}")
+        print(f"{name + ' global selection only':<38}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
+        print(f"{name + ' global (ours), full step':<38}{t_g * 1e3:>16.1f}{s_g:>12d}")
+        print(f"{name + ' per-micro-batch (anchor)':<38}{t_a * 1e3:>16.1f}{s_a:>12d}")
         if base is not None:
             t_b, s_b = res[3]
-            print(f"{name + ' global (baseline), full step':<34}{t_b * 1e3:>16.1f}{s_b:>12d}")
-            print(f"{name + ' time ratio baseline/anchor':<34}{t_b / t_a:>16.2f}")
-        print(f"{name + ' time ratio ours/anchor':<34}{t_g / t_a:>16.2f}")
+            print(f"{name + ' global (baseline) full step':<38}{t_b * 1e3:>16.1f}{s_b:>12d}")
+            print(f"{name + ' time ratio baseline/anchor':<38}{t_b / t_a:>16.2f}")
+        print(f"{name + ' time ratio ours/anchor':<38}{t_g / t_a:>16.2f}")
     r = prepass_ratio(args.repeats)
     print(f"prepass cost: no-grad forward / (forward+backward) = {r:.2f} "
           f"(cov_stat_source='prepass' adds about {r * 100:.0f}% of a training micro-batch pass "
