@@ -154,8 +154,11 @@ def _fmix32_i32(h: Tensor) -> Tensor:
 
 
 def unsigned_i64(x: Tensor) -> Tensor:
-    """int32 tensor read as unsigned 32-bit -> int64 in ``[0, 2**32)`` (one conversion)."""
-    return x.contiguous().view(torch.uint32).to(torch.int64)
+    """int32 tensor read as unsigned 32-bit -> int64 in ``[0, 2**32)`` (on CPU one conversion
+    through a ``uint32`` view; elsewhere sign extension and a mask, ops every backend has)."""
+    if x.device.type == "cpu":
+        return x.contiguous().view(torch.uint32).to(torch.int64)
+    return x.to(torch.int64) & _M32
 
 
 def float_order_u32(x: Tensor) -> Tensor:
