@@ -180,7 +180,32 @@ def dp2_worker(data: dict, tp_data: dict | None) -> dict:
             res[(case, n_micro)] = run_layout(case, data, rows, n_micro, "default", trim)
     if tp_data is not None:
         res["tp"] = _tp_erc_part(tp_data)
+    res["radix"] = _radix_fallback_part(data, rows)
     return res
+
+
+def _radix_fallback_part(data: dict, rows: slice) -> dict:
+    """Clip-Cov / KL-Cov selections of this rank with the candidate exchange (the context knows
+    the global padded size, as with gloo) and with the radix fallback (size unknown, as with
+    device tensors): both exact, so the same tokens and counts."""
+    out = {}
+    local = {k: v[rows] for k, v in data.items()}
+    mbs = [{k: v[:2] for k, v in local.items()}, {k: v[2:] for k, v in local.items()}]
+    masks = [mb["mask"] for mb in mbs]
+    for case in ("clip_cov", "kl_cov"):
+        cfg = LossConfig(**CASES[case]).validate()
+        picked = []
+        for bound in ("known", None):
+            ctx = ReductionContext.from_minibatch(masks, group="default")
+            assert ctx.numel_bound is not None
+            if bound is None:
+                ctx.numel_bound = None
+            sel = select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs],
+                                    [mb["old"] for mb in mbs], [mb["adv"] for mb in mbs], masks,
+                                    step=STEP)
+            picked.append((torch.cat(sel.selected), sel.stats))
+        out[case] = picked
+    return out
 
 
 def _vocab_parallel_available() -> bool:
@@ -264,6 +289,11 @@ def test_dp2_layouts_match_single_process(data, reference):
     with_tp = _vocab_parallel_available()
     tp_data = _tp_data(data) if with_tp else data
     results = spawn(dp2_worker, 2, (data, tp_data if with_tp else None), timeout_s=240)
+    for r in results:
+        for case, ((sel_a, st_a), (sel_b, st_b)) in r["radix"].items():
+            assert sel_a.any() and torch.equal(sel_a, sel_b), case
+            for name in st_a:
+                torch.testing.assert_close(st_a[name], st_b[name], atol=ATOL, rtol=0)
     for case in CASES:
         for n_micro in (1, 2):
             got = merge_ranks([r[(case, n_micro)] for r in results])

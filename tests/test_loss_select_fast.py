@@ -110,3 +110,90 @@ def test_bit_masking_equals_where_in_value_and_gradient():
         (masked_zero(a, m) * w).sum().backward()
         (torch.where(m, b, 0.0) * w).sum().backward()
         assert torch.equal(a.grad, b.grad)
+
+
+def _edge_inputs(seed: int = 3):
+    """Per-token inputs that hit every branch of the PPO-clip / KL-Cov backward: ratios exactly on
+    the clip bounds and inside/outside, ties of the two PPO sides (A = 0 included), signed-zero
+    log-ratios, padding with garbage."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(6, 40, generator=g) * 3
+    lr = torch.randn(6, 40, generator=g) * 0.3
+    lr[0, :8] = torch.tensor([0.0, -0.0, 0.2, -0.2, 1e-9, -1e-9, 5.0, -5.0])
+    logp = old + lr
+    ratio = torch.exp(logp - old)
+    # ratios exactly at the bounds: pick logp so that exp(logp - old) rounds to 0.8 / 1.2
+    hits = 0
+    for i in range(1, 6):
+        for j in range(40):
+            for b in (0.8, 1.2):
+                cand = old[i, j] + torch.log(torch.tensor(b))
+                if torch.exp(cand - old[i, j]) == torch.tensor(b, dtype=torch.float32):
+                    logp[i, j], hits = cand, hits + 1
+                    break
+            if hits > 6:
+                break
+    adv = torch.randn(6, 40, generator=g)
+    adv[:, ::7] = 0.0
+    adv[2, ::5] = -0.0
+    mask = torch.rand(6, 40, generator=g) < 0.8
+    logp = torch.where(mask, logp, torch.tensor(float("nan")))  # padding garbage
+    sel = (torch.rand(6, 40, generator=g) < 0.2) & mask
+    return logp, old, adv, mask, sel, ratio, hits
+
+
+def test_fused_cov_losses_bit_identical_to_autograd():
+    """The fused Clip-Cov / KL-Cov per-token losses (custom backward, premasked aggregation) give
+    the loss and the gradient of the plain autograd expressions bit for bit (signed zeros too)."""
+    from megatron_rl.loss import LossInputs
+    from megatron_rl.loss.aggregation import aggregate
+    from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
+
+    logp0, old, adv, mask, sel, _, hits = _edge_inputs()
+    assert hits > 3
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    for name in ("clip_cov", "kl_cov"):
+        cfg = LossConfig(policy_loss=name, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                         kl_cov_coef=0.7)
+        a = logp0.clone().requires_grad_(True)
+        tok = (clip_cov_token_loss if name == "clip_cov" else kl_cov_token_loss)(
+            LossInputs(a, old, adv, mask, cov_selected=sel), cfg)
+        assert tok.premasked
+        out = aggregate(tok.loss, mask, "seq-mean-token-mean", ctx, premasked=True)
+        out.backward()
+        b = logp0.clone().requires_grad_(True)
+        lr = b - old
+        if name == "clip_cov":
+            r = torch.exp(lr)
+            ref = masked_zero(torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2)), ~sel)
+        else:
+            ref = -adv * torch.exp(lr) + masked_zero(0.7 * lr.abs(), sel)
+        ref_out = aggregate(ref, mask, "seq-mean-token-mean", ctx)
+        ref_out.backward()
+        assert torch.equal(out.view(torch.int32), ref_out.view(torch.int32)), name
+        assert torch.equal(tok.loss.detach().view(torch.int32),
+                           masked_zero(ref, mask).detach().view(torch.int32)), name
+        assert torch.equal(a.grad.view(torch.int32), b.grad.view(torch.int32)), name
+
+
+def test_chunked_selection_with_dp_candidates_equals_radix():
+    """The candidate exchange (per-micro-batch topk, then one topk of the candidates) selects the
+    same tokens as the radix selection over all tokens, when k exceeds one micro-batch's share
+    and with fewer active tokens than k."""
+    from megatron_rl.loss.select import select_top_keys_chunks
+
+    g = torch.Generator().manual_seed(5)
+    for n_chunks, n, k, frac in [(4, 50, 7, 0.5), (3, 40, 100, 0.3), (5, 30, 12, 1.0)]:
+        keys = torch.randperm(10 * n * n_chunks, generator=g)[:n * n_chunks] * 3 + 1
+        active = torch.rand(n * n_chunks, generator=g) < frac
+        masked = torch.where(active, keys, -1)
+        vals = torch.randn(n * n_chunks, generator=g)
+        ctx = ReductionContext.from_minibatch(torch.ones(1, n * n_chunks, dtype=torch.bool),
+                                              group=None)
+        kt = torch.tensor(k)
+        sel, top = select_top_keys_chunks(list(masked.split(n)), list(vals.split(n)),
+                                          active.sum(), kt, k + 2, ctx)
+        want = global_topk_mask(keys, active, kt, ctx)
+        assert torch.equal(torch.cat(sel), want)
+        assert int(top.count) == int(want.sum())
+        assert torch.allclose(top.value_sum, vals[want].double().sum())

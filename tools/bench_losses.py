@@ -14,7 +14,10 @@ Also printed: the cost of the "prepass" statistic source, as the ratio of a no-g
 forward + backward of a small transformer (the pre-pass is one extra no-grad forward per
 mini-batch; the "old_logp" source costs nothing).
 
-Usage: ``python tools/bench_losses.py [--micro-batches 8] [--repeats 3] [--clock wall|cpu]``
+Usage: ``python tools/bench_losses.py [--micro-batches 8] [--repeats 5] [--clock wall|cpu]
+[--baseline DIR] [--dp 2]``: ``--baseline`` times another checkout's implementation in the same
+run (before/after); ``--dp 2`` runs 2 gloo ranks, each with half of the mini-batch, ours over the
+DP group vs the anchor on the rank's shard plus one all-reduce.
 """
 
 from __future__ import annotations
@@ -30,14 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from megatron_rl.loss import (  # noqa: E402
-    LossConfig,
-    LossInputs,
-    MetricAccumulator,
-    ReductionContext,
-    compute_loss,
-    select_cov_tokens,
-)
+import megatron_rl.loss as ours_lib  # noqa: E402
+from megatron_rl.loss import LossConfig, ReductionContext, select_cov_tokens  # noqa: E402
 
 B, T = 64, 4096
 
@@ -126,30 +123,62 @@ def anchor_kl_cov(logp, old, adv, mask, cfg: LossConfig):
     return loss
 
 
-def anchor_step(mbs, cfg, fn):
+def anchor_step(mbs, cfg, fn, dp: bool = False):
+    """Per-micro-batch losses on this rank's micro-batches; with ``dp`` one ``all_reduce`` of
+    the summed loss per mini-batch (for logging: the least a DP run needs besides the
+    gradients, which DDP reduces in both variants)."""
     n = len(mbs)
+    total = torch.zeros(())
     for mb in mbs:
         logp = mb["logp"].clone().requires_grad_(True)
         per_tok = fn(logp, mb["old"], mb["adv"], mb["mask"], cfg)
         m = mb["mask"].float()
         loss = (per_tok * m).sum() / m.sum().item() / n  # per-mb token-mean, grad accumulation
         loss.backward()
+        total = total + loss.detach()
+    if dp:
+        torch.distributed.all_reduce(total)
 
 
 # ---- ours ------------------------------------------------------------------------------------
-def global_step(mbs, cfg):
+def global_step(mbs, cfg, lib=None, group=None):
+    """One mini-batch with the global selection; ``lib``: another checkout's ``megatron_rl.loss``
+    (``--baseline``), default this one; ``group="default"``: the DP group (``--dp``)."""
+    L = lib or ours_lib
     masks = [mb["mask"] for mb in mbs]
-    ctx = ReductionContext.from_minibatch(masks, group=None)
-    sel = select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
-                            [mb["adv"] for mb in mbs], masks, step=1)
-    acc = MetricAccumulator()
+    ctx = L.ReductionContext.from_minibatch(masks, group=group)
+    sel = L.select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
+                              [mb["adv"] for mb in mbs], masks, step=1)
+    acc = L.MetricAccumulator()
     for i, mb in enumerate(mbs):
         logp = mb["logp"].clone().requires_grad_(True)
-        out = compute_loss(LossInputs(logp, mb["old"], mb["adv"], mb["mask"],
-                                      cov_selected=sel.selected[i]), cfg, ctx)
+        out = L.compute_loss(L.LossInputs(logp, mb["old"], mb["adv"], mb["mask"],
+                                          cov_selected=sel.selected[i]), cfg, ctx)
         out.loss_for_backward.backward()
         acc.update(out.stats)
     acc.reduce(ctx)
+
+
+def load_baseline(root: str):
+    """``megatron_rl.loss`` of another checkout ``root`` (e.g. ``git worktree add /tmp/base
+    <commit>``), imported beside this one's for a side-by-side timing."""
+    import importlib
+
+    def ours(k: str) -> bool:
+        return k == "megatron_rl" or k.startswith("megatron_rl.")
+
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, str(pathlib.Path(root).resolve()))
+    try:
+        lib = importlib.import_module("megatron_rl.loss")
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if ours(k)]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    return lib
 
 
 def selection_only(mbs, cfg):
@@ -175,15 +204,25 @@ CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU seconds of this
 
 
 def timed(fn, repeats: int) -> tuple[float, int]:
-    fn()  # warm-up
-    with count_host_syncs() as box:
-        fn()
-    best = float("inf")
+    return timed_side_by_side([fn], repeats)[0]
+
+
+def timed_side_by_side(fns, repeats: int) -> list[tuple[float, int]]:
+    """Best time and host syncs of each function; the repeats are interleaved (A, B, A, B, ...)
+    so that a load change on a shared machine hits every variant alike."""
+    syncs = []
+    for fn in fns:
+        fn()  # warm-up
+        with count_host_syncs() as box:
+            fn()
+        syncs.append(box["n"])
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = CLOCK()
-        fn()
-        best = min(best, CLOCK() - t0)
-    return best, box["n"]
+        for i, fn in enumerate(fns):
+            t0 = CLOCK()
+            fn()
+            best[i] = min(best[i], CLOCK() - t0)
+    return list(zip(best, syncs, strict=True))
 
 
 def prepass_ratio(repeats: int) -> float:
@@ -204,16 +243,73 @@ def prepass_ratio(repeats: int) -> float:
     return timed(fwd, repeats)[0] / timed(fwd_bwd, repeats)[0]
 
 
+CFGS = {"clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=2e-4, clip_ratio_low=0.2,
+                         clip_ratio_high=0.2),
+        "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=2e-4)}
+ANCHORS = {"clip_cov": anchor_clip_cov, "kl_cov": anchor_kl_cov}
+
+
+def _dp_worker(dp: int, n_micro: int, repeats: int, clock: str, baseline: str | None) -> dict:
+    """One DP rank: its shard (rows ``rank::dp`` blocks) of the same mini-batch; ours (global
+    selection over the DP group) vs the anchor on the shard plus one all-reduce."""
+    from megatron_rl.parallel.runtime import init_distributed
+
+    global CLOCK
+    CLOCK = time.process_time if clock == "cpu" else time.perf_counter
+    torch.set_num_threads(1)
+    init_distributed(backend="gloo", timeout_s=300)
+    rank = torch.distributed.get_rank()
+    base = load_baseline(baseline) if baseline else None
+    mbs = make_minibatch(n_micro)
+    per = len(mbs) // dp
+    mbs = mbs[rank * per:(rank + 1) * per]
+    out = {}
+    for name, kw in CFGS.items():
+        cfg = LossConfig(**kw).validate()
+        fns = [lambda cfg=cfg: global_step(mbs, cfg, group="default"),
+               lambda cfg=cfg, name=name: anchor_step(mbs, cfg, ANCHORS[name], dp=True)]
+        if base is not None:
+            bcfg = base.LossConfig(**kw)
+            fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base, group="default"))
+        out[name] = [t for t, _ in timed_side_by_side(fns, repeats)]
+    return out
+
+
+def main_dp(args) -> None:
+    from megatron_rl.parallel.launch import spawn
+
+    res = spawn(_dp_worker, args.dp, (args.dp, args.micro_batches, args.repeats, args.clock,
+                                      args.baseline), timeout_s=1200)
+    print(f"mini-batch {B}x{T}, DP={args.dp} gloo ranks x {args.micro_batches // args.dp} "
+          f"micro-batches, {args.clock} clock; ms per mini-batch, slowest rank")
+    for name in CFGS:
+        t = [max(r[name][i] for r in res) for i in range(len(res[0][name]))]
+        print(f"{name + ' global (ours)':<38}{t[0] * 1e3:>16.1f}")
+        print(f"{name + ' per-rank anchor + all-reduce':<38}{t[1] * 1e3:>16.1f}")
+        if len(t) > 2:
+            print(f"{name + ' global (baseline)':<38}{t[2] * 1e3:>16.1f}")
+            print(f"{name + ' time ratio baseline/anchor':<38}{t[2] / t[1]:>16.2f}")
+        print(f"{name + ' time ratio ours/anchor':<38}{t[0] / t[1]:>16.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1 avoids OpenMP spin-wait noise on a shared box)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall: perf_counter; cpu: process CPU time (steadier on a shared box, "
                          "where waiting for a core inflates wall time)")
+    ap.add_argument("--baseline", metavar="DIR", default=None,
+                    help="also time the global selection of another checkout DIR (before/after)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="DP ranks (gloo processes), each with its shard of the mini-batch")
     args = ap.parse_args()
+    if args.dp > 1:
+        main_dp(args)
+        return
+    base = load_baseline(args.baseline) if args.baseline else None
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
@@ -221,21 +317,26 @@ def main() -> None:
     n_tok = int(sum(mb["mask"].sum() for mb in mbs))
     print(f"mini-batch {B}x{T} ({n_tok} valid tokens), {args.micro_batches} micro-batches, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {args.clock} clock")
-    cfgs = {"clip_cov": LossConfig(policy_loss="clip_cov", clip_cov_ratio=2e-4,
-                                   clip_ratio_low=0.2, clip_ratio_high=0.2),
-            "kl_cov": LossConfig(policy_loss="kl_cov", kl_cov_ratio=2e-4)}
-    anchors = {"clip_cov": anchor_clip_cov, "kl_cov": anchor_kl_cov}
-    print(f"{'variant':<34}{'ms / mini-batch':>16}{'host syncs':>12}")
+    cfgs = {name: LossConfig(**kw) for name, kw in CFGS.items()}
+    anchors = ANCHORS
+    print(f"{'variant':<38}{'ms / mini-batch':>16}{'host syncs':>12}")
     for name, cfg in cfgs.items():
         cfg.validate()
-        t_sel, s_sel = timed(lambda cfg=cfg: selection_only(mbs, cfg), args.repeats)
-        t_g, s_g = timed(lambda cfg=cfg: global_step(mbs, cfg), args.repeats)
-        t_a, s_a = timed(lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name]),
-                         args.repeats)
-        print(f"{name + ' global selection only':<34}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
-        print(f"{name + ' global (ours), full step':<34}{t_g * 1e3:>16.1f}{s_g:>12d}")
-        print(f"{name + ' per-micro-batch (anchor)':<34}{t_a * 1e3:>16.1f}{s_a:>12d}")
-        print(f"{name + ' time ratio ours/anchor':<34}{t_g / t_a:>16.2f}")
+        fns = [lambda cfg=cfg: selection_only(mbs, cfg), lambda cfg=cfg: global_step(mbs, cfg),
+               lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name])]
+        if base is not None:
+            bcfg = base.LossConfig(**vars(cfg))
+            fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base))
+        res = timed_side_by_side(fns, args.repeats)
+        (t_sel, s_sel), (t_g, s_g), (t_a, s_a) = res[:3]
+        print(f"{name + ' global selection only':<38}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
+        print(f"{name + ' global (ours), full step':<38}{t_g * 1e3:>16.1f}{s_g:>12d}")
+        print(f"{name + ' per-micro-batch (anchor)':<38}{t_a * 1e3:>16.1f}{s_a:>12d}")
+        if base is not None:
+            t_b, s_b = res[3]
+            print(f"{name + ' global (baseline) full step':<38}{t_b * 1e3:>16.1f}{s_b:>12d}")
+            print(f"{name + ' time ratio baseline/anchor':<38}{t_b / t_a:>16.2f}")
+        print(f"{name + ' time ratio ours/anchor':<38}{t_g / t_a:>16.2f}")
     r = prepass_ratio(args.repeats)
     print(f"prepass cost: no-grad forward / (forward+backward) = {r:.2f} "
           f"(cov_stat_source='prepass' adds about {r * 100:.0f}% of a training micro-batch pass "

@@ -21,7 +21,7 @@ def masked_sum_rows(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, ctx: ReductionContext,
-              scale_factor: float | None = None) -> Tensor:
+              scale_factor: float | None = None, premasked: bool = False) -> Tensor:
     """Aggregate per-token ``values [B, T]`` (fp32) to this micro-batch's 0-dim share.
 
     * ``token-mean``: Σ m·L / N_tokens(global).
@@ -34,9 +34,10 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, ctx: ReductionContext,
     to the max response length, when padding differs between layouts). Runs set it: a run config
     gives the ``*-sum-norm`` modes ``loss_scale_factor = rollout.max_new_tokens`` (Dr.GRPO's
     constant, ALGORITHMS.md §3.2; :func:`megatron_rl.config.checks.dr_grpo_constant`).
+    ``premasked``: ``values`` are already +0 at padding (gradient too), no mask is applied.
     """
     m = mask.bool()
-    seq_sum = masked_sum_rows(values, m)
+    seq_sum = values.sum(-1) if premasked else masked_sum_rows(values, m)
     if mode == "token-mean":
         return seq_sum.sum() / ctx.token_denominator
     if mode == "seq-mean-token-mean":

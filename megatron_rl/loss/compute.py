@@ -54,7 +54,9 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         raise ValueError(f"rollout_correction={cfg.rollout_correction!r} needs "
                          "LossInputs.rollout_logp")
     mode = spec.forced_agg or cfg.loss_agg_mode
-    pg_loss = aggregate(per_token, mask, mode, ctx, cfg.loss_scale_factor)
+    # a loss already masked at padding needs no second mask unless a gate changed it since
+    premasked = token.premasked and not cfg.erc and inp.rollout_logp is None
+    pg_loss = aggregate(per_token, mask, mode, ctx, cfg.loss_scale_factor, premasked=premasked)
     total = pg_loss
     stats["policy/pg_loss"] = TokenStat(pg_loss.detach(), None, "sum")
     if cfg.positive_nll_coef > 0:
@@ -79,5 +81,7 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
     stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64,
                                                        device=mask.device).reshape(()),
                                        None, "max")
-    return LossOutput(loss=total, loss_for_backward=total * ctx.grad_scale, pg_loss=pg_loss,
+    scale = ctx.grad_scale  # x * 1.0 == x (value and gradient): skip the no-op multiplication
+    return LossOutput(loss=total, loss_for_backward=total if scale == 1.0 else total * scale,
+                      pg_loss=pg_loss,
                       stats=stats)

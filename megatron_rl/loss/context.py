@@ -28,6 +28,7 @@ the number of micro-batches (``calculate_per_token_loss=False``), multiply by th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -73,18 +74,24 @@ class ReductionContext:
     mb_seq_offsets: list[int]  # local row offset of each micro-batch (host ints, from shapes)
     extra_counts: dict[str, Tensor] = field(default_factory=dict)
     dp_grad_average: bool = True
+    numel_bound: int | None = None  # host bound of the global padded token count (None: unknown)
 
     # ---- construction -------------------------------------------------------------------------
     @staticmethod
     def from_minibatch(masks: Tensor | Sequence[Tensor], group: object | None = "default",
                        dp_grad_average: bool = True,
-                       extra_masks: dict[str, Sequence[Tensor]] | None = None
-                       ) -> ReductionContext:
+                       extra_masks: dict[str, Sequence[Tensor]] | None = None,
+                       numel_bound: int | None = None) -> ReductionContext:
         """Build the context from this rank's micro-batch masks (each ``[B_m, T_m]``).
 
         One ``all_gather`` over ``group`` (``"default"``: :func:`default_dp_group`). ``extra_masks``
         maps a name to per-micro-batch ``[B_m, T_m]`` masks whose global valid count is needed
         too (e.g. ``"positive"`` tokens of the GPPO NLL term); read it with :meth:`count`.
+        ``numel_bound``: a host upper bound of the padded tokens ``sum B_m * T_m`` of all DP
+        ranks together (the same on every rank); it sizes the candidate exchange of the global
+        top-k selections. Left ``None`` it is known without asking: one process, or a DP group
+        whose counts are CPU tensors (gloo); otherwise (device tensors) those selections fall
+        back to a radix selection of four collectives.
         """
         masks = as_list(masks)
         if not masks:
@@ -97,11 +104,15 @@ class ReductionContext:
         if group is None:
             rows = local.unsqueeze(0)
             rank, size = 0, 1
+            if numel_bound is None:
+                numel_bound = sum(m.numel() for m in masks)
         else:
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             gathered = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(gathered, local, group=group)  # the one collective of this method
             rows = torch.stack(gathered)
+            if numel_bound is None and rows.device.type == "cpu":  # host values: no sync
+                numel_bound = int((rows[:, 2] * rows[:, 3]).sum())
         totals = rows.sum(0)
         offsets = [0]
         for m in masks[:-1]:
@@ -111,17 +122,18 @@ class ReductionContext:
             max_len=rows[:, 3].max(), seq_offset=rows[:rank, 2].sum(),
             mb_seq_offsets=offsets,
             extra_counts={n: totals[4 + i] for i, n in enumerate(names)},
-            dp_grad_average=dp_grad_average)
+            dp_grad_average=dp_grad_average, numel_bound=numel_bound)
 
     # ---- denominators -------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def token_denominator(self) -> Tensor:
-        """Global valid-token count as fp32, at least 1 (an empty mini-batch gives loss 0)."""
+        """Global valid-token count as fp32, at least 1 (an empty mini-batch gives loss 0);
+        computed once per context."""
         return self.num_tokens.clamp_min(1).to(torch.float32)
 
-    @property
+    @functools.cached_property
     def seq_denominator(self) -> Tensor:
-        """Global count of non-empty sequences as fp32, at least 1."""
+        """Global count of non-empty sequences as fp32, at least 1; computed once."""
         return self.num_seqs.clamp_min(1).to(torch.float32)
 
     def count(self, name: str) -> Tensor:

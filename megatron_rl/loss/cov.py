@@ -12,7 +12,9 @@ Per mini-batch, before any micro-batch runs backward:
    Cov tokens (ties -> smaller global index); Clip-Cov takes
    ``min(max(floor(clip_cov_ratio * N), 1), #candidates)`` candidates uniformly at random,
    the randomness being a hash of (``cov_seed``, step, global token index);
-3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below.
+3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below, whose
+   fused forward/backward (:class:`_ClipCovLoss`, :class:`_KLCovLoss`) equal autograd through
+   the plain expressions bit for bit.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.context import ReductionContext, as_list
-from megatron_rl.loss.masking import mask_bits, masked_zero, zero_where_not
-from megatron_rl.loss.metrics import mean_stat
+from megatron_rl.loss.masking import mask_bits, masked_zero, not_mask_bits, zero_where_not
+from megatron_rl.loss.metrics import as_float, mean_stat
 from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
-    composite_key,
-    float_order_key,
+    TopK,
+    float_order_u32,
     global_token_index,
     global_topk_mask,
-    token_hash32_flat,
+    masked_composite_key,
+    reversed_index,
+    select_top_keys_chunks,
+    token_hash32_rows_i32,
     topk_bound,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
@@ -69,33 +74,46 @@ def token_covariance(ctx: ReductionContext, logp: TensorList, advantages: Tensor
     """Per-token ``Cov_t`` (fp32 ``[B_m, T_m]``, 0 at padding) with global fp64 means, and the
     global batch covariance ``mean_t Cov_t`` (0-dim fp64). One ``all_reduce`` of 3 numbers."""
     ms = [m.bool() for m in as_list(masks)]
-    cov, batch_cov = _flat_covariance(ctx, _flat([x.detach() for x in as_list(logp)]),
-                                      _flat([a.detach() for a in as_list(advantages)]),
-                                      _flat(ms), [m.numel() for m in ms])
-    return _unflat(cov, ms), batch_cov
+    with torch.no_grad():
+        return _covariances(ctx, as_list(logp), as_list(advantages), ms)
 
 
-def _flat_covariance(ctx: ReductionContext, logp: Tensor, adv: Tensor, valid: Tensor,
-                     sizes: list[int]) -> tuple[Tensor, Tensor]:
-    """:func:`token_covariance` on flat ``[N]`` tensors (micro-batches of ``sizes`` elements
-    concatenated): fp32 ``Cov [N]`` and the fp64 batch covariance. The fp64 sums run per
-    micro-batch, then over micro-batches (the summation order of the per-list version)."""
-    bits = mask_bits(valid, torch.float64)
-    logp, adv = logp.double(), adv.double()
-    x, a = zero_where_not(logp, bits), zero_where_not(adv, bits)
-    parts = [torch.stack([xs.sum(), as_.sum(), (xs * as_).sum()])
-             for xs, as_ in zip(x.split(sizes), a.split(sizes), strict=True)]
+def _covariances(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
+                 valid: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """:func:`token_covariance` micro-batch by micro-batch (each one's tensors stay in cache):
+    padding zeroed by bit masking in the input dtype, fp64 sums per micro-batch, then over
+    micro-batches; after the ``all_reduce`` the fp32 ``Cov`` of each micro-batch."""
+    xs, as_, parts, bits32 = [], [], [], []
+    for lp, a, v in zip(logp, adv, valid, strict=True):
+        bits: dict[torch.dtype, Tensor] = {}  # one mask word per dtype, shared
+        x, y = _zero_padding(lp, v, bits).double(), _zero_padding(a, v, bits).double()
+        xs.append(x)
+        as_.append(y)
+        bits32.append(bits.get(torch.float32))
+        parts.append(torch.stack([x.sum(), y.sum(), (x * y).sum()]))
     sums = torch.stack(parts).sum(0)
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / n, sums[1] / n
     batch_cov = sums[2] / n - mean_lp * mean_a
-    cov = zero_where_not((logp - mean_lp) * (adv - mean_a), bits).float()
+    cov = [zero_where_not(((x - mean_lp) * (y - mean_a)).float(),
+                          b if b is not None else mask_bits(v, torch.float32))
+           for x, y, v, b in zip(xs, as_, valid, bits32, strict=True)]
     return cov, batch_cov
 
 
+def _zero_padding(x: Tensor, valid: Tensor, bits: dict[torch.dtype, Tensor]) -> Tensor:
+    """``x`` with padding set to +0 (bit masking in ``x``'s dtype, the mask words kept in
+    ``bits`` per dtype; ``where`` for other dtypes)."""
+    if x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        if x.dtype not in bits:
+            bits[x.dtype] = mask_bits(valid, x.dtype)
+        return zero_where_not(x, bits[x.dtype])
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _flat(xs: list[Tensor]) -> Tensor:
-    return torch.cat([x.reshape(-1) for x in xs])
+    return torch.cat([x.reshape(-1) for x in xs]) if len(xs) > 1 else xs[0].reshape(-1)
 
 
 def _unflat(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
@@ -113,11 +131,11 @@ def _count_k(ratio: float, n: Tensor) -> Tensor:
 
 def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossParams) -> Tensor:
     """bool ``[B, T]``: the PPO clip is active (``L2 > L1``), ratio bounds from ``cfg``."""
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    return loss2 > loss1
+    na = -advantages
+    return na * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high) > na * ratio
 
 
+@torch.no_grad()
 def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorList,
                       old_logp: TensorList, advantages: TensorList, masks: TensorList,
                       step: int | Tensor = 0, salt: int = 0) -> CovSelection:
@@ -126,72 +144,99 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
-    Collectives: 1 (means) + 1 (metrics) + 8 (radix top-k; none with a DP group of one), no host
-    sync. Ties in the score go to the smaller global token index: with one DP rank the flat
-    position stands in for it (same order, see ``context.py``).
+    Work runs micro-batch by micro-batch (tensors of cache size): covariance, keys, one
+    ``topk`` each, then one ``topk`` over their candidates. Collectives with several DP ranks:
+    1 ``all_reduce`` (means) + 1 ``all_gather`` of each rank's candidates (keys, Cov values,
+    active count) when ``ctx.numel_bound`` is known (one process, gloo); else a radix selection
+    (4 ``all_reduce``) + 1 for the metrics. None with one rank; no host sync. Ties in the score
+    go to the smaller global token index: with one DP rank the flat position stands in for it
+    (same order, see ``context.py``).
     """
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
     device = lp[0].device
-    sizes = [m.numel() for m in ms]
-    valid = _flat(ms)
-    lp_f, adv_f = _flat([x.detach() for x in lp]), _flat([a.detach() for a in adv])
-    cov_f, batch_cov = _flat_covariance(ctx, lp_f, adv_f, valid, sizes)
-    one_rank = ctx.group is None or ctx.dp_size == 1
-    if one_rank:  # only the order of the tie-break index matters
-        idx = torch.arange(valid.numel(), dtype=torch.int64, device=device)
-    else:
-        idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
+    cov, batch_cov = _covariances(ctx, lp, adv, ms)
     if cfg.policy_loss == "kl_cov":
-        active = valid
-        keys = composite_key(float_order_key(cov_f), idx)
+        active = ms
+        scores = [float_order_u32(c) for c in cov]
         ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
-        old_f = _flat([o.detach() for o in old])
-        clipped = ppo_clipped(torch.exp(log_ratio(lp_f, old_f, None)), adv_f, cfg)
-        active = valid & (cov_f > cfg.clip_cov_lb) & (cov_f < cfg.clip_cov_ub) & ~clipped
+        active = [v & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
+                  & ~ppo_clipped(torch.exp(log_ratio(x, o, None)), a, cfg)
+                  for v, c, x, o, a in zip(ms, cov, lp, old, adv, strict=True)]
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        rand = token_hash32_flat(seed, step, [ctx.seq_index(i, m.shape[0], device)
-                                              for i, m in enumerate(ms)],
-                                 [m.shape[1] for m in ms])
-        keys = composite_key(rand, idx)
+        scores = token_hash32_rows_i32(seed, step, [ctx.seq_index(i, m.shape[0], device)
+                                                    for i, m in enumerate(ms)],
+                                       [m.shape[1] for m in ms])
         ratio_k = cfg.clip_cov_ratio
     else:
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    sel = global_topk_mask(keys, active, _count_k(ratio_k, ctx.num_tokens), ctx,
-                           k_max=topk_bound(ratio_k, valid.numel()))
-    sel_cov = zero_where_not(cov_f, mask_bits(sel, torch.float32)).sum(dtype=torch.float64)
-    sums = torch.stack([sel.sum().double(), sel_cov, active.sum().double()])
-    ctx.all_reduce(sums)
+    selected, top = _global_top(ctx, ms, scores, active, cov, ratio_k)
     n = ctx.num_tokens.clamp_min(1).double()
+    num = top.count.double()
     name = cfg.policy_loss
     stats = {"cov/batch_cov": batch_cov.float(),
-             "cov/mean_selected": (sums[1] / sums[0].clamp_min(1)).float(),
-             f"{name}/num_selected": sums[0].float(),
-             f"{name}/selected_frac": (sums[0] / n).float(),
-             f"{name}/candidate_frac": (sums[2] / n).float()}
-    return CovSelection(_unflat(sel, ms), stats)
+             "cov/mean_selected": (top.value_sum / num.clamp_min(1)).float(),
+             f"{name}/num_selected": num.float(),
+             f"{name}/selected_frac": (num / n).float(),
+             f"{name}/candidate_frac": (top.active.double() / n).float()}
+    return CovSelection(selected, stats)
 
 
+def _global_top(ctx: ReductionContext, ms: list[Tensor], scores: list[Tensor],
+                active: list[Tensor], values: list[Tensor], ratio: float
+                ) -> tuple[list[Tensor], TopK]:
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned int32 ``scores``
+    desc, global token index asc) among ``active`` ones; all lists per micro-batch
+    ``[B_m, T_m]``. One ``topk`` per micro-batch and one over their candidates; with several DP
+    ranks one ``all_gather`` of candidates when ``ctx.numel_bound`` is known, else the radix
+    selection (four all-reduces). Returns each micro-batch's selected mask and the totals."""
+    device = ms[0].device
+    k = _count_k(ratio, ctx.num_tokens)
+    one_rank = ctx.group is None or ctx.dp_size == 1
+    if one_rank:  # only the order of the tie-break index matters: flat position
+        revs, start = [], 0
+        for m in ms:
+            revs.append(reversed_index(m.numel(), device, start))
+            start += m.numel()
+        bound = start
+    else:
+        revs = [(2**31 - 1) - g.reshape(-1)
+                for g in global_token_index(ctx, [m.shape for m in ms], device)]
+        bound = ctx.numel_bound
+    keys = [masked_composite_key(sc.reshape(-1), ac.reshape(-1), r)
+            for sc, ac, r in zip(scores, active, revs, strict=True)]
+    vals = [v.reshape(-1) for v in values]
+    active_count = torch.stack([ac.sum() for ac in active]).sum()
+    if bound is not None:
+        sel, top = select_top_keys_chunks(keys, vals, active_count, k, topk_bound(ratio, bound),
+                                          ctx)
+        return [s_.view(m.shape) for s_, m in zip(sel, ms, strict=True)], top
+    # radix over device counts (no host bound of the global size)
+    flat_keys, flat_active = _flat(keys).clamp_min(0), _flat([a.reshape(-1) for a in active])
+    sel = global_topk_mask(flat_keys, flat_active, k, ctx)
+    value_sum = zero_where_not(_flat(vals), mask_bits(sel, torch.float32)).sum(
+        dtype=torch.float64)
+    sums = torch.stack([sel.sum().double(), value_sum, active_count.double()])
+    ctx.all_reduce(sums)
+    return _unflat(sel, ms), TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
+
+
+@torch.no_grad()
 def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advantages: TensorList,
                                 masks: TensorList, top_frac: float = 2e-4) -> dict[str, Tensor]:
     """§12 diagnostic: global batch ``Cov(log pi, A)`` and the mean ``Cov_t`` of the top
     ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
     mean over all tokens, so users see which tokens drive entropy collapse."""
     ms = [m.bool() for m in as_list(masks)]
-    device = ms[0].device
-    cov, batch_cov = token_covariance(ctx, logp, advantages, ms)
-    cov_f, valid = _flat(cov), _flat(ms)
-    idx = _flat(global_token_index(ctx, [m.shape for m in ms], device))
-    sel = global_topk_mask(composite_key(float_order_key(cov_f), idx), valid,
-                           _count_k(top_frac, ctx.num_tokens), ctx)
-    sums = torch.stack([sel.double().sum(), torch.where(sel, cov_f.double(), 0.0).sum()])
-    ctx.all_reduce(sums)
+    cov, batch_cov = _covariances(ctx, as_list(logp), as_list(advantages), ms)
+    _, top = _global_top(ctx, ms, [float_order_u32(c) for c in cov], ms, cov, top_frac)
+    num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),
-            "entropy_dynamics/cov_mean_top": (sums[1] / sums[0].clamp_min(1)).float(),
-            "entropy_dynamics/top_count": sums[0].float()}
+            "entropy_dynamics/cov_mean_top": (top.value_sum / num.clamp_min(1)).float(),
+            "entropy_dynamics/top_count": num.float()}
 
 
 def _selected(inp: LossInputs, name: str) -> Tensor:
@@ -202,31 +247,130 @@ def _selected(inp: LossInputs, name: str) -> Tensor:
     return inp.cov_selected.bool()
 
 
+def _fusable(*xs: Tensor) -> bool:
+    """The fused per-token losses below handle same-shape fp32/fp64 tensors of one dtype."""
+    return (all(x.dtype == xs[0].dtype and x.shape == xs[0].shape for x in xs)
+            and xs[0].dtype in (torch.float32, torch.float64))
+
+
+def _bits_of(mask: Tensor, like: Tensor) -> Tensor:
+    return mask_bits(mask, like.dtype)
+
+
+class _ClipCovLoss(torch.autograd.Function):
+    """PPO-clip per-token loss, zero outside ``keep`` (padding and the selected tokens); value and
+    gradient bit-identical to autograd through ``masked_zero(masked_zero(maximum(-A r,
+    -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the loss, then the
+    aggregation's padding mask). The backward is a few masked multiplications instead of the
+    generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU."""
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, keep: Tensor, lo: float,
+                hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
+        ctx.set_materialize_grads(False)
+        ratio = torch.exp(logp - old_logp)
+        na = -adv
+        loss1 = na * ratio
+        clamped = ratio.clamp(lo, hi)
+        loss2 = na * clamped
+        clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
+        keep_bits = _bits_of(keep, logp)
+        loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
+        if ctx.needs_input_grad[0]:
+            tie = loss1 == loss2
+            in_range = clamped == ratio  # == (ratio >= lo) & (ratio <= hi), NaN -> False
+            ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
+        ctx.mark_non_differentiable(clipped)
+        return loss, clipped
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _grad_clipped: Tensor | None = None):  # noqa: D102
+        """Autograd's chain, op for op: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to
+        each on a tie (``g * 0.5``, the same number), nothing to the smaller; each side times
+        ``-A``; ``clamp`` passes its side's share inside the bounds only; the two shares add up
+        (in either order, the same sum); times ``r`` (``exp``). Inside the bounds ``clamp(r) ==
+        r``, so both sides are equal and get the same share: ``t + t``; outside, the clamped
+        side's share is masked to +0: ``t + 0``. Hence no ``loss1 > loss2`` mask is needed."""
+        if grad is None:
+            return None, None, None, None, None, None
+        ratio, na, keep_bits, tie, clipped, in_range = ctx.saved_tensors
+        g = zero_where_not(grad, keep_bits)
+        g = g * torch.add(1.0, as_float(tie).to(g.dtype), alpha=-0.5)  # 0.5 on ties, else 1
+        t = zero_where_not(g, not_mask_bits(clipped, g.dtype)) * na
+        g_ratio = t + zero_where_not(t, _bits_of(in_range, g))
+        return g_ratio * ratio, None, None, None, None, None
+
+
 def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§4 Clip-Cov: PPO-clip (no dual clip, no log-ratio clamp) with the selected tokens'
     loss and gradient zeroed; they still count in the denominator."""
     sel = _selected(inp, "clip_cov")
-    ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
     a = inp.advantages
-    loss1 = -a * ratio
-    loss2 = -a * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    loss = masked_zero(torch.maximum(loss1, loss2), ~sel)
+    lo, hi = 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high
     m = inp.mask
+    if _fusable(inp.logp, inp.old_logp, a) and sel.shape == m.shape == inp.logp.shape:
+        loss, clipped = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, m.bool() & ~sel, lo, hi)
+        premasked = True
+    else:
+        ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
+        loss1 = -a * ratio
+        loss2 = -a * ratio.clamp(lo, hi)
+        loss, clipped = masked_zero(torch.maximum(loss1, loss2), ~sel), loss2 > loss1
+        premasked = False
     stats = {"clip_cov/zeroed_frac": mean_stat(sel, m),
-             "policy/clip_frac": mean_stat(loss2 > loss1, m),
+             "policy/clip_frac": mean_stat(clipped, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats)
+    return TokenLoss(loss, stats, premasked=premasked)
+
+
+class _KLCovLoss(torch.autograd.Function):
+    """``masked_zero(-A exp(lr) + masked_zero(coef * |lr|, sel), mask)`` with
+    ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), value and gradient
+    bit-identical to autograd through that expression, in fewer kernels."""
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, sel: Tensor, valid: Tensor,
+                coef: float) -> tuple[Tensor, Tensor]:  # noqa: D102
+        ctx.set_materialize_grads(False)
+        lr = logp - old_logp
+        e = torch.exp(lr)
+        na = -adv
+        abs_lr = lr.abs()
+        sel_bits, valid_bits = _bits_of(sel, logp), _bits_of(valid, logp)
+        loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(lr, e, na, sel_bits, valid_bits)
+        ctx.coef = coef
+        ctx.mark_non_differentiable(abs_lr)
+        return loss, abs_lr
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _grad_abs: Tensor | None = None):  # noqa: D102
+        if grad is None:
+            return None, None, None, None, None, None
+        lr, e, na, sel_bits, valid_bits = ctx.saved_tensors
+        grad = zero_where_not(grad, valid_bits)
+        g_pen = (zero_where_not(grad, sel_bits) * ctx.coef) * lr.sgn()
+        return (grad * na) * e + g_pen, None, None, None, None, None
 
 
 def kl_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     """§4 KL-Cov: ``-A r`` (no clipping) plus ``kl_cov_coef * |logp - old_logp|`` on the selected
     tokens."""
     sel = _selected(inp, "kl_cov")
-    lr = log_ratio(inp.logp, inp.old_logp, None)
-    loss = -inp.advantages * torch.exp(lr)
-    loss = loss + masked_zero(cfg.kl_cov_coef * lr.abs(), sel)
     m = inp.mask
+    if (_fusable(inp.logp, inp.old_logp, inp.advantages)
+            and sel.shape == m.shape == inp.logp.shape):
+        loss, abs_lr = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
+                                        float(cfg.kl_cov_coef))
+        premasked = True
+    else:
+        lr = log_ratio(inp.logp, inp.old_logp, None)
+        loss = -inp.advantages * torch.exp(lr)
+        abs_lr = lr.abs()
+        loss = loss + masked_zero(cfg.kl_cov_coef * abs_lr, sel)
+        premasked = False
     stats = {"kl_cov/penalised_frac": mean_stat(sel, m),
-             "policy/abs_log_ratio": mean_stat(lr.abs(), m),
+             "policy/abs_log_ratio": mean_stat(abs_lr, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats)
+    return TokenLoss(loss, stats, premasked=premasked)

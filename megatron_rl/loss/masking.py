@@ -23,6 +23,11 @@ def mask_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return -(mask.contiguous().view(torch.uint8).to(_INT_OF[dtype]))
 
 
+def not_mask_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`mask_bits` of ``~mask`` (all-ones where ``mask`` is false), one op fewer."""
+    return mask.contiguous().view(torch.uint8).to(_INT_OF[dtype]) - 1
+
+
 def zero_where_not(x: Tensor, bits: Tensor) -> Tensor:
     """``torch.where(mask, x, 0)`` bit for bit, ``bits`` from :func:`mask_bits` (``x``'s dtype).
     Not differentiable: use :func:`masked_zero` for tensors that need a gradient."""

@@ -45,7 +45,11 @@ def as_float(x: Tensor) -> Tensor:
 
 
 def mean_stat(value: Tensor, weight: Tensor) -> TokenStat:
-    return TokenStat(as_float(value), as_float(weight), "mean")
+    """Mean of ``value`` over ``weight``; bool values / weights stay bool (a mask needs no
+    multiplication and its counts are exact integer sums, same results as their 0/1 floats)."""
+    # bool tensors carry no gradient: kept as they are, so that records over one mask share it
+    return TokenStat(value if value.dtype == torch.bool else value.detach().float(),
+                     weight if weight.dtype == torch.bool else weight.detach().float(), "mean")
 
 
 class MetricAccumulator:
@@ -57,12 +61,41 @@ class MetricAccumulator:
         self._min: dict[str, Tensor] = {}
         self._max: dict[str, Tensor] = {}
         self._sum: dict[str, Tensor] = {}
+        # :meth:`update` keeps the sums of its masked means and sums in one fp64 vector (one
+        # addition per micro-batch instead of two per record) while every update has the same
+        # records; ``_vec_keys`` names its entries (dict, metric name).
+        self._vec: Tensor | None = None
+        self._vec_keys: tuple[tuple[str, str], ...] | None = None
+        self._vectorised = True
 
-    def add(self, name: str, stat: TokenStat) -> None:
+    def _flush(self) -> None:
+        """Move the running vector into the per-name sums (``0 + x`` as :meth:`add` starts)."""
+        if self._vec is not None:
+            for i, (store, name) in enumerate(self._vec_keys):
+                d = getattr(self, store)
+                d[name] = d.get(name, 0) + self._vec[i]
+        self._vec, self._vec_keys = None, None
+
+    def add(self, name: str, stat: TokenStat, _cache: dict | None = None) -> None:
         """Accumulate one record (sync-free)."""
+        if self._vec is not None:  # keep each sum's order of additions
+            self._flush()
+            self._vectorised = False
         v = stat.value.detach()
         if stat.kind == "sum":
             self._sum[name] = self._sum.get(name, 0) + v.sum(dtype=torch.float64)
+            return
+        if (stat.kind == "mean" and stat.weight is not None and stat.weight.dtype == torch.bool
+                and stat.weight.shape == v.shape):
+            self._add_masked_mean(name, v, stat.weight, {} if _cache is None else _cache)
+            return
+        if v.dtype == torch.bool:
+            v = as_float(v)
+        if stat.kind in ("min", "max") and stat.weight is None and v.dim() == 0:
+            m = v.to(torch.float64)  # one value, no mask: it is its own extremum
+            store, pick = ((self._min, torch.minimum) if stat.kind == "min"
+                           else (self._max, torch.maximum))
+            store[name] = pick(store[name], m) if name in store else m
             return
         w = stat.weight.detach() > 0 if stat.weight is not None else torch.ones_like(v, dtype=bool)
         if stat.kind == "mean":
@@ -83,12 +116,90 @@ class MetricAccumulator:
         else:
             raise ValueError(f"TokenStat.kind={stat.kind!r}; allowed: {list(KINDS)}")
 
+    def _add_masked_mean(self, name: str, v: Tensor, w: Tensor, cache: dict) -> None:
+        """``mean`` with a bool weight (the mask): the same sums as with its 0/1 float
+        (``v * 1 = v``; the count is an exact integer), without the multiplication; the mask's
+        bits and count are shared by the records of one :meth:`update` (``cache``)."""
+        key = (id(w), v.dtype)
+        if key not in cache:
+            cache[key] = (mask_bits(w, v.dtype) if v.dtype != torch.bool else None,
+                          w.sum().to(torch.float64))
+        bits, den = cache[key]
+        if v.dtype == torch.bool:
+            num = (v & w).sum().to(torch.float64)
+        else:
+            num = zero_where_not(v, bits).sum(dtype=torch.float64)
+        self._num[name] = self._num.get(name, 0) + num
+        self._den[name] = self._den.get(name, 0) + den
+
     def update(self, stats: dict[str, TokenStat]) -> None:
+        """Accumulate one micro-batch's records: bool-masked means of bool values share one
+        stacked count per mask, and every masked mean / sum lands in one fp64 vector added to
+        the running one (the same fp64 additions in the same order as per-record sums)."""
+        if not self._vectorised:
+            cache: dict = {}  # mask bits / counts shared by this update's records
+            for name, stat in stats.items():
+                self.add(name, stat, cache)
+            return
+        keys: list[tuple[str, str]] = []
+        parts: list[Tensor] = []
+        dens: dict[int, Tensor] = {}
+        bits: dict[tuple[int, torch.dtype], Tensor] = {}
+        groups: dict[int, tuple[Tensor, list[str], list[Tensor]]] = {}
+        rest: dict[str, TokenStat] = {}
         for name, stat in stats.items():
+            v = stat.value.detach()
+            w = stat.weight
+            if stat.kind == "sum":
+                keys.append(("_sum", name))
+                parts.append(v.sum(dtype=torch.float64).reshape(1))
+            elif (stat.kind == "mean" and w is not None and w.dtype == torch.bool
+                  and w.shape == v.shape and v.dim() > 0):
+                if id(w) not in dens:
+                    dens[id(w)] = w.sum().to(torch.float64).reshape(1)
+                if v.dtype == torch.bool:
+                    groups.setdefault(id(w), (w, [], []))[1].append(name)
+                    groups[id(w)][2].append(v)
+                    continue
+                if (id(w), v.dtype) not in bits:
+                    bits[(id(w), v.dtype)] = mask_bits(w, v.dtype)
+                keys += [("_num", name), ("_den", name)]
+                parts += [zero_where_not(v, bits[(id(w), v.dtype)]).sum(dtype=torch.float64)
+                          .reshape(1), dens[id(w)]]
+            else:
+                rest[name] = stat
+        for wid, (w, names, vals) in groups.items():
+            counts = (torch.stack(vals) & w).reshape(len(vals), -1).sum(1).to(torch.float64)
+            keys += [("_num", n) for n in names] + [("_den", n) for n in names]
+            parts += [counts, dens[wid].expand(len(names))]
+        if parts:
+            vec = torch.cat(parts)
+            keys_t = tuple(keys)
+            if self._vec is None and not any(n in getattr(self, d) for d, n in keys_t):
+                self._vec, self._vec_keys = torch.zeros_like(vec) + vec, keys_t
+            elif self._vec is not None and keys_t == self._vec_keys:
+                self._vec = self._vec + vec
+            else:  # the records changed: per-name sums from now on, same order of additions
+                self._flush()
+                self._vectorised = False
+                for i, (d, n) in enumerate(keys_t):
+                    store = getattr(self, d)
+                    store[n] = store.get(n, 0) + vec[i]
+        for name, stat in rest.items():
+            self._add_rest(name, stat)
+
+    def _add_rest(self, name: str, stat: TokenStat) -> None:
+        vectorised, self._vectorised = self._vectorised, False
+        vec, self._vec = self._vec, None  # min / max records do not touch the vector
+        try:
             self.add(name, stat)
+        finally:
+            self._vec, self._vectorised = vec, vectorised
 
     def reduce(self, ctx: ReductionContext) -> dict[str, Tensor]:
         """All-reduce (2 collectives) and return ``{name: 0-dim fp32 tensor}``."""
+        self._flush()
+        self._vectorised = False
         out: dict[str, Tensor] = {}
         mean_names, sum_names = sorted(self._num), sorted(self._sum)
         if mean_names or sum_names:

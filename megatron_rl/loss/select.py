@@ -16,6 +16,7 @@ Both run on device with integer tensor ops and never read a value on the host.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -73,20 +74,62 @@ def token_hash32_flat(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
     flattened row-major and concatenated: ``[sum B_i T_i]`` int64, the same values. The sequence
     and position parts are hashed once for all micro-batches, the per-token mix once on the flat
     tensor (few kernels whatever the number of micro-batches)."""
+    return unsigned_i64(token_hash32_flat_i32(seed, step, seq_idx, lengths))
+
+
+def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                          lengths: Sequence[int]) -> Tensor:
+    """:func:`token_hash32_flat` as int32 bit patterns (read them with :func:`unsigned_i64`)."""
     rows = [s.to(torch.int64) for s in seq_idx]
     device = rows[0].device
-    seq = torch.cat(rows)
+    seq = torch.cat(rows) if len(rows) > 1 else rows[0]
     step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
     h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
     h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
-    pos = torch.arange(max(lengths), dtype=torch.int64, device=device)
-    h_pos = _to_i32(_fmix32(_fmix32((pos & _M32) ^ 0x9E3779B9)))
-    parts, start = [], 0
+    h_pos = _position_hash(max(lengths), device)
+    if all(t == lengths[0] for t in lengths):  # one broadcast for all micro-batches
+        mixed = (h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0)).reshape(-1)
+    else:
+        parts, start = [], 0
+        for r, t in zip(rows, lengths, strict=True):
+            parts.append((h_seq[start:start + r.numel()].unsqueeze(-1) ^ h_pos[:t].unsqueeze(0))
+                         .reshape(-1))
+            start += r.numel()
+        mixed = torch.cat(parts)
+    return _fmix32_i32(mixed)
+
+
+_POS_HASH: dict[str, Tensor] = {}
+
+
+def _position_hash(t: int, device: torch.device) -> Tensor:
+    """int32 ``[t]``: the per-position part of :func:`token_hash32` (it depends on nothing else,
+    so the longest one per device is kept and sliced)."""
+    have = _POS_HASH.get(str(device))
+    if have is None or have.numel() < t:
+        pos = torch.arange(t, dtype=torch.int64, device=device)
+        have = _to_i32(_fmix32(_fmix32((pos & _M32) ^ 0x9E3779B9)))
+        _POS_HASH[str(device)] = have
+    return have[:t]
+
+
+def token_hash32_rows_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                          lengths: Sequence[int]) -> list[Tensor]:
+    """:func:`token_hash32` per micro-batch as int32 bit patterns ``[B_i, T_i]`` (the sequence
+    and position parts hashed once for all micro-batches; read with :func:`unsigned_i64`)."""
+    rows = [s.to(torch.int64) for s in seq_idx]
+    device = rows[0].device
+    seq = torch.cat(rows) if len(rows) > 1 else rows[0]
+    step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
+    h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
+    h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
+    h_pos = _position_hash(max(lengths), device)
+    out, start = [], 0
     for r, t in zip(rows, lengths, strict=True):
-        parts.append((h_seq[start:start + r.numel()].unsqueeze(-1) ^ h_pos[:t].unsqueeze(0))
-                     .reshape(-1))
+        out.append(_fmix32_i32(h_seq[start:start + r.numel()].unsqueeze(-1)
+                               ^ h_pos[:t].unsqueeze(0)))
         start += r.numel()
-    return _fmix32_i32(torch.cat(parts)).to(torch.int64) & _M32
+    return out
 
 
 def _to_i32(x: Tensor) -> Tensor:
@@ -108,6 +151,21 @@ def _fmix32_i32(h: Tensor) -> Tensor:
     h = h ^ ((h >> 13) & 0x7FFFF)
     h = h * _i32(0xC2B2AE35)
     return h ^ ((h >> 16) & 0xFFFF)
+
+
+def unsigned_i64(x: Tensor) -> Tensor:
+    """int32 tensor read as unsigned 32-bit -> int64 in ``[0, 2**32)`` (on CPU one conversion
+    through a ``uint32`` view; elsewhere sign extension and a mask, ops every backend has)."""
+    if x.device.type == "cpu":
+        return x.contiguous().view(torch.uint32).to(torch.int64)
+    return x.to(torch.int64) & _M32
+
+
+def float_order_u32(x: Tensor) -> Tensor:
+    """int32 bits whose **unsigned** order equals the order of the fp32 values ``x`` (no NaN):
+    :func:`float_order_key` ``== unsigned_i64(float_order_u32(x))``, in int32 ops only."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ _i32(0x80000000)
 
 
 def float_order_key(x: Tensor) -> Tensor:
@@ -182,3 +240,112 @@ def local_topk_mask(keys: Tensor, active: Tensor, k: Tensor, k_max: int) -> Tens
     k_eff = torch.minimum(k.to(torch.int64), active.sum())
     thr = top.gather(0, (k_eff - 1).clamp(0, top.numel() - 1).view(1)).squeeze(0)
     return active & (keys >= thr) & (k_eff > 0)
+
+
+def masked_composite_key(score_u32: Tensor, active: Tensor, rev_index: Tensor) -> Tensor:
+    """Unique int64 key ``(unsigned score << 31) | rev_index`` of the ``active`` tokens, -1 for
+    the others (below every real key). ``score_u32``: int32 bit patterns read as unsigned;
+    ``rev_index = 2**31 - 1 - global index`` (the smaller index wins ties). All 1-D, same length;
+    the same keys as ``composite_key(unsigned_i64(score_u32), index)`` with inactive ones at -1."""
+    not_active = active.contiguous().view(torch.uint8).to(torch.int64) - 1  # 0 / -1
+    return (unsigned_i64(score_u32) << _IDX_BITS) | rev_index | not_active
+
+
+_REV_INDEX: dict[str, Tensor] = {}
+
+
+def reversed_index(n: int, device: torch.device, start: int = 0) -> Tensor:
+    """``2**31 - 1 - arange(start, start + n)``: :func:`masked_composite_key`'s ``rev_index``
+    of one process (flat positions; the longest one per device is kept and sliced)."""
+    have = _REV_INDEX.get(str(device))
+    if have is None or have.numel() < start + n:
+        top = 2**_IDX_BITS - 1
+        have = torch.arange(top, top - (start + n), -1, dtype=torch.int64, device=device)
+        _REV_INDEX[str(device)] = have
+    return have[start:start + n]
+
+
+@dataclass
+class TopK:
+    """Result of :func:`select_top_keys`: this rank's selected tokens and global totals."""
+
+    selected: Tensor  # [N] bool, this rank's tokens among the global top k
+    count: Tensor  # int64 0-dim: number selected over all ranks, min(k, #active)
+    active: Tensor  # int64 0-dim: active tokens over all ranks
+    value_sum: Tensor  # fp64 0-dim: sum of ``values`` over the selected tokens of all ranks
+
+
+def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tensor, k_max: int,
+                    ctx: ReductionContext) -> TopK:
+    """Exact global top-``min(k, #active)`` of masked unique int64 ``keys`` ([N], -1 = inactive,
+    from :func:`masked_composite_key` with global indices), given a host bound ``k_max >= k``.
+
+    ``values`` ([N] fp32) are summed over the selection (a metric); ``active_count`` is this
+    rank's number of active tokens (int64 0-dim). One ``topk`` of ``min(k_max, N)`` keys per
+    rank; with several DP ranks each sends its ``k_max`` best keys, their values and its active
+    count in **one** ``all_gather`` (every token of the global top k is among its rank's top
+    ``k_max``), and every rank picks the global top k from the gathered candidates. No host sync.
+    """
+    n, device = keys.numel(), keys.device
+    kk = min(int(k_max), n)
+    if kk > 0:
+        top_v, top_i = torch.topk(keys, kk, sorted=True)
+    else:
+        top_v = torch.empty(0, dtype=torch.int64, device=device)
+        top_i = torch.empty(0, dtype=torch.int64, device=device)
+    top_val = values.gather(0, top_i).to(torch.float64)
+    k = k.to(torch.int64)
+    if ctx.group is None or ctx.dp_size == 1:
+        count = torch.minimum(k, active_count.to(torch.int64))
+        flags = (torch.arange(kk, device=device) < count) & (top_v >= 0)
+        total_active = active_count.to(torch.int64)
+        value_sum = torch.where(flags, top_val, 0.0).sum()
+    else:
+        import torch.distributed as dist
+
+        cand = torch.full((2 * k_max + 1,), -1, dtype=torch.int64, device=device)
+        cand[:kk] = top_v
+        cand[k_max:k_max + kk] = top_val.view(torch.int64)
+        cand[2 * k_max] = active_count
+        rows = [torch.empty_like(cand) for _ in range(ctx.dp_size)]
+        dist.all_gather(rows, cand, group=ctx.group)  # the one collective of the selection
+        g = torch.stack(rows)
+        g_keys = g[:, :k_max].reshape(-1)
+        g_vals = g[:, k_max:2 * k_max].reshape(-1).view(torch.float64)
+        total_active = g[:, 2 * k_max].sum()
+        count = torch.minimum(k, total_active)
+        best_v, best_i = torch.topk(g_keys, min(k_max, g_keys.numel()), sorted=True)
+        g_flags = (torch.arange(best_v.numel(), device=device) < count) & (best_v >= 0)
+        thr = best_v.gather(0, (count - 1).clamp(0, best_v.numel() - 1).view(1)).squeeze(0)
+        flags = (top_v >= thr) & (top_v >= 0) & (count > 0)
+        value_sum = torch.where(g_flags, g_vals.gather(0, best_i), 0.0).sum()
+    selected = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, top_i, flags)
+    return TopK(selected, count, total_active, value_sum)
+
+
+def select_top_keys_chunks(keys: Sequence[Tensor], values: Sequence[Tensor], active_count: Tensor,
+                           k: Tensor, k_max: int, ctx: ReductionContext
+                           ) -> tuple[list[Tensor], TopK]:
+    """:func:`select_top_keys` over several 1-D chunks (one per micro-batch, each small enough
+    to stay in cache): one ``topk`` of ``min(k_max, n_i)`` per chunk, then the selection over
+    the concatenated chunk candidates (the global top k is among them). Returns each chunk's
+    selected mask and the totals (``TopK.selected`` is over the candidates)."""
+    device = keys[0].device
+    tops, cand_v, cand_x = [], [], []
+    for kc, vc in zip(keys, values, strict=True):
+        kk = min(int(k_max), kc.numel())
+        if kk > 0:
+            tv, ti = torch.topk(kc, kk, sorted=False)
+        else:
+            tv = torch.empty(0, dtype=torch.int64, device=device)
+            ti = torch.empty(0, dtype=torch.int64, device=device)
+        tops.append(ti)
+        cand_v.append(tv)
+        cand_x.append(vc.gather(0, ti))
+    res = select_top_keys(torch.cat(cand_v), torch.cat(cand_x), active_count, k, k_max, ctx)
+    out, start = [], 0
+    for kc, ti in zip(keys, tops, strict=True):
+        out.append(torch.zeros(kc.numel(), dtype=torch.bool, device=device)
+                   .scatter_(0, ti, res.selected[start:start + ti.numel()]))
+        start += ti.numel()
+    return out, res

@@ -36,10 +36,14 @@ class LossInputs:
 
 @dataclass
 class TokenLoss:
-    """A policy loss before aggregation: per-token loss ``[B, T]`` and its metric records."""
+    """A policy loss before aggregation: per-token loss ``[B, T]`` and its metric records.
+
+    ``premasked``: the loss is already +0 at padding (``~mask``) with its gradient masked alike,
+    so the aggregation may skip its own padding mask (same values and gradients)."""
 
     loss: Tensor
     stats: dict[str, TokenStat] = field(default_factory=dict)
+    premasked: bool = False
 
 
 @dataclass
