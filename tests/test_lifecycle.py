@@ -122,14 +122,14 @@ TINY = ("sft.steps=3", "trainer.total_steps=3", "trainer.save_freq=1", "trainer.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigterm_mid_checkpoint_stops_all_processes_then_resume_finishes(tmp_path):
-    """TP2 x PP2: SIGTERM to the launcher while rank 0 is inside the checkpoint write of step 2
+    """TP1 x PP2: SIGTERM to the launcher while rank 0 is inside the checkpoint write of step 2
     (files written, not yet renamed). Every descendant is gone within the bound, the unfinished
     checkpoint is removed, a second trainer was refused meanwhile, and the resumed run finishes
     with each step logged once."""
     out = tmp_path / "run"
     marker = str(tmp_path / "chaos.jsonl")
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={out}", *TINY]
+           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", *TINY]
     env = {**ENV, "MRL_CHAOS_PHASE": marker, "MRL_CHAOS_HOLD": "1:checkpoint:0"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -140,7 +140,7 @@ def test_sigterm_mid_checkpoint_stops_all_processes_then_resume_finishes(tmp_pat
         time.sleep(0.05)
     assert proc.poll() is None, proc.stdout.read()[-3000:]
     tree = psutil.Process(proc.pid).children(recursive=True)
-    assert len(tree) >= 4  # the four ranks (and their helpers)
+    assert len(tree) >= 2  # the two ranks (and their helpers)
     assert json.loads(open(out / "run.lock").read())["pid"] == proc.pid
     second = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert second.returncode == 2 and "in use by a live trainer" in second.stderr

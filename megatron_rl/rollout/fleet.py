@@ -6,7 +6,11 @@
 ``router_url`` is given) and registers every server through the router's worker API (router 0.3:
 ``POST /workers {"url"}`` -> ``worker_id``, ``GET /workers``, ``DELETE /workers/<worker_id>``).
 :meth:`Fleet.check_health` probes each server's ``/health_generate`` and removes a dead one from
-the router (its requests are retried elsewhere by the client).
+the router (its requests are retried elsewhere by the client). A dead server this fleet started
+is restarted at once (``restart_dead``, at most ``max_restarts`` times per server) on a new port;
+it stays out of the router until a weight sync has given it the current weights: the sync's
+targets are :meth:`Fleet.sync_targets` (registered servers + restarted ones, once healthy) and a
+verified sync ends with :meth:`Fleet.rejoin`.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ class Fleet:
         self.router_url = s.router_url or f"http://{s.host}:{s.router_port}"
         self.workers: dict[str, str] = {}
         self.dead: list[str] = []
+        self.slot: dict[str, int] = {}  # url -> server index i, for servers started here
+        self.pending: dict[str, int] = {}  # restarted, not in the router until a sync: url -> i
+        self.restarts: dict[int, int] = {}  # server index -> restarts so far
         self._health_lock = threading.Lock()
         atexit.register(self.stop)
 
@@ -164,16 +171,19 @@ class Fleet:
         return subprocess.Popen(guard + cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
-    def start_server(self, i: int) -> str:
-        """Start server ``i`` (port ``router_port + 1 + i``, GPUs ``gpus[i*tp:(i+1)*tp]``)."""
+    def start_server(self, i: int, port: int | None = None, log_name: str | None = None
+                     ) -> str:
+        """Start server ``i`` (port ``router_port + 1 + i`` unless given, GPUs
+        ``gpus[i*tp:(i+1)*tp]``); log ``server{i}.log`` unless ``log_name``."""
         s = self.s
-        port = s.router_port + 1 + i
+        port = s.router_port + 1 + i if port is None else port
         url = f"http://{s.host}:{port}"
         env = dict(os.environ)
         if gpus := server_gpus(s, i):  # colocate: the trainer's GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        self.procs[url] = self._spawn(f"server{i}", server_command(s, port, self.model_path,
-                                                                   self.eos_id), env)
+        self.procs[url] = self._spawn(log_name or f"server{i}",
+                                      server_command(s, port, self.model_path, self.eos_id), env)
+        self.slot[url] = i
         return url
 
     def start(self) -> Fleet:
@@ -269,6 +279,92 @@ class Fleet:
                 self.remove_worker(u)
                 self.dead.append(u)
                 dead.append(u)
-        if not self.workers:
+                self._restart(u)
+        for u in list(self.pending):  # a restarted server that died before it rejoined
+            proc = self.procs.get(u)
+            if proc is not None and proc.poll() is not None:
+                self.dead.append(u)
+                dead.append(u)
+                self._restart(u)
+        if not self.workers and not self.pending:
             raise FleetError(f"every rollout server is dead ({self.dead})")
         return dead
+
+    # ---- restarts ------------------------------------------------------------------------------
+    def _end_process(self, url: str) -> None:
+        """End the (guarded) process of ``url`` if it still runs (a hung server) and forget it."""
+        proc = self.procs.pop(url, None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()  # the guard ends the server's whole process tree
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def _restart(self, url: str) -> str | None:
+        """Restart the dead server ``url`` on a new port (``restart_dead``, at most
+        ``max_restarts`` times per server; attached servers are only removed). It joins the
+        next sync's targets (:meth:`sync_targets`) and the router after it (:meth:`rejoin`).
+        Returns its new URL, None when it is not restarted."""
+        i = self.slot.pop(url, None)
+        self.pending.pop(url, None)
+        if i is None:  # attached by URL: not ours to restart
+            return None
+        self._end_process(url)
+        if not getattr(self.s, "restart_dead", True):
+            print(f"[fleet] server {i} ({url}) died; removed from the router "
+                  "(rollout.sglang.restart_dead=false)", flush=True)
+            return None
+        k, limit = self.restarts.get(i, 0), getattr(self.s, "max_restarts", 3)
+        if k >= limit:
+            print(f"[fleet] server {i} ({url}) died; not restarted: it was restarted {k} times "
+                  f"(rollout.sglang.max_restarts={limit}); removed from the router", flush=True)
+            return None
+        self.restarts[i] = k + 1
+        new = self.start_server(i, port=free_port(self.s.host),
+                                log_name=f"server{i}-restart{k + 1}")
+        self.pending[new] = i
+        print(f"[fleet] server {i} ({url}) died; restarted as {new} (restart {k + 1}/{limit}); "
+              "it rejoins the router once the next weight sync has given it the current "
+              "weights", flush=True)
+        return new
+
+    def sync_targets(self) -> list[str]:
+        """The servers a weight sync must reach: the registered ones and every restarted one,
+        waiting until it is healthy (one that fails to start is restarted again, bounded by
+        ``max_restarts``)."""
+        with self._health_lock:
+            ready: list[str] = []
+            while todo := [u for u in self.pending if u not in ready]:
+                for u in todo:
+                    try:
+                        wait_healthy(u, self.timeout, self.procs.get(u))
+                        ready.append(u)
+                    except FleetError as exc:
+                        print(f"[fleet] restarted server {u} did not start: {exc}", flush=True)
+                        self.dead.append(u)
+                        self._restart(u)
+            return self.urls + ready
+
+    def rejoin(self, urls: list[str], version: int | str) -> list[str]:
+        """Register with the router every restarted server among ``urls`` (they took part in
+        the verified sync of ``version``, so they hold the current weights). Returns them."""
+        back = []
+        with self._health_lock:
+            for u in urls:
+                if u in self.pending:
+                    self.add_worker(u)
+                    i = self.pending.pop(u)
+                    back.append(u)
+                    print(f"[fleet] restarted server {i} ({u}) holds weight version {version}; "
+                          "back in the router", flush=True)
+        return back
+
+
+def free_port(host: str) -> int:
+    """A port nobody listens on at ``host`` now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
