@@ -132,7 +132,7 @@ class TrainerSection:
     keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
     deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
-    plots: bool = True  # PNG curves in OUTPUT_DIR/plots/ when the run ends
+    plots: bool = True  # PNG curves in OUTPUT_DIR/plots/ at the end (or: megatron_rl plot DIR)
 
 
 @dataclass

@@ -72,8 +72,6 @@ EXTRA_DOCS: dict[str, str] = {
                           "`output_dir=`)",
     "trainer.seed": "seed of model initialisation, rollout sampling and the warm start",
     "trainer.resume": "continue from OUTPUT_DIR's newest checkpoint when there is one",
-    "trainer.plots": "write PNG curves to OUTPUT_DIR/plots/ when the run ends (also: "
-                     "`python -m megatron_rl plot RUN_DIR`)",
     "sft.steps": "supervised warm-start steps before RL (0 = none)",
     "sft.batch_size": "warm-start sequences per step",
     "sft.lr": "warm-start learning rate",
