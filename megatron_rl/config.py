@@ -41,6 +41,7 @@ class ParallelSection:
     backend: str = "auto"  # auto (NCCL with GPUs, else gloo) | nccl | gloo (CPU ranks); docs/gpu.md
     timeout_s: float = 1800.0  # collectives of the update, checkpoints, weight sync
     host_timeout_s: float = 14400.0  # host objects: ranks wait here while rank 0 generates
+    socket_ifname: str = ""  # multi-node: interface of the rendezvous and gloo/NCCL sockets
 
 
 @dataclass
