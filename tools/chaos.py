@@ -29,6 +29,7 @@ Prints a table of faults x outcome and, last, ``chaos: injected=N survived=M``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -82,6 +83,10 @@ class Outcome:
     note: str = ""
     chain: str = ""  # the chain this fault was struck in ("" = a run of its own)
     seconds: float = 0.0  # wall time spent on this fault (a chain's final run shared out)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.engine, self.target, self.sig, self.phase
 
     @property
     def survived(self) -> bool:
@@ -381,6 +386,19 @@ def plan(args) -> list[Outcome]:
             for p in args.phases if not (t == "server" and e == "embedded")]
 
 
+def load_results(path: str) -> list[Outcome]:
+    """The faults recorded in a ``--results`` file (the last record of each fault wins)."""
+    if not os.path.exists(path):
+        return []
+    by_key: dict = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                o = Outcome(**json.loads(line))
+                by_key[o.key] = o
+    return list(by_key.values())
+
+
 def groups(faults: list[Outcome], n: int) -> list[list[Outcome]]:
     """Chains of up to ``n`` faults of one engine, target and signal, in plan order; server faults
     (the run goes on to its end) always run on their own."""
@@ -401,7 +419,7 @@ def table(outcomes: list[Outcome]) -> str:
     rows = [head]
     for o in outcomes:
         rows.append((o.engine, o.target, o.sig, o.phase, str(o.rc),
-                     "-" if o.stop_s is None else f"{o.stop_s:.1f}", str(len(o.orphans)),
+                     "n/r" if o.stop_s is None else f"{o.stop_s:.1f}", str(len(o.orphans)),
                      "yes" if o.resumed else "no", "yes" if o.metrics_equal else "NO",
                      "yes" if o.weights_equal else "NO", "yes" if o.survived else "NO",
                      o.chain or "own", f"{o.seconds:.0f}"))
@@ -431,8 +449,18 @@ def main(argv: list[str] | None = None) -> int:
                          "into one run, each into the resumed run of the one before, and compare "
                          "once at the end (a failed chain is redone fault by fault); 1 = every "
                          "fault in a run of its own (default: %(default)s; --quick: 1)")
+    ap.add_argument("--results", default=None, metavar="FILE",
+                    help="append one JSON line per finished fault to FILE; the table and the "
+                         "last line then cover every fault in FILE")
+    ap.add_argument("--skip-done", action="store_true",
+                    help="with --results: leave out the faults FILE already holds (go on with "
+                         "an interrupted campaign)")
     args = ap.parse_args(argv)
     faults = plan(args)
+    earlier = load_results(args.results) if args.results else []
+    if args.skip_done:
+        seen = {o.key for o in earlier}
+        faults = [o for o in faults if o.key not in seen]
     chain_len = 1 if args.quick else max(1, args.chain)
     work = args.work or tempfile.mkdtemp(prefix="mrl-chaos-")
     os.makedirs(work, exist_ok=True)
@@ -449,14 +477,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"chaos: {engine} reference run ({time.monotonic() - t0:.0f} s)", flush=True)
         ref, ov = refs[engine]
         if len(group) == 1:
-            done.append(one_fault(group[0], work, ref, fresh(engine, ov)))
-            _report(done[-1])
+            finished = [one_fault(group[0], work, ref, fresh(engine, ov))]
         else:
             g = group[0]
-            name = f"{engine}-{g.target}-{g.sig}-chain{len(done)}"
-            for o in chain(group, work, ref, ov, name):
-                done.append(o)
-                _report(o)
+            finished = chain(group, work, ref, ov, f"{engine}-{g.target}-{g.sig}-chain{len(done)}")
+        for o in finished:
+            done.append(o)
+            _report(o)
+            if args.results:
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(dataclasses.asdict(o)) + "\n")
+    if args.results:  # every fault of the campaign so far, this invocation's last
+        mine = {o.key for o in done}
+        done = [o for o in load_results(args.results) if o.key not in mine] + done
     print(table(done))
     print(f"chaos: wall {time.monotonic() - t_start:.0f} s, {len(refs)} reference run(s)",
           flush=True)
