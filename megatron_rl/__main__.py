@@ -1,5 +1,3 @@
-import sys
+from megatron_rl.cli import run
 
-from megatron_rl.cli import main
-
-sys.exit(main())
+run()

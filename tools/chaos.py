@@ -369,8 +369,14 @@ def _report(o: Outcome, what: str = "") -> None:
           f"{' ' + o.note if o.note else ''}", flush=True)
 
 
-def reference(engine: str, work: str, overrides: list[str]) -> dict:
+def reference(engine: str, work: str, overrides: list[str], reuse: bool = False) -> dict:
+    """The uninterrupted run's metrics and final state; ``reuse``: an uninterrupted run already
+    finished in ``work`` (same code and settings: the caller's word) is taken as it is."""
     out = os.path.join(work, f"{engine}-reference")
+    done = os.path.exists(out + ".log") and "summary: " in open(out + ".log").read()
+    if reuse and done:
+        tensors, trainer = final_state(out)
+        return {"metrics": metrics(out), "tensors": tensors, "trainer": trainer}
     shutil.rmtree(out, ignore_errors=True)
     rc = run(out, overrides)
     if rc != 0:
@@ -459,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-done", action="store_true",
                     help="with --results: leave out the faults FILE already holds (go on with "
                          "an interrupted campaign)")
+    ap.add_argument("--reuse-reference", action="store_true",
+                    help="take a finished uninterrupted run in --work as it is")
     args = ap.parse_args(argv)
     faults = plan(args)
     earlier = load_results(args.results) if args.results else []
@@ -477,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         if engine not in refs:
             ov = engine_overrides(engine)
             t0 = time.monotonic()
-            refs[engine] = (reference(engine, work, ov), ov)
+            refs[engine] = (reference(engine, work, ov, args.reuse_reference), ov)
             print(f"chaos: {engine} reference run ({time.monotonic() - t0:.0f} s)", flush=True)
         ref, ov = refs[engine]
         if len(group) == 1:
