@@ -34,5 +34,5 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
         "sglang": ["sglang"],  # real SGLang servers (GPU); CPU runs use our `serve`
     },
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli.app:main"]},
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli.app:run"]},
 )

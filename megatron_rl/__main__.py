@@ -1,5 +1,3 @@
-import sys
+from megatron_rl.cli.app import run
 
-from megatron_rl.cli.app import main
-
-sys.exit(main())
+run()

@@ -195,3 +195,22 @@ def test_two_routers_on_one_machine_both_start(tmp_path):
         for proc, _ in procs:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def test_cli_exit_now_keeps_output_exit_code_and_atexit(tmp_path):
+    """``train``/``sft``/``eval`` end with ``os._exit`` (no interpreter teardown): what they
+    printed to a pipe still arrives, the exit code is theirs, and ``atexit`` handlers still run."""
+    from megatron_rl.cli.app import exit_now  # noqa: F401 - the helper under test exists
+
+    flag = tmp_path / "atexit_ran"
+    code = (f"import atexit, sys; atexit.register(lambda: open({str(flag)!r}, 'w').close()); "
+            "from megatron_rl.cli.app import run; run()")
+    ok = subprocess.run([sys.executable, "-c", code, "train", "--check",
+                         "examples/tiny_dapo.yaml"], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0 and "config ok: examples/tiny_dapo.yaml" in ok.stdout, ok
+    assert flag.exists()
+    bad = subprocess.run([sys.executable, "-m", "megatron_rl", "train", "--check",
+                          "examples/tiny_dapo.yaml", "parallel.tpp=2"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "parallel.tpp" in bad.stderr, bad

@@ -30,6 +30,7 @@ Prints a table of faults x outcome and, last, ``chaos: injected=N survived=M``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -57,7 +58,7 @@ BASE = ("parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3", "trainer.test
         "trainer.save_freq=1", "trainer.train_batch_size=4", "rollout.n=4",
         "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false", "rollout.val_n=1",
         "actor.micro_batch_size=8", "sft.steps=3", "data.val_size=8",
-        "rollout.per_request_seed=true", "rollout.temperature=0.9")
+        "rollout.per_request_seed=true", "rollout.temperature=0.9", "trainer.plots=false")
 # Keys that may differ after a fault: wall times and rates, process stats (sys/: resident memory,
 # open files), and the fleet's count of retried requests.
 VOLATILE_PREFIXES = ("time/", "gpu/", "sys/", "rollout/request_retries", "rollout/aborted_requests",
@@ -81,6 +82,12 @@ class Outcome:
     metrics_equal: bool = False
     weights_equal: bool = False
     note: str = ""
+    chain: str = ""  # the chain this fault was struck in ("" = a run of its own)
+    seconds: float = 0.0  # wall time spent on this fault (a chain's final run shared out)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.engine, self.target, self.sig, self.phase
 
     @property
     def survived(self) -> bool:
@@ -190,11 +197,13 @@ def _server_pid(tree, port: int) -> int | None:
     return None
 
 
-def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900) -> int | None:
-    """Start the run, strike at the marker, wait for the launcher; the launcher's exit code."""
+def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900,
+           tag: str = "") -> int | None:
+    """Start the run (or resume it), strike at the marker, wait for the launcher; the launcher's
+    exit code. ``tag`` names this run's marker file (one per run of a chain)."""
     import psutil
 
-    marker = os.path.join(out + ".chaos.jsonl")
+    marker = os.path.join(out + f".chaos{tag}.jsonl")
     hold_rank = VICTIM_RANK if o.target == "rank" else 0
     env = _env({"MRL_CHAOS_PHASE": marker, "MRL_CHAOS_HOLD": f"{STRIKE_STEP}:{o.phase}:"
                 f"{hold_rank}", "MRL_CHAOS_HOLD_S": "300"})
@@ -263,40 +272,112 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def one_fault(o: Outcome, work: str, ref: dict, overrides: list[str]) -> Outcome:
-    """Inject ``o``, resume if the run stopped, compare with the reference run."""
+def strike(o: Outcome, out: str, overrides: list[str], tag: str = "") -> None:
+    """Inject ``o`` into the run in ``out`` (fresh, or resumed after an earlier fault of a chain)
+    and check how it stopped: exit code, orphans, unfinished checkpoints, a loadable ``latest``.
+    Sets ``o.note`` when the fault was not survived so far."""
     import glob
 
     from megatron_rl.actor.checkpoint import latest_checkpoint
 
-    out = os.path.join(work, f"{o.engine}-{o.target}-{o.sig}-{o.phase}")
-    shutil.rmtree(out, ignore_errors=True)
-    o.rc = inject(o, out, overrides)
+    o.rc = inject(o, out, overrides, tag=tag)
     if o.note:
-        return o
+        return
     if o.target != "launcher" or o.sig != "KILL":  # the launcher cleaned up after itself
         o.partial = sorted(glob.glob(os.path.join(out, "*checkpoints", "step_*.tmp")))
     try:
         latest_checkpoint(os.path.join(out, "checkpoints"))
     except Exception as exc:  # noqa: BLE001 - a broken 'latest' is a finding
         o.note = f"latest is broken: {exc}"
-        return o
-    if o.rc != 0:
-        o.resumed = True
-        # fleet: fresh ports (another process may have taken the old ones meanwhile)
-        rc = run(out, engine_overrides(o.engine) if o.engine == "fleet" else overrides)
+        return
+    if o.target != "server" and o.rc == 0:
+        o.note = f"the run finished (exit 0) after SIG{o.sig} to the {o.target}"
+
+
+def finish(outcomes: list[Outcome], out: str, ref: dict, overrides: list[str]) -> None:
+    """Resume the run in ``out`` if it stopped (no fault), compare its metrics and final
+    checkpoint with the reference run; the verdict applies to every fault in ``outcomes``."""
+    last = outcomes[-1]
+    if last.rc != 0:
+        for o in outcomes:
+            o.resumed = True
+        rc = run(out, overrides)
         if rc != 0:
-            o.note = f"resume exited {rc} (log {out}.log)"
-            return o
-    got = metrics(out)
-    o.metrics_equal = got == ref["metrics"]
+            for o in outcomes:
+                o.note = o.note or f"resume exited {rc} (log {out}.log)"
+            return
+    metrics_equal = metrics(out) == ref["metrics"]
     tensors, trainer = final_state(out)
-    o.weights_equal = same_tree(tensors, ref["tensors"]) and same_tree(trainer, ref["trainer"])
+    weights_equal = same_tree(tensors, ref["tensors"]) and same_tree(trainer, ref["trainer"])
+    for o in outcomes:
+        o.metrics_equal, o.weights_equal = metrics_equal, weights_equal
+
+
+def fresh(engine: str, overrides: list[str]) -> list[str]:
+    """The fleet gets fresh ports for every run (another process may have taken the old ones)."""
+    return engine_overrides(engine) if engine == "fleet" else overrides
+
+
+def one_fault(o: Outcome, work: str, ref: dict, overrides: list[str]) -> Outcome:
+    """Inject ``o`` into a fresh run, resume if the run stopped, compare with the reference."""
+    t0 = time.monotonic()
+    out = os.path.join(work, f"{o.engine}-{o.target}-{o.sig}-{o.phase}")
+    shutil.rmtree(out, ignore_errors=True)
+    strike(o, out, overrides)
+    if not o.note:
+        finish([o], out, ref, fresh(o.engine, overrides))
+    o.seconds = time.monotonic() - t0
     return o
 
 
-def reference(engine: str, work: str, overrides: list[str]) -> dict:
+def chain(faults: list[Outcome], work: str, ref: dict, overrides: list[str],
+          name: str) -> list[Outcome]:
+    """Strike ``faults`` one after another into one run: the first into a fresh run, each next
+    one into the resumed run of the one before (which redoes the struck step from the last
+    checkpoint); then resume once more without a fault and compare with the reference. Each
+    fault's stop is checked on its own; the final comparison covers them all. Halves the runs
+    (N + 1 instead of 2N). If the run does not end as the reference did, every fault of the chain
+    is redone in a run of its own, so that the failure is pinned on the fault that caused it."""
+    out = os.path.join(work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    t_chain = time.monotonic()
+    for i, o in enumerate(faults):
+        t0 = time.monotonic()
+        o.chain = name
+        strike(o, out, fresh(o.engine, overrides), tag=str(i))
+        o.seconds = time.monotonic() - t0
+        _report(o, "struck")
+    t0 = time.monotonic()
+    finish(faults, out, ref, fresh(faults[0].engine, overrides))
+    share = (time.monotonic() - t0) / len(faults)
+    for o in faults:
+        o.seconds += share
+    wall = time.monotonic() - t_chain
+    if all(o.metrics_equal and o.weights_equal for o in faults):
+        # the run ended as the reference did: each fault's verdict is its own stop check
+        print(f"chaos: chain {name}: {sum(o.survived for o in faults)} of {len(faults)} faults "
+              f"survived ({wall:.0f} s)", flush=True)
+        return faults
+    print(f"chaos: chain {name}: the run did not end as the reference; redoing its faults one "
+          "by one", flush=True)
+    return [one_fault(Outcome(o.engine, o.target, o.sig, o.phase), work, ref,
+                      fresh(o.engine, overrides)) for o in faults]
+
+
+def _report(o: Outcome, what: str = "") -> None:
+    state = what or ("survived" if o.survived else "FAILED")
+    print(f"chaos: {o.engine}/{o.target}/SIG{o.sig}/{o.phase}: {state} ({o.seconds:.0f} s)"
+          f"{' ' + o.note if o.note else ''}", flush=True)
+
+
+def reference(engine: str, work: str, overrides: list[str], reuse: bool = False) -> dict:
+    """The uninterrupted run's metrics and final state; ``reuse``: an uninterrupted run already
+    finished in ``work`` (same code and settings: the caller's word) is taken as it is."""
     out = os.path.join(work, f"{engine}-reference")
+    done = os.path.exists(out + ".log") and "summary: " in open(out + ".log").read()
+    if reuse and done:
+        tensors, trainer = final_state(out)
+        return {"metrics": metrics(out), "tensors": tensors, "trainer": trainer}
     shutil.rmtree(out, ignore_errors=True)
     rc = run(out, overrides)
     if rc != 0:
@@ -315,15 +396,43 @@ def plan(args) -> list[Outcome]:
             for p in args.phases if not (t == "server" and e == "embedded")]
 
 
+def load_results(path: str) -> list[Outcome]:
+    """The faults recorded in a ``--results`` file (the last record of each fault wins)."""
+    if not os.path.exists(path):
+        return []
+    by_key: dict = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                o = Outcome(**json.loads(line))
+                by_key[o.key] = o
+    return list(by_key.values())
+
+
+def groups(faults: list[Outcome], n: int) -> list[list[Outcome]]:
+    """Chains of up to ``n`` faults of one engine, target and signal, in plan order; server faults
+    (the run goes on to its end) always run on their own."""
+    out: list[list[Outcome]] = []
+    for o in faults:
+        last = out[-1] if out else None
+        if (last and o.target != "server" and len(last) < n and
+                (last[0].engine, last[0].target, last[0].sig) == (o.engine, o.target, o.sig)):
+            last.append(o)
+        else:
+            out.append([o])
+    return out
+
+
 def table(outcomes: list[Outcome]) -> str:
     head = ("engine", "target", "signal", "phase", "rc", "stop s", "orphans", "resumed",
-            "metrics ==", "weights ==", "survived")
+            "metrics ==", "weights ==", "survived", "run", "fault s")
     rows = [head]
     for o in outcomes:
         rows.append((o.engine, o.target, o.sig, o.phase, str(o.rc),
-                     "-" if o.stop_s is None else f"{o.stop_s:.1f}", str(len(o.orphans)),
+                     "n/r" if o.stop_s is None else f"{o.stop_s:.1f}", str(len(o.orphans)),
                      "yes" if o.resumed else "no", "yes" if o.metrics_equal else "NO",
-                     "yes" if o.weights_equal else "NO", "yes" if o.survived else "NO"))
+                     "yes" if o.weights_equal else "NO", "yes" if o.survived else "NO",
+                     o.chain or "own", f"{o.seconds:.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -345,25 +454,58 @@ def main(argv: list[str] | None = None) -> int:
                     help="an explicit list instead of the cross product, e.g. "
                          "fleet/server/KILL/rollout embedded/rank/TERM/validation")
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
+    ap.add_argument("--chain", type=int, default=len(PHASES), metavar="N",
+                    help="strike up to N launcher/rank faults of one engine, target and signal "
+                         "into one run, each into the resumed run of the one before, and compare "
+                         "once at the end (a chain that does not end as the reference is redone "
+                         "fault by fault); 1 = every "
+                         "fault in a run of its own (default: %(default)s; --quick: 1)")
+    ap.add_argument("--results", default=None, metavar="FILE",
+                    help="append one JSON line per finished fault to FILE; the table and the "
+                         "last line then cover every fault in FILE")
+    ap.add_argument("--skip-done", action="store_true",
+                    help="with --results: leave out the faults FILE already holds (go on with "
+                         "an interrupted campaign)")
+    ap.add_argument("--reuse-reference", action="store_true",
+                    help="take a finished uninterrupted run in --work as it is")
     args = ap.parse_args(argv)
     faults = plan(args)
+    earlier = load_results(args.results) if args.results else []
+    if args.skip_done:
+        seen = {o.key for o in earlier}
+        faults = [o for o in faults if o.key not in seen]
+    chain_len = 1 if args.quick else max(1, args.chain)
     work = args.work or tempfile.mkdtemp(prefix="mrl-chaos-")
     os.makedirs(work, exist_ok=True)
     print(f"chaos: {len(faults)} fault(s), work directory {work}", flush=True)
+    t_start = time.monotonic()
     refs: dict[str, tuple[dict, list[str]]] = {}
     done: list[Outcome] = []
-    for o in faults:
-        if o.engine not in refs:
-            ov = engine_overrides(o.engine)
-            refs[o.engine] = (reference(o.engine, work, ov), ov)
-        ref, ov = refs[o.engine]
-        ov = engine_overrides(o.engine) if o.engine == "fleet" else ov  # fresh ports
-        t0 = time.monotonic()
-        done.append(one_fault(o, work, ref, ov))
-        print(f"chaos: {o.engine}/{o.target}/SIG{o.sig}/{o.phase}: "
-              f"{'survived' if o.survived else 'FAILED'} ({time.monotonic() - t0:.0f} s)",
-              flush=True)
+    for group in groups(faults, chain_len):
+        engine = group[0].engine
+        if engine not in refs:
+            ov = engine_overrides(engine)
+            t0 = time.monotonic()
+            refs[engine] = (reference(engine, work, ov, args.reuse_reference), ov)
+            print(f"chaos: {engine} reference run ({time.monotonic() - t0:.0f} s)", flush=True)
+        ref, ov = refs[engine]
+        if len(group) == 1:
+            finished = [one_fault(group[0], work, ref, fresh(engine, ov))]
+        else:
+            g = group[0]
+            finished = chain(group, work, ref, ov, f"{engine}-{g.target}-{g.sig}-chain{len(done)}")
+        for o in finished:
+            done.append(o)
+            _report(o)
+            if args.results:
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(dataclasses.asdict(o)) + "\n")
+    if args.results:  # every fault of the campaign so far, this invocation's last
+        mine = {o.key for o in done}
+        done = [o for o in load_results(args.results) if o.key not in mine] + done
     print(table(done))
+    print(f"chaos: wall {time.monotonic() - t_start:.0f} s, {len(refs)} reference run(s)",
+          flush=True)
     survived = sum(o.survived for o in done)
     print(f"chaos: injected={len(done)} survived={survived}", flush=True)
     return 0 if survived == len(done) else 1

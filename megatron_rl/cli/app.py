@@ -303,6 +303,42 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+# Commands whose process exits at once when they return (see :func:`exit_now`).
+EXIT_NOW_COMMANDS = ("train", "sft", "eval")
+
+
+def run(argv: list[str] | None = None) -> None:
+    """``python -m megatron_rl``: run the command and exit with its code. ``train``/``sft``/
+    ``eval`` end with :func:`exit_now`: their ranks and helpers are stopped by then, and the
+    interpreter's teardown of torch & co. would otherwise keep the launcher alive for seconds
+    (tens of seconds on a loaded machine) after the job has ended."""
+    args = parse_args(argv)
+    code = args.func(args)
+    if getattr(args, "command", None) in EXIT_NOW_COMMANDS:
+        exit_now(code)
+    sys.exit(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's module teardown: wait for non-daemon threads and run the
+    ``atexit`` handlers (multiprocessing finalizers, logging, trackers) as a normal exit does,
+    flush stdout/stderr, then ``os._exit(code)``."""
+    import atexit
+    import os
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 1)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed command line; ``key=value`` overrides of ``train``/``sft``/``eval`` may come
     before or after options."""
@@ -318,4 +354,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

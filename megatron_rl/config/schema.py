@@ -150,6 +150,8 @@ FREE_TEXT: dict[str, str] = {
     "data.prompt_field": "renamed to data.prompt_key: any value is an error",
     "data.answer_field": "renamed to data.answer_key: any value is an error",
     "rollout.sglang.router_url": "an http(s):// URL: checked at load",
+    "parallel.socket_ifname": "a network interface name: checked on the ranks (names the ones "
+                              "that exist)",
     "rollout.sglang.host": "the interface started servers bind to (127.0.0.1 by default)",
     "rollout.sglang.sync_dir": "a directory on shared storage, created when needed",
     "rollout.sglang.python": "an interpreter with sglang installed: must be a file (at load)",

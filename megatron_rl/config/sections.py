@@ -32,6 +32,7 @@ class ParallelSection:
     backend: str = "auto"  # auto (NCCL with GPUs, else gloo) | nccl | gloo (CPU ranks); docs/gpu.md
     timeout_s: float = 1800.0  # collectives of the update, checkpoints, weight sync
     host_timeout_s: float = 14400.0  # host objects: ranks wait here while rank 0 generates
+    socket_ifname: str = ""  # multi-node: interface of the rendezvous and gloo/NCCL sockets
 
 
 @dataclass
@@ -125,6 +126,7 @@ class TrainerSection:
     keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
     deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
+    plots: bool = True  # PNG curves in OUTPUT_DIR/plots/ at the end (or: megatron_rl plot DIR)
 
 
 @dataclass

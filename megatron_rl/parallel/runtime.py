@@ -208,14 +208,18 @@ def set_deterministic(enabled: bool) -> None:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
-                     host_timeout_s: float | None = None) -> DistEnv:
+                     host_timeout_s: float | None = None, socket_ifname: str = "") -> DistEnv:
     """Initialise torch.distributed from the environment (idempotent).
 
     ``backend``: ``auto`` | ``nccl`` | ``gloo`` (None: ``$MRL_PARALLEL_BACKEND`` or auto; see
     :func:`choose_backend`). ``timeout_s`` bounds every collective of the default (and megatron's)
     groups; ``host_timeout_s`` (default ``timeout_s``) bounds the host-object group, where ranks
-    wait while rank 0 generates a rollout.
+    wait while rank 0 generates a rollout. Where the rendezvous store and gloo listen
+    (:func:`megatron_rl.parallel.netbind.bind_plan`): loopback when ``MASTER_ADDR`` is loopback
+    (a local spawn), the address of ``socket_ifname`` (``parallel.socket_ifname``) when set.
     """
+    from megatron_rl.parallel import netbind
+
     denv = read_dist_env()
     if dist.is_initialized():
         return denv
@@ -225,18 +229,36 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         dev = torch.device("cuda", denv.local_rank)  # resolve_backend: local_rank < GPU count
         torch.cuda.set_device(dev)
         extra["device_id"] = dev  # binds the communicator to this rank's GPU up front
-    dist.init_process_group(
-        backend=backend, init_method=f"tcp://{denv.master_addr}:{denv.master_port}",
-        rank=denv.rank, world_size=denv.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s), **extra)
+    try:
+        bind = netbind.bind_plan(denv.master_addr, socket_ifname, denv.rank)
+    except netbind.BindError as exc:
+        raise ParallelConfigError(str(exc)) from exc
+    if bind.gloo_ifname is not None:  # every gloo group of this process, made from now on
+        os.environ[netbind.GLOO_IFNAME_VAR] = bind.gloo_ifname
+    if socket_ifname and not netbind.is_loopback(denv.master_addr):
+        os.environ["NCCL_SOCKET_IFNAME"] = socket_ifname  # NCCL's bootstrap sockets
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if bind.store_address is None or netbind.agent_hosts_store():
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{denv.master_addr}:{denv.master_port}",
+            rank=denv.rank, world_size=denv.world_size, timeout=timeout, **extra)
+    else:
+        try:
+            store = netbind.rendezvous_store(denv.master_addr, denv.master_port,
+                                             denv.world_size, denv.rank == 0, timeout,
+                                             bind.store_address)
+        except netbind.BindError as exc:
+            raise ParallelConfigError(str(exc)) from exc
+        dist.init_process_group(backend=backend, store=store, rank=denv.rank,
+                                world_size=denv.world_size, timeout=timeout, **extra)
     _make_host_group(timeout_s if host_timeout_s is None else host_timeout_s, timeout_s)
     return denv
 
 
 def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                   seed: int = 1234, backend: str | None = None,
-                  timeout_s: float = 600.0, host_timeout_s: float | None = None
-                  ) -> ParallelLayout:
+                  timeout_s: float = 600.0, host_timeout_s: float | None = None,
+                  socket_ifname: str = "") -> ParallelLayout:
     """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout.
 
     Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world
@@ -248,7 +270,7 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
     if backend == "gloo" and not torch.cuda.is_available():
         from megatron_rl.parallel import cpu_compat
         cpu_compat.enable()
-    init_distributed(backend, timeout_s, host_timeout_s)
+    init_distributed(backend, timeout_s, host_timeout_s, socket_ifname)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

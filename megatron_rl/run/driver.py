@@ -242,11 +242,12 @@ class RolloutDriver:
                    "steps": steps}
         self.tracker.close()
         getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
-        try:
-            from megatron_rl.metrics.plot import plot_run
-            plot_run(self.cfg.trainer.output_dir)
-        except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
-            print(f"[train] plotting skipped: {exc}", flush=True)
+        if self.cfg.trainer.plots:
+            try:
+                from megatron_rl.metrics.plot import plot_run
+                plot_run(self.cfg.trainer.output_dir)
+            except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
+                print(f"[train] plotting skipped: {exc}", flush=True)
         print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
               f"wall_s={wall_s:.1f}", flush=True)
         return summary

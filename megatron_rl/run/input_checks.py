@@ -31,6 +31,7 @@ from megatron_rl.rewards.tasks import task_kwarg_names
 def check_inputs(cfg: RunConfig) -> None:
     """All input checks of ``cfg`` (see the module docstring); raises ``ConfigError``."""
     check_init_weights(cfg)
+    check_socket_ifname(cfg)
     tok = tokenizer_of(cfg)
     rows = dataset_rows(cfg, tok)
     check_reward_fn(cfg, rows)
@@ -41,6 +42,18 @@ def check_init_weights(cfg: RunConfig) -> None:
     if path and not os.path.isfile(path):
         raise ConfigError(f"model.init_weights={path!r} is not a file (expected the .pt weights "
                           "written by `sft`, e.g. OUTPUT_DIR/sft_weights.pt)")
+
+
+def check_socket_ifname(cfg: RunConfig) -> None:
+    """``parallel.socket_ifname`` must be an interface of this machine (every node of a job
+    checks its own)."""
+    from megatron_rl.parallel.netbind import BindError, interface_address
+
+    if cfg.parallel.socket_ifname:
+        try:
+            interface_address(cfg.parallel.socket_ifname)
+        except BindError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 def tokenizer_of(cfg: RunConfig):

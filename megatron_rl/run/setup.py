@@ -19,7 +19,8 @@ def init_parallel(cfg: RunConfig):
     runtime.set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel runs
     return runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, seed=cfg.trainer.seed,
                                  backend=p.backend, timeout_s=p.timeout_s,
-                                 host_timeout_s=p.host_timeout_s)
+                                 host_timeout_s=p.host_timeout_s,
+                                 socket_ifname=p.socket_ifname)
 
 
 def build_datasets(cfg: RunConfig, tokenizer=None):

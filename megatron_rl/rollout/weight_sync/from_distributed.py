@@ -18,6 +18,7 @@ import threading
 from datetime import timedelta
 from urllib.parse import urlparse
 
+from megatron_rl.parallel.netbind import routed_address
 from megatron_rl.rollout.weight_sync.common import Bucket, SyncStrategy, WeightSyncError, post_all
 from megatron_rl.rollout.weight_sync.group import join_weight_group, leave_weight_group
 
@@ -30,18 +31,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
-
-
-def routed_address(host: str) -> str | None:
-    """This machine's IPv4 address on the interface the kernel routes to ``host`` (a UDP
-    ``connect``, which sends nothing); None when there is no route."""
-    try:
-        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(target)
-            return s.getsockname()[0]
-    except OSError:
-        return None
 
 
 def sender_address(urls: list[str], override: str | None = None) -> str:

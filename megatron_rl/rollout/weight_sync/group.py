@@ -9,7 +9,8 @@ prefixes) outside the default group. A sender that builds a bare ``TCPStore`` +
 ``ProcessGroupGloo/NCCL`` uses other store keys and never meets them. :func:`join_weight_group`
 goes through the same steps (our own code, for processes without the ``sglang`` package), so the
 trainer's sender (rank 0) and every SGLang rank (``rank_offset + tp_rank``) meet, on NCCL (GPU)
-or gloo (CPU).
+or gloo (CPU). The host's store holds the same keys but listens on ``master_address`` only
+(:func:`megatron_rl.parallel.netbind.rendezvous_store`), not on every interface.
 """
 
 from __future__ import annotations
@@ -36,15 +37,34 @@ def join_weight_group(backend: str, master_address: str, master_port: int, world
         rendezvous,
     )
 
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
-                                              world_size, timeout=timeout))
+    from megatron_rl.parallel import netbind
+
+    if rank == 0:  # the host's store listens on master_address only (torch's: every interface)
+        store = netbind.rendezvous_store(master_address, master_port, world_size, True, timeout,
+                                         master_address)
+    else:
+        store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
+                                                  world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name, backend_options=None,
-                                      timeout=timeout, device_id=None)
+    with netbind.gloo_interface(_gloo_ifname(master_address, rank)):
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                          group_name=group_name, backend_options=None,
+                                          timeout=timeout, device_id=None)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def _gloo_ifname(master_address: str, rank: int) -> str | None:
+    """The interface this rank's gloo sockets of the group bind: loopback for a loopback host;
+    the host's: the interface that holds ``master_address``; a joining rank's: the interface
+    routed to it. None (gloo's default, the hostname's interface) when none is found."""
+    from megatron_rl.parallel import netbind
+
+    if netbind.is_loopback(master_address):
+        return netbind.loopback_interface()
+    local = master_address if rank == 0 else netbind.routed_address(master_address)
+    return netbind.interface_of(local) if local else None
 
 
 def leave_weight_group(pg) -> None:
