@@ -77,16 +77,22 @@ def token_hash32_flat(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
     return unsigned_i64(token_hash32_flat_i32(seed, step, seq_idx, lengths))
 
 
-def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
-                          lengths: Sequence[int]) -> Tensor:
-    """:func:`token_hash32_flat` as int32 bit patterns (read them with :func:`unsigned_i64`)."""
+def _seq_and_position_hashes(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                             lengths: Sequence[int]) -> tuple[list[Tensor], Tensor, Tensor]:
+    """``(int64 rows, int32 per-sequence hash [sum B_i], int32 per-position hash [max T_i])``."""
     rows = [s.to(torch.int64) for s in seq_idx]
     device = rows[0].device
     seq = torch.cat(rows) if len(rows) > 1 else rows[0]
     step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
     h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
     h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
-    h_pos = _position_hash(max(lengths), device)
+    return rows, h_seq, _position_hash(max(lengths), device)
+
+
+def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                          lengths: Sequence[int]) -> Tensor:
+    """:func:`token_hash32_flat` as int32 bit patterns (read them with :func:`unsigned_i64`)."""
+    rows, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
     if all(t == lengths[0] for t in lengths):  # one broadcast for all micro-batches
         mixed = (h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0)).reshape(-1)
     else:
@@ -117,13 +123,7 @@ def token_hash32_rows_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tenso
                           lengths: Sequence[int]) -> list[Tensor]:
     """:func:`token_hash32` per micro-batch as int32 bit patterns ``[B_i, T_i]`` (the sequence
     and position parts hashed once for all micro-batches; read with :func:`unsigned_i64`)."""
-    rows = [s.to(torch.int64) for s in seq_idx]
-    device = rows[0].device
-    seq = torch.cat(rows) if len(rows) > 1 else rows[0]
-    step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
-    h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
-    h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
-    h_pos = _position_hash(max(lengths), device)
+    rows, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
     out, start = [], 0
     for r, t in zip(rows, lengths, strict=True):
         out.append(_fmix32_i32(h_seq[start:start + r.numel()].unsqueeze(-1)

@@ -155,6 +155,16 @@ class ShmMaps:
             del self.maps[path]
 
 
+def _target(params: dict, name: str, shape, dt: str) -> tuple[torch.Tensor, torch.dtype]:
+    """The served model's parameter ``name`` and the sent dtype, checked against the sent shape."""
+    if name not in params:
+        raise KeyError(f"weight {name!r} is not a parameter of the served model")
+    p = params[name]
+    if tuple(shape) != tuple(p.shape):
+        raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
+    return p, dtype_of(dt)
+
+
 def read_shm_into(model: torch.nn.Module, meta: dict, maps: ShmMaps | None = None) -> int:
     """Load a shared-memory bucket (layout as :func:`read_shm_bucket`) straight into the
     model's CPU parameters: one copy per tensor out of the file's mapping (kept in ``maps``
@@ -164,12 +174,7 @@ def read_shm_into(model: torch.nn.Module, meta: dict, maps: ShmMaps | None = Non
     flat = (maps or ShmMaps()).get(meta["path"], int(meta["nbytes"]))
     with torch.no_grad():
         for name, dt, shape, off in meta["tensors"]:
-            if name not in params:
-                raise KeyError(f"weight {name!r} is not a parameter of the served model")
-            p = params[name]
-            if tuple(shape) != tuple(p.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
-            dtype = dtype_of(dt)
+            p, dtype = _target(params, name, shape, dt)
             nb = p.numel() * torch.empty((), dtype=dtype).element_size()
             if int(off) + nb > flat.numel():
                 raise ValueError(f"weight {name!r}: bytes {off}..{int(off) + nb} are outside "
@@ -222,12 +227,7 @@ def read_vm_into(model: torch.nn.Module, meta: dict) -> int:
         raise ValueError(f"{VM_UNAVAILABLE}: pid {pid} is not the sender (token differs)")
     with torch.no_grad():
         for name, dt, shape, address, nbytes in meta["tensors"]:
-            if name not in params:
-                raise KeyError(f"weight {name!r} is not a parameter of the served model")
-            p = params[name]
-            if tuple(shape) != tuple(p.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(shape)} != {tuple(p.shape)}")
-            dtype = dtype_of(dt)
+            p, dtype = _target(params, name, shape, dt)
             if p.numel() * torch.empty((), dtype=dtype).element_size() != int(nbytes):
                 raise ValueError(f"weight {name!r}: {nbytes} bytes for shape {shape} {dt}")
             direct = p.dtype == dtype and p.device.type == "cpu" and p.is_contiguous()
