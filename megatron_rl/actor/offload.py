@@ -243,8 +243,8 @@ class FrozenModelOffload:
         total = 0
         for t in tensors:
             st = t.untyped_storage()
-            if st._cdata not in regions:
-                regions[st._cdata] = (st, total)
+            if storage_key(t) not in regions:
+                regions[storage_key(t)] = (st, total)
                 total += -(-st.nbytes() // _ALIGN) * _ALIGN
         self.nbytes = total
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
@@ -255,7 +255,7 @@ class FrozenModelOffload:
         self.storage = flat.untyped_storage()
         with torch.no_grad():
             for t in tensors:
-                st, off = regions[t.untyped_storage()._cdata]
+                st, off = regions[storage_key(t)]
                 item = t.element_size()
                 t.set_(self.storage, off // item + t.storage_offset(), t.size(), t.stride())
         del flat
