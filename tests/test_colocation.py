@@ -257,6 +257,7 @@ def _run(out, *overrides: str) -> tuple[list[dict], str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
            f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=2",
+           "trainer.plots=false",
            "trainer.test_freq=2", "trainer.save_freq=1", "trainer.train_batch_size=4",
            "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
            "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",

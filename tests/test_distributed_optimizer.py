@@ -241,6 +241,7 @@ def test_shim_is_a_no_op_with_apex_or_te(monkeypatch):
 
 E2E = ("parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "optim.use_distributed_optimizer=true",
        "sft.steps=3", "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=3",
+       "trainer.plots=false",
        "rollout.dynamic_sampling=false", "data.val_size=16")
 
 

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_tiny_frozenlake_ppo_improves_success(tmp_path):
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/sweeps/tiny_frozenlake.yaml",
            f"output_dir={tmp_path}", "env.success_rate=1.0", "trainer.total_steps=10",
+           "trainer.plots=false",
            "trainer.test_freq=10", "trainer.save_freq=100", "env.val_size=8"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -37,6 +38,7 @@ def test_tiny_frozenlake_reinforce_pp_runs_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/sweeps/tiny_frozenlake.yaml",
            f"output_dir={tmp_path}", "trainer.advantage=reinforce_pp",
            "trainer.kl_in_reward_coef=0.01", "trainer.total_steps=2", "trainer.test_freq=2",
+           "trainer.plots=false",
            "trainer.save_freq=100", "env.val_size=4", "sft.steps=5", "early_stop.enabled=false"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

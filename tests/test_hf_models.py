@@ -287,6 +287,7 @@ def test_train_from_hf_dir_tp2pp2_exports_loadable_hf_checkpoints(tiny, tmp_path
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(tmp_path / "run.yaml"),
            f"data.path={tiny['qwen2']['data']}", "data.val_size=8", "parallel.tp=2",
            "parallel.pp=2", "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
+           "trainer.plots=false",
            "trainer.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=6",
            "rollout.dynamic_sampling=false", "actor.micro_batch_size=4",
            "loss.algorithm=grpo", "optim.lr=0.01", f"output_dir={out}"]

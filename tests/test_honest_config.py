@@ -232,7 +232,7 @@ RUN = ("examples/tiny_grpo.yaml", "parallel.tp=1", "parallel.pp=1", "sft.steps=0
        "rollout.temperature=0.7",
        "trainer.train_batch_size=8", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
        "actor.ppo_epochs=2", "trainer.advantage=reinforce_pp", "trainer.kl_in_reward_coef=0.01",
-       "trainer.total_steps=4", "trainer.save_freq=1", "trainer.test_freq=1",
+       "trainer.plots=false", "trainer.total_steps=4", "trainer.save_freq=1", "trainer.test_freq=1",
        "trainer.keep_checkpoints=2", "data.val_size=8", "rollout.val_n=1",
        "early_stop.val_threshold=1.01", "early_stop.val_patience=3")
 

@@ -116,6 +116,7 @@ def test_dead_rank_stops_group_naming_it_and_no_helper_survives(tmp_path):
 
 
 TINY = ("sft.steps=3", "trainer.total_steps=3", "trainer.save_freq=1", "trainer.test_freq=3",
+        "trainer.plots=false",
         "data.val_size=8", "rollout.dynamic_sampling=false")
 
 

@@ -22,6 +22,7 @@ RUN = ("examples/tiny_grpo.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp
        "sft.steps=0", "rollout.dynamic_sampling=false", "rollout.gen_batch_size=0",
        "rollout.n=4", "rollout.max_new_tokens=4", "trainer.train_batch_size=8",
        "actor.mini_batch_size=0", "actor.micro_batch_size=32", f"trainer.total_steps={STEPS}",
+       "trainer.plots=false",
        "trainer.test_freq=10", "trainer.save_freq=10", "data.val_size=8",
        "early_stop.enabled=false", "trainer.resume=false")
 

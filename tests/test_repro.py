@@ -65,7 +65,7 @@ def test_repro_two_layouts_tiny(tmp_path, capsys):
     overrides = ["sft.steps=10", "sft.batch_size=16", "trainer.train_batch_size=8",
                  "rollout.gen_batch_size=8", "rollout.n=4", "actor.micro_batch_size=16",
                  "data.train_size=200", "data.val_size=8", "rollout.val_n=1",
-                 "trainer.test_freq=100", "trainer.save_freq=100"]
+                 "trainer.test_freq=100", "trainer.save_freq=100", "trainer.plots=false"]
     rc = main(["repro", os.path.join(ROOT, "examples", "tiny_grpo.yaml"), *overrides,
                "--layouts", "1x1x1,2x1x1", "--steps", "2", "--out", out])
     report = capsys.readouterr().out

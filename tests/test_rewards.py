@@ -52,6 +52,13 @@ def test_other_compact_tasks(name, prefix):
         assert score(r, r["answer"]) == 1.0
 
 
+def test_compact_prompt_tasks_are_reasoning_gym_tasks():
+    """Config validation trusts these names without importing the gym."""
+    from megatron_rl.rewards.tasks import PROMPT_BUILDERS, TASK_PRESETS, known_tasks
+
+    assert set(PROMPT_BUILDERS) | set(TASK_PRESETS) <= set(known_tasks())
+
+
 def test_unknown_task_lists_known():
     from megatron_rl.rewards.tasks import make_task_dataset
 

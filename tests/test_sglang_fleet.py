@@ -157,6 +157,7 @@ def test_multi_turn_episodes_through_router_match_embedded(tmp_path):
 def _train(out, *overrides: str) -> list[dict]:
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
            f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
+           "trainer.plots=false",
            "trainer.test_freq=3", "trainer.save_freq=3", "trainer.train_batch_size=4",
            "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
            "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",

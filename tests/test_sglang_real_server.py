@@ -216,6 +216,7 @@ def test_rl_steps_against_real_sglang(sglang_python, tmp_path):
     args = "[" + ",".join(CPU_ARGS) + "]"
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
            f"output_dir={out}", "parallel.tp=1", "parallel.pp=1", "trainer.total_steps=2",
+           "trainer.plots=false",
            "trainer.test_freq=100", "trainer.save_freq=100", "trainer.train_batch_size=4",
            "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
            "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=2", "data.val_size=8",

@@ -29,6 +29,7 @@ SCRIPT = REPO / "examples" / "tiny_slurm.sh"
 # Overrides that make the tiny recipe a quick mechanics check: no SFT warm start, no dynamic
 # sampling (a random policy rarely solves a prompt), a small validation set.
 FAST = ["sft.steps=0", "rollout.dynamic_sampling=false", "data.val_size=8", "rollout.val_n=1",
+        "trainer.plots=false",
         "trainer.test_freq=100"]
 SUMMARY = re.compile(r"^summary: val_acc_start=\d\.\d{4} val_acc_end=\d\.\d{4} wall_s=[\d.]+$",
                      re.M)

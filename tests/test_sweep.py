@@ -53,6 +53,7 @@ def test_summarize_best_final_and_early_stop_reason():
 
 
 TINY = ("overrides: {trainer.total_steps: 2, trainer.test_freq: 1, trainer.save_freq: 1,\n"
+        "  trainer.plots: false,\n"
         "  sft.steps: 2, env.size: 3, env.max_turns: 2, env.val_size: 4, rollout.n: 4,\n"
         "  trainer.train_batch_size: 2, actor.micro_batch_size: 8, actor.mini_batch_size: 8}\n"
         "sweeps:\n  - name: rv\n    axis: rollout.rv_filter_p\n    conditions:\n"

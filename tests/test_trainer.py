@@ -36,22 +36,39 @@ def metrics(out) -> list[dict]:
 
 # The main recipe at TP2xPP1, 30 steps (about 40 s on 2 cores).
 SHORT = ("parallel.tp=2", "parallel.pp=1", "trainer.total_steps=30", "trainer.test_freq=10",
+         "trainer.plots=false",
          "trainer.save_freq=5", "data.val_size=16")
+
+
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "tiny_*.yaml")))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "examples", "tiny_*.yaml"))),
-                         ids=lambda p: os.path.basename(p))
-def test_example_recipe_runs(config, tmp_path):
-    out = run_train(config, tmp_path, "parallel.tp=1", "parallel.pp=1", "sft.steps=3",
-                    "trainer.total_steps=2", "trainer.test_freq=2",
-                    "rollout.dynamic_sampling=false")
-    assert "summary: val_acc_start=" in out
-    last = metrics(tmp_path)[-1]
-    assert last["actor/skipped"] == 0.0 and "policy/pg_loss" in last
-    assert "entropy_dynamics/cov_mean_top" in last
-    assert (tmp_path / "plots" / "accuracy.png").stat().st_size > 0
+def test_every_example_recipe_runs(tmp_path):
+    """Two RL steps of every tiny recipe, one after another in one spawned rank (one start-up
+    for all; the CLI path itself is covered by the runs below). Plots are drawn for one."""
+    from megatron_rl.parallel.launch import spawn
+    from megatron_rl.run.serial_runs import train_each
+
+    jobs = [(os.path.basename(c), c,
+             [f"output_dir={tmp_path / os.path.basename(c)}", "parallel.tp=1", "parallel.pp=1",
+              "sft.steps=3", "trainer.total_steps=2", "trainer.test_freq=2",
+              "rollout.dynamic_sampling=false", "data.val_size=16",
+              f"trainer.plots={str(i == 0).lower()}"])
+            for i, c in enumerate(RECIPES)]
+    results = spawn(train_each, 1, (jobs,), timeout_s=850, env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    failed = {name: r["error"][-2000:] for name, r in results.items() if "error" in r}
+    assert not failed, failed
+    assert sorted(results) == sorted(os.path.basename(c) for c in RECIPES)
+    for name in results:
+        assert results[name]["summary"]["steps"] == 2, name
+        last = metrics(tmp_path / name)[-1]
+        assert last["actor/skipped"] == 0.0 and "policy/pg_loss" in last, name
+        assert "entropy_dynamics/cov_mean_top" in last, name
+    first = os.path.basename(RECIPES[0])
+    assert (tmp_path / first / "plots" / "accuracy.png").stat().st_size > 0
+    assert not (tmp_path / os.path.basename(RECIPES[1]) / "plots").exists()
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +126,6 @@ def test_data_parallel_pipeline_run(tmp_path):
     """PP2 x DP2: only DP replica 0 streams weights to the engine; the others must not hang."""
     out = run_train("examples/tiny_dapo.yaml", tmp_path, "parallel.tp=1", "parallel.pp=2",
                     "parallel.dp=2", "sft.steps=3", "trainer.total_steps=2",
-                    "trainer.test_freq=2", "rollout.dynamic_sampling=false")
+                    "trainer.test_freq=2", "rollout.dynamic_sampling=false", "trainer.plots=false")
     assert "summary: val_acc_start=" in out
     assert metrics(tmp_path)[-1]["actor/skipped"] == 0.0

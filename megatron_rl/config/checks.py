@@ -85,7 +85,11 @@ def check_names(cfg) -> None:
     if cfg.rollout.filter_metric not in FILTER_METRICS:
         raise _error(f"rollout.filter_metric={cfg.rollout.filter_metric!r} is not one of "
                      f"{FILTER_METRICS}{closest(cfg.rollout.filter_metric, FILTER_METRICS)}")
-    if not cfg.data.path:
+    from megatron_rl.rewards.tasks import PROMPT_BUILDERS
+
+    # the compact-prompt tasks are reasoning-gym tasks (tests/test_rewards.py checks it): no
+    # need to import the whole gym (seconds) to know their names
+    if not cfg.data.path and cfg.data.task not in PROMPT_BUILDERS:
         from megatron_rl.rewards.tasks import known_tasks
 
         tasks = known_tasks()

@@ -9,18 +9,22 @@
 Per-family name tables live in :mod:`.qwen2`, :mod:`.qwen3`, :mod:`.llama`.
 """
 
-from megatron_rl.convert.common import ConvertError, TensorMap, merge_qkv, split_qkv
-from megatron_rl.convert.hf_to_megatron import (
-    convert_hf_to_megatron,
-    load_megatron_checkpoint,
-    save_megatron_checkpoint,
-)
-from megatron_rl.convert.megatron_to_hf import convert_megatron_to_hf
-from megatron_rl.convert.registry import SUPPORTED, hf_config_dict, mapping_for, read_hf_config
-from megatron_rl.convert.stream import iter_hf_weight_buckets
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ConvertError", "TensorMap", "merge_qkv", "split_qkv", "convert_hf_to_megatron",
-    "load_megatron_checkpoint", "save_megatron_checkpoint", "convert_megatron_to_hf",
-    "SUPPORTED", "hf_config_dict", "mapping_for", "read_hf_config", "iter_hf_weight_buckets",
-]
+# Names resolve on first use (PEP 562): importing one submodule, e.g. ``convert.model_source``
+# during config validation, must not pull in torch.distributed.checkpoint and the converters.
+_WHERE = {
+    "ConvertError": "common", "TensorMap": "common", "merge_qkv": "common", "split_qkv": "common",
+    "convert_hf_to_megatron": "hf_to_megatron", "load_megatron_checkpoint": "hf_to_megatron",
+    "save_megatron_checkpoint": "hf_to_megatron", "convert_megatron_to_hf": "megatron_to_hf",
+    "SUPPORTED": "registry", "hf_config_dict": "registry", "mapping_for": "registry",
+    "read_hf_config": "registry", "iter_hf_weight_buckets": "stream",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(import_module(f"megatron_rl.convert.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'megatron_rl.convert' has no attribute {name!r}")

@@ -98,10 +98,10 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
         for k in keys[:MAX_KEYS_PER_AXES]:
             draw(ax, k)
         ax.set_xlabel("step")
-        ax.set_title(name.replace("_", " "))
+        ax.set_title(name.replace("_", " "), y=1.0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
+        fig.subplots_adjust(left=0.09, right=0.98, bottom=0.11, top=0.92)
         path = os.path.join(out_dir, f"{name}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -114,15 +114,20 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
         keys = keys[:MAX_PANELS]
         ncol = min(3, len(keys))
         nrow = math.ceil(len(keys) / ncol)
-        fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 2.8 * nrow), squeeze=False)
-        for ax, k in zip(axes.flat, keys):
+        fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 2.8 * nrow), squeeze=False,
+                                 sharex=True)
+        for i, (ax, k) in enumerate(zip(axes.flat, keys)):
             draw(ax, k)
-            ax.set_title(k, fontsize=8)
-            ax.tick_params(labelsize=7)
+            ax.set_title(k, fontsize=8, y=1.0)  # a fixed y skips the title auto-placement
+            # step labels only under the lowest panel of each column (the x axis is shared)
+            ax.tick_params(labelsize=7, labelbottom=i + ncol >= len(keys))
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(keys):]:
             ax.axis("off")
-        fig.tight_layout()
+        # fixed margins: tight_layout measures every tick label and costs more than the drawing
+        fig.subplots_adjust(left=0.6 / (4.2 * ncol) * 2, right=0.98, wspace=0.35,
+                            bottom=0.35 / (2.8 * nrow) * 2, top=1 - 0.25 / (2.8 * nrow) * 2,
+                            hspace=0.45)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in p)
         path = os.path.join(out_dir, f"prefix_{safe}.png")
         fig.savefig(path, dpi=80)
