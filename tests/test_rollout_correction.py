@@ -205,6 +205,27 @@ def test_ppo_loss_clips_against_proximal_and_weights_by_behaviour(agg):
             assert float(logp.grad[0, 0]) != 0.0  # r = 1, rho = 1.998: inside the clip
 
 
+def test_on_policy_proximal_is_the_current_policy_detached():
+    """One update per rollout (ppo_epochs = 1, one mini-batch): the proximal log-probs equal the
+    current ones, so r = 1, nothing is clipped, and the gradient is the weighted policy gradient
+    -w * A / N with w = f(pi_theta / mu) (detached): float64 derivation for both signs of A."""
+    old, roll, mask = tensors(torch.float64)
+    adv = torch.tensor(ADV, dtype=torch.float64)[:, None].expand(B, T)
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    n_tok = sum(map(sum, MASK))
+    for mode in ("tis", "seq_mask_tis"):
+        logp = old.clone().requires_grad_(True)
+        cfg = LossConfig.for_algorithm("ppo", rollout_correction=mode)
+        out = compute_loss(LossInputs(logp=logp, old_logp=logp.detach(), advantages=adv,
+                                      mask=mask, rollout_logp=roll), cfg, ctx)
+        out.loss.backward()
+        w = ref_weights(mode)
+        close(logp.grad, [[-w[i][t] * ADV[i] / n_tok for t in range(T)] for i in range(B)],
+              atol=1e-9)
+        assert float(out.pg_loss) == pytest.approx(
+            sum(-w[i][t] * ADV[i] for i in range(B) for t in range(T)) / n_tok, rel=1e-6)
+
+
 def test_correction_without_rollout_logp_is_an_error():
     cfg = LossConfig.for_algorithm("ppo", rollout_correction="icepop")
     old, _, mask = tensors()
