@@ -268,3 +268,20 @@ def test_loss_config_rejects_bad_band():
     with pytest.raises(LossConfigError, match="icepop_low .* must be < icepop_high"):
         LossConfig(icepop_low=1.0, icepop_high=1.0).validate()
     LossConfig(icepop_low=0.0, icepop_high=math.inf).validate()  # AReaL-style one-sided cap
+
+
+def test_device_discipline_of_every_mode():
+    """Under the device spy (tests/test_device_discipline.py): no tensor factory without a device,
+    no host sync inside ``compute_loss``, every result on the inputs' device, for every mode."""
+    from megatron_rl.testing.device_spy import DeviceSpy
+
+    old, roll, mask = tensors()
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    spy = DeviceSpy(device=old.device, micro_batch_functions=("compute_loss",))
+    with spy:
+        for mode in ROLLOUT_CORRECTIONS:
+            cfg = LossConfig.for_algorithm("ppo", rollout_correction=mode)
+            compute_loss(LossInputs(logp=old.clone().requires_grad_(True), old_logp=old,
+                                    advantages=torch.ones(B, T), mask=mask, rollout_logp=roll),
+                         cfg, ctx)
+    assert spy.calls > 50 and spy.report() == "", spy.report()
