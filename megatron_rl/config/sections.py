@@ -157,8 +157,8 @@ class LoggingSection:
 class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
-    # off-policy correction of the engine's samples (docs/rollout.md#off-policy-correction)
-    rollout_correction: str = "none"  # none | tis | mis | icepop | seq_mask_tis
+    # off-policy correction of the engine's samples, rho = pi_old / pi_rollout (docs/rollout.md)
+    rollout_correction: str = "none"  # weight of each token's policy loss, a function of rho
     rollout_correction_threshold: float = 2.0  # C: tis min(rho, C), mis [1/C, C], seq_mask_tis cap
     icepop_low: float = 0.5  # icepop: token weight 0 when rho < icepop_low
     icepop_high: float = 5.0  # icepop: token weight 0 when rho > icepop_high
