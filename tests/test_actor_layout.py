@@ -22,9 +22,13 @@ def make_global_batch(seed: int = 0) -> dict:
     return {"tokens": tokens, "mask": mask, "advantages": adv * mask, "old_noise": noise}
 
 
-# the 2025-26 losses (issue 23), bounds narrow enough that clips/masks act on this batch
-NEW_LOSSES = {"gmpo": dict(gmpo_clip_low=0.1, gmpo_clip_high=0.1),
-              "dppo_kl": dict(dppo_kl_delta_low=1e-4, dppo_kl_delta_high=1e-4)}  # q ~ 1/256
+# the 2025-26 losses (issue 23), bounds narrow enough that clips/masks act on this batch, each
+# with an off-policy correction (behaviour = the actor's own log-probs, proximal = them + noise)
+NEW_LOSSES = {"gmpo": dict(gmpo_clip_low=0.1, gmpo_clip_high=0.1, rollout_correction="icepop",
+                           icepop_low=0.8, icepop_high=1.25),
+              "dppo_kl": dict(dppo_kl_delta_low=1e-4, dppo_kl_delta_high=1e-4,  # q ~ 1/256
+                              rollout_correction="seq_mask_tis", rollout_correction_threshold=1.3,
+                              seq_mask_low=0.9, seq_mask_high=1.1)}
 
 
 def loss_config(name: str | None = None):
@@ -63,6 +67,8 @@ def _update_worker(tp: int, pp: int, dp: int, steps: int, fused: bool = False,
     for step in range(steps):
         actor.add_old_logprobs(batch)
         if "old_logp" in batch:  # last stage: pretend the rollout policy lagged a little
+            if loss is not None:  # the engine's log-probs: the actor's before the lag
+                batch["rollout_logp"] = batch["old_logp"].clone()
             batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
         history += actor.update(batch, step)
     state = gather_full_state_dict(actor.model)
@@ -116,11 +122,13 @@ def test_update_is_layout_invariant(reference, tp, pp, dp, fused):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("loss", sorted(NEW_LOSSES))
 def test_new_loss_update_is_layout_invariant(loss):
-    """GMPO (sequence-level) and DPPO-KL (masking): TP2xPP2 with the fused head vs TP1xPP1."""
+    """GMPO (sequence-level) with IcePop and DPPO-KL (masking) with seq_mask_tis: TP2xPP2 with
+    the fused head vs TP1xPP1."""
     ref, got = run(1, 1, 1, loss=loss), run(2, 2, 1, fused=True, loss=loss)
     ref_h, got_h = ref["history"], got["history"]
     assert ref_h[0]["actor/skipped"] == 0.0
     assert 0 < ref_h[0]["policy/clip_frac"] < 1  # the clip / trust-region mask is exercised
+    assert 0 < ref_h[0]["rollout_corr/masked_frac"] < 1  # and the correction's mask
     assert _max_rel(got["state"], ref["state"]) < 1e-5
     for k, v in ref_h[0].items():
         assert got_h[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k

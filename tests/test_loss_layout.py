@@ -9,6 +9,8 @@ anchor-style per-micro-batch normaliser / selection gives different results on t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,6 +66,19 @@ CASES: dict[str, dict] = {
                                  loss_scale_factor=16.0),
     "dppo_kl_sq": dict(policy_loss="dppo_kl", dppo_kl_delta_low=0.003, dppo_kl_delta_high=0.003,
                        dppo_sq_log_ratio_coef=0.01, loss_agg_mode="seq-mean-token-mean"),
+    # off-policy correction (rollout_logp passed): bounds narrow enough that each one bites
+    "ppo_rollout_none": dict(policy_loss="ppo", rollout_correction="none"),
+    "ppo_tis_seq_mean": dict(policy_loss="ppo", rollout_correction="tis",
+                             rollout_correction_threshold=1.3,
+                             loss_agg_mode="seq-mean-token-mean"),
+    "dapo_icepop": dict(policy_loss="dapo", clip_ratio_high=0.28, rollout_correction="icepop",
+                        icepop_low=0.8, icepop_high=1.25),
+    "ppo_mis_verl_sum_norm": dict(policy_loss="ppo", rollout_correction="mis",
+                                  rollout_correction_threshold=1.3,
+                                  loss_agg_mode="token-sum-norm", loss_scale_factor=16.0),
+    "gmpo_seq_mask_tis": dict(policy_loss="gmpo", rollout_correction="seq_mask_tis",
+                              rollout_correction_threshold=1.3, seq_mask_low=0.97,
+                              seq_mask_high=1.03, loss_agg_mode="seq-mean-token-mean"),
 }
 
 
@@ -80,8 +95,9 @@ def make_data(seed: int = 0) -> dict[str, torch.Tensor]:
     ref = logp + torch.randn(B, T, generator=g) * 0.3
     feat = torch.randn(B, T, generator=g)
     positive = adv[:, 0] > 0
+    rollout = old + torch.randint(-3, 4, (B, T), generator=g).float() / 8  # behaviour logp
     return dict(logp=logp, old=old, adv=adv, mask=mask, ent=ent, old_ent=old_ent, ref=ref,
-                feat=feat, positive=positive)
+                feat=feat, positive=positive, rollout=rollout)
 
 
 def _trim(x: torch.Tensor, t: int) -> torch.Tensor:
@@ -124,7 +140,9 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
         logp.retain_grad()
         inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=mb["ent"],
                          old_entropy=mb["old_ent"], ref_logp=mb["ref"], cov_selected=selected[i],
-                         positive=mb["positive"])
+                         positive=mb["positive"],
+                         rollout_logp=mb["rollout"] if "rollout_correction" in CASES[case]
+                         else None)
         out = compute_loss(inp, cfg, ctx)
         out.loss_for_backward.backward()
         acc.update(out.stats)
@@ -279,6 +297,19 @@ def test_new_losses_bite(reference):
     for case in ("gmpo", "dppo_tv_dr_grpo_norm", "dppo_kl_sq"):
         assert 0 < float(reference[case]["metrics"]["policy/clip_frac"]) < 0.5, case
     assert float(reference["sapo_erc"]["metrics"]["sapo/grad_weight_min"]) < 0.9
+
+
+def test_rollout_corrections_bite(reference):
+    """Each correction truncates / masks part of the tokens (rows for seq_mask_tis), so the
+    layout comparisons cover both sides of every bound and the global IS-weight metrics."""
+    for case, key in (("ppo_tis_seq_mean", "clipped_frac"), ("dapo_icepop", "masked_frac"),
+                      ("ppo_mis_verl_sum_norm", "masked_frac"),
+                      ("gmpo_seq_mask_tis", "seq_masked_frac"),
+                      ("gmpo_seq_mask_tis", "clipped_frac")):
+        assert 0 < float(reference[case]["metrics"][f"rollout_corr/{key}"]) < 1, (case, key)
+    m = reference["ppo_rollout_none"]["metrics"]
+    assert float(m["rollout_corr/ratio_max"]) == pytest.approx(math.exp(3 / 8), rel=1e-6)
+    assert "rollout_corr/weight_mean" not in m
 
 
 @pytest.mark.slow

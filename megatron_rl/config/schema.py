@@ -89,6 +89,8 @@ RANGES: dict[str, Range] = {
     "optim.adam_beta1": BETA, "optim.adam_beta2": BETA, "optim.adam_eps": POS,
     "optim.clip_grad": NONNEG, "optim.lr_warmup_steps": NONNEG, "optim.lr_decay_steps": ONE_UP,
     "loss.rollout_correction_threshold": Range(1, None, lo_open=True),
+    "loss.icepop_low": Range(0, 1), "loss.icepop_high": ONE_UP,
+    "loss.seq_mask_low": Range(0, 1, lo_open=True), "loss.seq_mask_high": ONE_UP,
     "trainer.total_steps": ONE_UP, "trainer.train_batch_size": ONE_UP, "trainer.test_freq": ONE_UP,
     "trainer.save_freq": ONE_UP, "trainer.seed": SEED, "trainer.keep_checkpoints": NONNEG,
     "trainer.kl_in_reward_coef": NONNEG,
@@ -132,7 +134,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "actor.recompute": _choices("megatron_rl.actor.precision", "RECOMPUTE"),
     "optim.lr_decay_style": _choices("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
-    "loss.rollout_correction": lambda: ("none", "tis", "mis"),
+    "loss.rollout_correction": _choices("megatron_rl.loss.rollout_correction",
+                                        "ROLLOUT_CORRECTIONS"),
     "trainer.advantage": lambda: ADVANTAGES,
     "env.name": _choices("megatron_rl.envs", "ENVS"),
 }

@@ -157,14 +157,20 @@ class LoggingSection:
 class LossSection:
     algorithm: str = "dapo"
     overrides: dict = field(default_factory=dict)  # LossConfig fields
-    rollout_correction: str = "none"  # training/inference mismatch: none | tis | mis
-    rollout_correction_threshold: float = 2.0  # C of TIS min(rho, C) / MIS (docs/rollout.md)
+    # off-policy correction of the engine's samples, rho = pi_old / pi_rollout (docs/rollout.md)
+    rollout_correction: str = "none"  # weight of each token's policy loss, a function of rho
+    rollout_correction_threshold: float = 2.0  # C: tis min(rho, C), mis [1/C, C], seq_mask_tis cap
+    icepop_low: float = 0.5  # icepop: token weight 0 when rho < icepop_low
+    icepop_high: float = 5.0  # icepop: token weight 0 when rho > icepop_high
+    seq_mask_low: float = 0.999  # seq_mask_tis: drop rows whose geometric-mean rho is below
+    seq_mask_high: float = 1.001  # seq_mask_tis: drop rows whose geometric-mean rho is above
 
     def build(self):
         from megatron_rl.loss import LossConfig
 
-        extra = {"rollout_correction": self.rollout_correction,
-                 "rollout_correction_threshold": self.rollout_correction_threshold}
+        extra = {k: getattr(self, k) for k in (
+            "rollout_correction", "rollout_correction_threshold", "icepop_low", "icepop_high",
+            "seq_mask_low", "seq_mask_high")}
         return LossConfig.for_algorithm(self.algorithm, **{**extra, **self.overrides})
 
 

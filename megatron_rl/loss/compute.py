@@ -16,7 +16,7 @@ from megatron_rl.loss.gppo import positive_token_mask
 from megatron_rl.loss.kl import kl_penalty
 from megatron_rl.loss.metrics import TokenStat, mean_stat
 from megatron_rl.loss.registry import get_policy_loss
-from megatron_rl.loss.rollout_correction import apply_rollout_correction
+from megatron_rl.loss.rollout_correction import apply_rollout_correction, bounds_of
 from megatron_rl.loss.types import LossInputs, LossOutput
 
 Tensor = torch.Tensor
@@ -48,7 +48,7 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
     if inp.rollout_logp is not None:
         per_token, corr = apply_rollout_correction(
             per_token, inp.old_logp, inp.rollout_logp, mask, cfg.rollout_correction,
-            cfg.rollout_correction_threshold)
+            bounds_of(cfg))
         stats.update(corr)
     elif cfg.rollout_correction != "none":
         raise ValueError(f"rollout_correction={cfg.rollout_correction!r} needs "

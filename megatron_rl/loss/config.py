@@ -15,6 +15,7 @@ from megatron_rl.loss.params import (
     LossParams,
 )
 from megatron_rl.loss.registry import get_policy_loss
+from megatron_rl.loss.rollout_correction import ROLLOUT_CORRECTIONS
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,11 @@ class LossConfig(LossParams):
         _choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
         _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
         _choice("cov_stat_source", self.cov_stat_source, COV_STAT_SOURCES)
-        _choice("rollout_correction", self.rollout_correction, ("none", "tis", "mis"))
+        _choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         _open_low("rollout_correction_threshold", self.rollout_correction_threshold, 1.0,
                   "(1, inf)")
+        _band("icepop_low", "icepop_high", self.icepop_low, self.icepop_high, 0.0)
+        _band("seq_mask_low", "seq_mask_high", self.seq_mask_low, self.seq_mask_high, None)
         max_low = math.inf if spec.name == "cispo" else 1.0
         _range("clip_ratio_low", self.clip_ratio_low, 0.0, max_low, "[0, 1] ([0, inf) for cispo)")
         _range("clip_ratio_high", self.clip_ratio_high, 0.0, math.inf, "[0, inf)")
@@ -170,3 +173,20 @@ def _frac(name: str, value: float) -> None:
     if not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 < value <= 1.0:
         raise LossConfigError(f"{name}={value!r} is out of range; allowed: (0, 1] (a fraction of "
                               "the global valid-token count, not a percentage)")
+
+
+def _band(lo_name: str, hi_name: str, lo: float, hi: float, lo_min: float | None) -> None:
+    """A keep-band ``[lo, hi]`` around ratio 1: ``lo`` in ``[lo_min, 1]`` (``(0, 1]`` when
+    ``lo_min`` is None), ``hi >= 1`` (may be inf), ``lo < hi``."""
+    low_text = "(0, 1]" if lo_min is None else f"[{lo_min:g}, 1]"
+    for name, v in ((lo_name, lo), (hi_name, hi)):
+        if not isinstance(v, (int, float)) or math.isnan(v):
+            raise LossConfigError(f"{name}={v!r} is not a number")
+    if not ((lo > 0.0 if lo_min is None else lo >= lo_min) and lo <= 1.0):
+        raise LossConfigError(f"{lo_name}={lo!r} is out of range; allowed: {low_text} "
+                              "(a ratio at or below 1: on-policy tokens, ratio 1, must be kept)")
+    if not hi >= 1.0:
+        raise LossConfigError(f"{hi_name}={hi!r} is out of range; allowed: [1, inf] (a ratio at "
+                              "or above 1: on-policy tokens, ratio 1, must be kept)")
+    if not lo < hi:
+        raise LossConfigError(f"{lo_name} ({lo}) must be < {hi_name} ({hi})")

@@ -85,6 +85,10 @@ class LossParams:
     entropy_coeff: float = 0.0
     # entropy-dynamics diagnostic [12]
     diagnostic_top_frac: float = 2e-4
-    # training/inference mismatch correction (loss/rollout_correction.py): none | tis | mis
+    # off-policy correction (loss/rollout_correction.py): none | tis | mis | icepop | seq_mask_tis
     rollout_correction: str = "none"
-    rollout_correction_threshold: float = 2.0  # C of TIS min(rho, C) / MIS 1[1/C <= rho <= C]
+    rollout_correction_threshold: float = 2.0  # C: tis min(rho, C), mis band [1/C, C], seq cap
+    icepop_low: float = 0.5  # icepop: tokens with rho < icepop_low get weight 0 (>= 0, <= 1)
+    icepop_high: float = 5.0  # icepop: tokens with rho > icepop_high get weight 0 (>= 1)
+    seq_mask_low: float = 0.999  # seq_mask_tis: rows with geometric-mean rho below are dropped
+    seq_mask_high: float = 1.001  # seq_mask_tis: rows with geometric-mean rho above are dropped

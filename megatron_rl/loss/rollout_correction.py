@@ -1,72 +1,211 @@
-"""Training/inference mismatch: per-token gap between the rollout engine's log-probs and the
-actor's old log-probs, and the importance-sampling corrections that compensate for it.
+"""Off-policy correction: the three-policy decomposition and its importance-sampling weights.
 
-The engine samples with its own kernels (bf16, fused sampling); the actor recomputes the same
-tokens' log-probs (``old_logp``). Per valid token::
+Three policies take part in every update (AReaL's "decoupled PPO", Fu et al. 2025; verl's
+"decoupled" rollout-correction mode):
 
-    rho_t = exp(old_logp_t - rollout_logp_t)          # pi_actor_old / pi_rollout
-    tis:  w_t = min(rho_t, C)                         # truncated IS
-    mis:  w_t = rho_t * 1[1/C <= rho_t <= C]          # masked IS (outliers get weight 0)
-    none: w_t = 1
+* **behaviour** ``mu``: the rollout engine that sampled the tokens; its log-probs are
+  ``rollout_logp`` (its own kernels, bf16, possibly an older weight version when rollouts run
+  asynchronously);
+* **proximal** ``pi_prox``: the actor's weights when the step's update starts; its log-probs are
+  ``old_logp`` (the old-policy pass, recomputed by the training engine, constant for all epochs
+  and mini-batches of the step);
+* **current** ``pi_theta``: the weights being trained; ``logp`` (with gradient).
 
-The policy loss of each token is multiplied by the detached ``w_t`` (Yao et al. 2025, "Your
-Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's rollout correction).
-All tensors are ``[B, T]`` on the inputs' device.
+The policy loss clips the ratio to the proximal policy, and the correction weights each token by
+the (detached) ratio of the proximal policy to the behaviour policy::
+
+    r_t   = pi_theta / pi_prox   = exp(logp_t - old_logp_t)        # clipped by the policy loss
+    rho_t = pi_prox  / mu        = exp(old_logp_t - rollout_logp_t) # detached; log clamped to +-20
+    L_t   = w_t * loss_t(r_t, A_t)                                  # w_t = f(rho), detached
+
+so the trust region is measured against a policy the trainer holds (the clip never chases the
+engine's numerics or staleness) and the bias of sampling from ``mu`` is corrected by ``w``. The
+menu of ``f`` (``C = rollout_correction_threshold``)::
+
+    none:         w_t = 1
+    tis:          w_t = min(rho_t, C)                                  # truncated IS
+    mis:          w_t = rho_t * 1[1/C <= rho_t <= C]                   # masked IS
+    icepop:       w_t = rho_t * 1[icepop_low <= rho_t <= icepop_high]  # two-sided token mask
+    seq_mask_tis: g_i = exp(mean_{t valid} log rho_it)                 # geometric mean, per row
+                  w_it = 1[seq_mask_low <= g_i <= seq_mask_high] * min(rho_it, C)
+
+References (each mode follows one):
+
+* ``tis``: F. Yao, L. Liu et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training" (2025); verl ``compute_rollout_correction_weights(rollout_is="token")``
+  (verl/trainer/ppo/rollout_corr_helper.py); NeMo-RL ``truncated_importance_sampling_type="tis"``.
+* ``mis``: verl token rejection sampling ``rollout_rs="token"`` with ``[1/C, C]`` and the token
+  IS weight kept on the survivors. AReaL's ``behav_imp_weight_cap`` is the one-sided form
+  (``icepop`` with ``icepop_low=0``, ``icepop_high=cap``).
+* ``icepop``: the IcePop post (Ling team, "Small Leak Can Sink a Great Ship", 2025: band
+  [0.5, 5]); NeMo-RL ``truncated_importance_sampling_type="icepop"``
+  (nemo_rl/algorithms/loss_functions.py ``ClippedPGLossFn``). The mask reads the detached
+  ``rho`` (the old training policy over the inference policy, as in the post), so it never
+  changes inside a step.
+* ``seq_mask_tis``: verl ``RolloutCorrectionConfig.decoupled_geo_rs_token_tis`` (geometric RS
+  with band [0.999, 1.001] + token TIS with ``C = 2``). NeMo-RL's ``"seq-mask-tis"`` uses the
+  same sequence mask but keeps the *untruncated* ``rho`` on the kept rows; we truncate (verl),
+  which is the same up to the rare tokens with ``rho > C`` inside a kept row.
+
+Deliberate differences: the weights multiply the per-token loss before the aggregation of any
+``loss_agg_mode`` (so a masked token still counts in the token-mean denominator, as in verl and
+NeMo-RL, where masked weights are zeros inside the same mean); verl's optional "veto" of whole
+sequences with a tiny token ratio is not offered (``seq_mask_tis`` or ``icepop`` cover it).
+
+All tensors are ``[B, T]`` on the inputs' device (``mask`` bool); nothing syncs with the host.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from megatron_rl.loss.metrics import TokenStat, mean_stat
 
 Tensor = torch.Tensor
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_mask_tis")
+LOG_RATIO_CLAMP = 20.0  # exp(+-20): verl's SAFETY_BOUND
 
 
-def rollout_ratio(old_logp: Tensor, rollout_logp: Tensor, clamp: float = 20.0) -> Tensor:
+@dataclass(frozen=True)
+class CorrectionBounds:
+    """Thresholds of the menu (see the module docstring); defaults are the references'."""
+
+    threshold: float = 2.0  # C: tis cap, mis band [1/C, C], seq_mask_tis token cap
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    seq_mask_low: float = 0.999
+    seq_mask_high: float = 1.001
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Per-token weights of one micro-batch and what changed them (all ``[B, T]``, detached).
+
+    ``weight``: fp32, 0 on invalid tokens; ``rho``: fp32 raw proximal/behaviour ratio;
+    ``clipped``: valid tokens whose weight was truncated to ``C``; ``masked``: valid tokens whose
+    weight was zeroed (token or sequence mask); ``seq_masked``: ``[B]`` bool, rows with a valid
+    token rejected by the sequence mask (``seq_mask_tis`` only, else None).
+    """
+
+    weight: Tensor
+    rho: Tensor
+    clipped: Tensor
+    masked: Tensor
+    seq_masked: Tensor | None = None
+
+
+def rollout_ratio(old_logp: Tensor, rollout_logp: Tensor, clamp: float = LOG_RATIO_CLAMP
+                  ) -> Tensor:
     """``rho = exp(old_logp - rollout_logp)`` (detached fp32, log-ratio clamped to +-clamp)."""
-    diff = old_logp.detach().float() - rollout_logp.detach().float()
-    return torch.exp(diff.clamp(-clamp, clamp))
+    return torch.exp(log_ratio(old_logp, rollout_logp).clamp(-clamp, clamp))
+
+
+def log_ratio(old_logp: Tensor, rollout_logp: Tensor) -> Tensor:
+    """``old_logp - rollout_logp`` (detached fp32)."""
+    return old_logp.detach().float() - rollout_logp.detach().float()
+
+
+def check_mode(mode: str) -> None:
+    """Raise ``ValueError`` naming the field and the allowed values."""
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout_correction={mode!r}; allowed: {list(ROLLOUT_CORRECTIONS)}")
+
+
+def compute_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
+                       bounds: CorrectionBounds = CorrectionBounds()) -> Correction:
+    """The weights of ``mode`` (module docstring) and their clipped / masked tokens."""
+    check_mode(mode)
+    m = mask.bool()
+    lr = log_ratio(old_logp, rollout_logp)
+    rho = torch.exp(lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    none = torch.zeros_like(m)
+    seq_masked = None
+    if mode == "none":
+        w, clipped, masked = torch.ones_like(rho), none, none
+    elif mode == "tis":
+        clipped = rho > bounds.threshold
+        w, masked = rho.clamp(max=bounds.threshold), none
+    elif mode in ("mis", "icepop"):
+        lo, hi = ((1.0 / bounds.threshold, bounds.threshold) if mode == "mis"
+                  else (bounds.icepop_low, bounds.icepop_high))
+        masked = (rho < lo) | (rho > hi)
+        w, clipped = torch.where(masked, 0.0, rho), none
+    else:  # seq_mask_tis: geometric mean of each row's valid-token ratios
+        n = m.sum(-1, keepdim=True).clamp_min(1).float()
+        geo = torch.exp((torch.where(m, lr, 0.0).sum(-1, keepdim=True) / n)
+                        .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, 1]
+        reject = (geo < bounds.seq_mask_low) | (geo > bounds.seq_mask_high)
+        masked = reject.expand_as(m)
+        clipped = ~masked & (rho > bounds.threshold)
+        w = torch.where(masked, 0.0, rho.clamp(max=bounds.threshold))
+        seq_masked = reject.squeeze(-1) & m.any(-1)
+    zero = torch.zeros_like(w)
+    return Correction(weight=torch.where(m, w, zero), rho=rho, clipped=clipped & m,
+                      masked=masked & m, seq_masked=seq_masked)
 
 
 def correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
-                       threshold: float) -> Tensor:
-    """Per-token weights ``w [B, T]`` (0 on invalid tokens) of ``mode`` with threshold ``C``."""
-    if mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"rollout_correction={mode!r}; allowed: {list(ROLLOUT_CORRECTIONS)}")
+                       threshold: float = 2.0, **bounds: float) -> Tensor:
+    """Per-token weights ``w [B, T]`` (0 on invalid tokens) of ``mode``; ``bounds``: the other
+    :class:`CorrectionBounds` fields."""
+    return compute_correction(old_logp, rollout_logp, mask, mode,
+                              CorrectionBounds(threshold=threshold, **bounds)).weight
+
+
+def correction_stats(corr: Correction, mask: Tensor, mode: str) -> dict[str, TokenStat]:
+    """Globally reduced metrics (``rollout_corr/*``) of one micro-batch's correction.
+
+    Always: ``kl_k3`` (mean of ``rho - 1 - log rho``, a KL(behaviour || proximal) estimate),
+    ``ratio_mean`` / ``ratio_max`` of ``rho``. With a correction (mode != none):
+    ``weight_mean`` / ``weight_max`` of ``w``, ``clipped_frac`` (weight truncated to ``C``) and
+    ``masked_frac`` (weight zeroed), over valid tokens; ``seq_masked_frac`` (rows rejected, of
+    the rows with a valid token) for ``seq_mask_tis``. The plain gap ``|old - rollout|`` is
+    logged once per step by the trainer (``rollout/logp_mismatch_*``), not per mini-batch.
+    """
     m = mask.bool()
-    if mode == "none":
-        return m.float()
-    rho = rollout_ratio(old_logp, rollout_logp)
-    if mode == "tis":
-        w = rho.clamp(max=threshold)
-    else:
-        w = torch.where((rho >= 1.0 / threshold) & (rho <= threshold), rho, torch.zeros_like(rho))
-    return torch.where(m, w, torch.zeros_like(w))
-
-
-def mismatch_stats(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, weights: Tensor
-                   ) -> dict[str, TokenStat]:
-    """Global per-token mismatch metrics: k3 KL(rollout || actor) estimate, mean weight and the
-    fraction of tokens whose weight was changed (0 or capped). The plain gap |old - rollout| is
-    logged once per step by the trainer (``rollout/logp_mismatch_*``), not per mini-batch."""
-    m = mask.float()
-    rho = rollout_ratio(old_logp, rollout_logp)
+    rho = corr.rho
     k3 = rho - 1.0 - torch.log(rho)
-    changed = (weights != rho).float()
-    return {"rollout_corr/kl_k3": mean_stat(k3, m),
-            "rollout_corr/weight_mean": mean_stat(weights, m),
-            "rollout_corr/changed_frac": mean_stat(changed, m)}
+    out = {"rollout_corr/kl_k3": mean_stat(k3, m),
+           "rollout_corr/ratio_mean": mean_stat(rho, m),
+           "rollout_corr/ratio_max": TokenStat(rho, m, "max")}
+    if mode == "none":
+        return out
+    out.update({"rollout_corr/weight_mean": mean_stat(corr.weight, m),
+                "rollout_corr/weight_max": TokenStat(corr.weight, m, "max"),
+                "rollout_corr/clipped_frac": mean_stat(corr.clipped, m),
+                "rollout_corr/masked_frac": mean_stat(corr.masked, m)})
+    if corr.seq_masked is not None:
+        out["rollout_corr/seq_masked_frac"] = mean_stat(corr.seq_masked, m.any(-1))
+    return out
+
+
+def mismatch_stats(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str = "none",
+                   bounds: CorrectionBounds = CorrectionBounds()) -> dict[str, TokenStat]:
+    """:func:`correction_stats` of ``mode`` from the log-probs."""
+    return correction_stats(compute_correction(old_logp, rollout_logp, mask, mode, bounds),
+                            mask, mode)
 
 
 def apply_rollout_correction(token_loss: Tensor, old_logp: Tensor, rollout_logp: Tensor,
-                             mask: Tensor, mode: str, threshold: float
+                             mask: Tensor, mode: str,
+                             bounds: CorrectionBounds | float = CorrectionBounds()
                              ) -> tuple[Tensor, dict[str, TokenStat]]:
-    """``token_loss * w`` (w detached) and the mismatch metrics."""
-    w = correction_weights(old_logp, rollout_logp, mask, mode, threshold)
-    stats = mismatch_stats(old_logp, rollout_logp, mask, w if mode != "none" else
-                           rollout_ratio(old_logp, rollout_logp))
+    """``token_loss * w`` (``w`` detached, in ``token_loss``'s dtype) and the metrics.
+
+    ``bounds``: a :class:`CorrectionBounds`, or a float ``C`` (the other bounds at defaults)."""
+    if not isinstance(bounds, CorrectionBounds):
+        bounds = CorrectionBounds(threshold=float(bounds))
+    corr = compute_correction(old_logp, rollout_logp, mask, mode, bounds)
+    stats = correction_stats(corr, mask, mode)
     if mode == "none":
         return token_loss, stats
-    return token_loss * w.to(token_loss.dtype), stats
+    return token_loss * corr.weight.to(token_loss.dtype), stats
+
+
+def bounds_of(cfg: object) -> CorrectionBounds:
+    """The :class:`CorrectionBounds` of a loss config (``LossParams`` fields)."""
+    return CorrectionBounds(threshold=cfg.rollout_correction_threshold,
+                            icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high,
+                            seq_mask_low=cfg.seq_mask_low, seq_mask_high=cfg.seq_mask_high)
