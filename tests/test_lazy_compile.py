@@ -1,0 +1,49 @@
+"""megatron-core imports without TorchInductor; its decorated functions still compile on use."""
+
+import subprocess
+import sys
+
+import torch
+
+from megatron_rl.util.lazy_compile import deferred, deferred_torch_compile
+
+
+def test_megatron_core_imports_without_inductor_and_torch_compile_is_restored():
+    code = ("import sys, torch, megatron_rl\n"
+            "real = torch.compile\n"
+            "import megatron.core.models.gpt, megatron.core.optimizer, megatron.core.jit as jit\n"
+            "assert torch.compile is real, 'torch.compile not restored'\n"
+            "assert 'torch._inductor.compile_fx' not in sys.modules, 'inductor imported'\n"
+            "assert jit.jit_fuser.__name__ == 'compile_later', jit.jit_fuser\n"
+            "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+def test_deferred_compile_calls_the_real_one_once_on_first_use():
+    calls = []
+
+    def fake_compile(fn=None, **kwargs):
+        calls.append(kwargs)
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    lazy = deferred(fake_compile)
+
+    @lazy(mode="max-autotune")
+    def add(a, b):
+        return a + b
+
+    plain = lazy(lambda x: 2 * x, dynamic=True)
+    assert calls == [] and add.__name__ == "add"
+    assert add(1, 2) == ("compiled", 3) and add(2, 2) == ("compiled", 4)
+    assert plain(3) == ("compiled", 6)
+    assert calls == [{"mode": "max-autotune"}, {"dynamic": True}]
+    lazy(torch.nn.Linear(2, 2), fullgraph=True)  # a module is compiled at once
+    assert calls[-1] == {"fullgraph": True} and len(calls) == 3
+
+
+def test_deferred_torch_compile_restores_the_real_function():
+    real = torch.compile
+    with deferred_torch_compile():
+        assert torch.compile is not real
+    assert torch.compile is real
