@@ -197,3 +197,20 @@ def test_chunked_selection_with_dp_candidates_equals_radix():
         assert torch.equal(torch.cat(sel), want)
         assert int(top.count) == int(want.sum())
         assert torch.allclose(top.value_sum, vals[want].double().sum())
+
+
+def test_rank_token_bound_sizes_the_candidate_exchange_and_is_checked():
+    """The trainer's per-rank bound (rows x maximum sequence length) sets ``numel_bound`` without
+    reading device counts (NCCL's case; the DP=2 gloo run in ``test_loss_layout.py`` selects the
+    same tokens with it), and a bound below this rank's padded tokens is a clear error."""
+    import pytest
+
+    from megatron_rl.loss.context import rank_token_bound
+
+    masks = [torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 7, dtype=torch.bool)]
+    bound = rank_token_bound(masks, 8)
+    assert bound == 4 * 8 and rank_token_bound(masks, None) is None
+    assert ReductionContext.from_minibatch(masks, group=None,
+                                           rank_numel_bound=bound).numel_bound == bound
+    with pytest.raises(ValueError, match=r"rank_numel_bound=23\).*24 padded tokens"):
+        ReductionContext.from_minibatch(masks, group=None, rank_numel_bound=23)
