@@ -26,7 +26,13 @@ import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.context import ReductionContext, as_list
-from megatron_rl.loss.masking import mask_bits, masked_zero, not_mask_bits, zero_where_not
+from megatron_rl.loss.masking import (
+    mask_bits,
+    masked_zero,
+    not_mask_bits,
+    same_bits,
+    zero_where_not,
+)
 from megatron_rl.loss.metrics import as_float, mean_stat
 from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
@@ -193,8 +199,9 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
             c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
             b, t = ms[i].shape
-            active = (ms[i] & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
-                      & ~ppo_clipped(torch.exp(log_ratio(lp[i], old[i], None)), adv[i], cfg))
+            active = ms[i] & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
+            if lp[i] is not old[i]:  # the statistic's own old log-probs: ratio 1, never clipped
+                active &= ~ppo_clipped(torch.exp(log_ratio(lp[i], old[i], None)), adv[i], cfg)
             return mix_token_hash(h_seq[row0[i]:row0[i] + b], h_pos[:t]), active, c
         ratio_k = cfg.clip_cov_ratio
     else:
@@ -325,8 +332,11 @@ class _ClipCovLoss(torch.autograd.Function):
         keep_bits = _bits_of(keep, logp)
         loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
         if ctx.needs_input_grad[0]:
-            tie = loss1 == loss2
-            in_range = clamped == ratio  # == (ratio >= lo) & (ratio <= hi), NaN -> False
+            # ``==`` as bit patterns: it differs from the float ``==`` only where a side is NaN
+            # (both sides of a tie carry -A's sign; ratio >= +0), and there the gradient is
+            # NaN (-A's or the ratio's, the same bits) whatever the 0.5 / in-range factors
+            tie = same_bits(loss1, loss2)
+            in_range = same_bits(clamped, ratio)  # (ratio >= lo) & (ratio <= hi)
             ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
         ctx.mark_non_differentiable(clipped)
         return loss, clipped
