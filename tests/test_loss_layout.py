@@ -25,6 +25,7 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
+from megatron_rl.loss.context import rank_token_bound
 
 B, T = 8, 12
 ATOL = 1e-6
@@ -213,9 +214,15 @@ def _radix_fallback_part(data: dict, rows: slice) -> dict:
     for case in ("clip_cov", "kl_cov"):
         cfg = LossConfig(**CASES[case]).validate()
         picked = []
-        for bound in ("known", None):
-            ctx = ReductionContext.from_minibatch(masks, group="default")
-            assert ctx.numel_bound is not None
+        for bound in ("known", None, "rank"):
+            if bound == "rank":  # the trainer's bound (rows x max length): NCCL's code path
+                rank_bound = rank_token_bound(masks, 2 * T)
+                ctx = ReductionContext.from_minibatch(masks, group="default",
+                                                      rank_numel_bound=rank_bound)
+                assert ctx.numel_bound == 2 * rank_bound
+            else:
+                ctx = ReductionContext.from_minibatch(masks, group="default")
+                assert ctx.numel_bound is not None
             if bound is None:
                 ctx.numel_bound = None
             sel = select_cov_tokens(ctx, cfg, [mb["logp"] for mb in mbs],
@@ -321,10 +328,11 @@ def test_dp2_layouts_match_single_process(data, reference):
     tp_data = _tp_data(data) if with_tp else data
     results = spawn(dp2_worker, 2, (data, tp_data if with_tp else None), timeout_s=240)
     for r in results:
-        for case, ((sel_a, st_a), (sel_b, st_b)) in r["radix"].items():
-            assert sel_a.any() and torch.equal(sel_a, sel_b), case
-            for name in st_a:
-                torch.testing.assert_close(st_a[name], st_b[name], atol=ATOL, rtol=0)
+        for case, ((sel_a, st_a), *others) in r["radix"].items():
+            for sel_b, st_b in others:  # the radix fallback and the trainer's rank bound
+                assert sel_a.any() and torch.equal(sel_a, sel_b), case
+                for name in st_a:
+                    torch.testing.assert_close(st_a[name], st_b[name], atol=ATOL, rtol=0)
     for case in CASES:
         for n_micro in (1, 2):
             got = merge_ranks([r[(case, n_micro)] for r in results])

@@ -90,6 +90,16 @@ def test_single_process_selection_equals_the_global_index_radix_selection():
         got = _flat(select_cov_tokens(ctx, cfg, lp, old, adv, masks, step=3).selected)
         want = _reference_selection(cfg, lp, old, adv, masks, 3)
         assert want.sum() > 1 and torch.equal(got, want), cfg.policy_loss
+    # the first update's statistic is old_logp itself: Clip-Cov skips the PPO-clip test (ratio
+    # exactly 1), the same tokens as computing it on an equal copy (NaN padding included)
+    old_nan = [torch.where(m, o, float("nan")) for m, o in zip(masks, old)]
+    copy = [o.clone() for o in old_nan]
+    cfg = LossConfig(policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-10.0)
+    fast = select_cov_tokens(ctx, cfg, old_nan, old_nan, adv, masks, step=3)
+    full = select_cov_tokens(ctx, cfg, copy, old_nan, adv, masks, step=3)
+    assert _flat(fast.selected).sum() > 1
+    assert torch.equal(_flat(fast.selected), _flat(full.selected))
+    assert fast.stats["clip_cov/candidate_frac"] == full.stats["clip_cov/candidate_frac"]
 
 
 def test_bit_masking_equals_where_in_value_and_gradient():
@@ -197,3 +207,20 @@ def test_chunked_selection_with_dp_candidates_equals_radix():
         assert torch.equal(torch.cat(sel), want)
         assert int(top.count) == int(want.sum())
         assert torch.allclose(top.value_sum, vals[want].double().sum())
+
+
+def test_rank_token_bound_sizes_the_candidate_exchange_and_is_checked():
+    """The trainer's per-rank bound (rows x maximum sequence length) sets ``numel_bound`` without
+    reading device counts (NCCL's case; the DP=2 gloo run in ``test_loss_layout.py`` selects the
+    same tokens with it), and a bound below this rank's padded tokens is a clear error."""
+    import pytest
+
+    from megatron_rl.loss.context import rank_token_bound
+
+    masks = [torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 7, dtype=torch.bool)]
+    bound = rank_token_bound(masks, 8)
+    assert bound == 4 * 8 and rank_token_bound(masks, None) is None
+    assert ReductionContext.from_minibatch(masks, group=None,
+                                           rank_numel_bound=bound).numel_bound == bound
+    with pytest.raises(ValueError, match=r"rank_numel_bound=23\).*24 padded tokens"):
+        ReductionContext.from_minibatch(masks, group=None, rank_numel_bound=23)

@@ -39,6 +39,7 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
+from megatron_rl.loss.context import rank_token_bound
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
@@ -213,7 +214,11 @@ class PolicyUpdater:
             if cfg.positive_nll_coef > 0:
                 extra = {"positive": [mb["mask"].bool() & mb["positive"].bool()[:, None]
                                       for mb in mbs]}
-            ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], extra_masks=extra)
+            masks = [mb["mask"] for mb in mbs]
+            bound = rank_token_bound(masks, getattr(bare_model(self.model),
+                                                    "max_sequence_length", None))
+            ctx = ReductionContext.from_minibatch(masks, extra_masks=extra,
+                                                  rank_numel_bound=bound)
             selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step, salt)
             diagnose = first_update if diagnose is None else diagnose
             if diagnose and cfg.policy_loss != "nll":  # §12 diagnostic, every epoch-0 mini-batch

@@ -81,7 +81,8 @@ class ReductionContext:
     def from_minibatch(masks: Tensor | Sequence[Tensor], group: object | None = "default",
                        dp_grad_average: bool = True,
                        extra_masks: dict[str, Sequence[Tensor]] | None = None,
-                       numel_bound: int | None = None) -> ReductionContext:
+                       numel_bound: int | None = None,
+                       rank_numel_bound: int | None = None) -> ReductionContext:
         """Build the context from this rank's micro-batch masks (each ``[B_m, T_m]``).
 
         One ``all_gather`` over ``group`` (``"default"``: :func:`default_dp_group`). ``extra_masks``
@@ -91,7 +92,13 @@ class ReductionContext:
         ranks together (the same on every rank); it sizes the candidate exchange of the global
         top-k selections. Left ``None`` it is known without asking: one process, or a DP group
         whose counts are CPU tensors (gloo); otherwise (device tensors) those selections fall
-        back to a radix selection of four collectives.
+        back to a radix selection of four collectives. ``rank_numel_bound``: a host upper bound
+        of the padded tokens of any **one** rank, the same on every rank (e.g. this rank's rows
+        times the model's maximum sequence length, see
+        :func:`rank_token_bound`); it gives
+        ``numel_bound = dp_size * rank_numel_bound`` on any backend, and each rank checks its own
+        micro-batch shapes against it (host integers, no sync; ``ValueError`` when they exceed
+        it).
         """
         masks = as_list(masks)
         if not masks:
@@ -99,11 +106,21 @@ class ReductionContext:
         if group == "default":
             group = default_dp_group()
         device = masks[0].device
+        if rank_numel_bound is not None:
+            have = sum(m.numel() for m in masks)
+            if have > rank_numel_bound:
+                raise ValueError(
+                    f"from_minibatch(rank_numel_bound={rank_numel_bound}): this rank's "
+                    f"micro-batches hold {have} padded tokens (shapes "
+                    f"{[tuple(m.shape) for m in masks]}); the bound must be >= every rank's "
+                    "sum of B_m * T_m (rows x maximum sequence length)")
         names = sorted(extra_masks or {})
         local = _local_counts(masks, [as_list(extra_masks[n]) for n in names], device)
         if group is None:
             rows = local.unsqueeze(0)
             rank, size = 0, 1
+            if rank_numel_bound is not None:
+                numel_bound = rank_numel_bound
             if numel_bound is None:
                 numel_bound = sum(m.numel() for m in masks)
         else:
@@ -111,7 +128,9 @@ class ReductionContext:
             gathered = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(gathered, local, group=group)  # the one collective of this method
             rows = torch.stack(gathered)
-            if numel_bound is None and rows.device.type == "cpu":  # host values: no sync
+            if rank_numel_bound is not None:
+                numel_bound = size * rank_numel_bound
+            elif numel_bound is None and rows.device.type == "cpu":  # host values: no sync
                 numel_bound = int((rows[:, 2] * rows[:, 3]).sum())
         totals = rows.sum(0)
         offsets = [0]
@@ -162,6 +181,18 @@ class ReductionContext:
         if self.group is not None and self.dp_size > 1:
             dist.all_reduce(t, op=op, group=self.group)
         return t
+
+
+def rank_token_bound(masks: Sequence[Tensor], max_seq_len: int | None) -> int | None:
+    """Host upper bound of one DP rank's padded tokens in a mini-batch, the same on every rank
+    when every rank holds the same number of rows (the trainer's ``mini_batch_size / dp``): the
+    rows of ``masks`` (``[B_m, T_m]`` each) times ``max_seq_len`` (the model's maximum sequence
+    length, ``T_m <= max_seq_len``); ``None`` when it is unknown. For
+    :meth:`ReductionContext.from_minibatch`'s ``rank_numel_bound`` (no host sync on any
+    backend)."""
+    if not max_seq_len:
+        return None
+    return sum(int(m.shape[0]) for m in masks) * int(max_seq_len)
 
 
 def _local_counts(masks: list[Tensor], extra: list[list[Tensor]], device: torch.device) -> Tensor:

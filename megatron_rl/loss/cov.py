@@ -20,13 +20,19 @@ Per mini-batch, before any micro-batch runs backward:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.context import ReductionContext, as_list
-from megatron_rl.loss.masking import mask_bits, masked_zero, not_mask_bits, zero_where_not
+from megatron_rl.loss.masking import (
+    mask_bits,
+    masked_zero,
+    not_mask_bits,
+    same_bits,
+    zero_where_not,
+)
 from megatron_rl.loss.metrics import as_float, mean_stat
 from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
@@ -35,9 +41,11 @@ from megatron_rl.loss.select import (
     global_token_index,
     global_topk_mask,
     masked_composite_key,
+    mix_token_hash,
     reversed_index,
-    select_top_keys_chunks,
-    token_hash32_rows_i32,
+    select_from_candidates,
+    token_hash_parts,
+    top_candidates,
     topk_bound,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
@@ -80,26 +88,39 @@ def token_covariance(ctx: ReductionContext, logp: TensorList, advantages: Tensor
 
 def _covariances(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
                  valid: list[Tensor]) -> tuple[list[Tensor], Tensor]:
-    """:func:`token_covariance` micro-batch by micro-batch (each one's tensors stay in cache):
-    padding zeroed by bit masking in the input dtype, fp64 sums per micro-batch, then over
-    micro-batches; after the ``all_reduce`` the fp32 ``Cov`` of each micro-batch."""
-    xs, as_, parts, bits32 = [], [], [], []
+    """:func:`token_covariance`: :func:`_cov_means`, then each micro-batch's
+    :func:`_token_cov` with padding zeroed."""
+    mean_lp, mean_a, batch_cov = _cov_means(ctx, logp, adv, valid)
+    cov = [zero_where_not(_token_cov(x, a, mean_lp, mean_a), mask_bits(v, torch.float32))
+           for x, a, v in zip(logp, adv, valid, strict=True)]
+    return cov, batch_cov
+
+
+def _cov_means(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
+               valid: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Global means of ``logp`` and ``A`` over the valid tokens, rounded to fp32 (0-dim), and the
+    batch covariance ``mean(logp A) - mean(logp) mean(A)`` (0-dim fp64). Sums in fp64 micro-batch
+    by micro-batch (padding zeroed by bit masking; each micro-batch's temporaries are freed
+    before the next one's, so their memory is reused), then one ``all_reduce`` of 3 numbers."""
+    parts = []
     for lp, a, v in zip(logp, adv, valid, strict=True):
         bits: dict[torch.dtype, Tensor] = {}  # one mask word per dtype, shared
         x, y = _zero_padding(lp, v, bits).double(), _zero_padding(a, v, bits).double()
-        xs.append(x)
-        as_.append(y)
-        bits32.append(bits.get(torch.float32))
         parts.append(torch.stack([x.sum(), y.sum(), (x * y).sum()]))
+        del x, y, bits
     sums = torch.stack(parts).sum(0)
     ctx.all_reduce(sums)
     n = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / n, sums[1] / n
     batch_cov = sums[2] / n - mean_lp * mean_a
-    cov = [zero_where_not(((x - mean_lp) * (y - mean_a)).float(),
-                          b if b is not None else mask_bits(v, torch.float32))
-           for x, y, v, b in zip(xs, as_, valid, bits32, strict=True)]
-    return cov, batch_cov
+    return mean_lp.float(), mean_a.float(), batch_cov
+
+
+def _token_cov(logp: Tensor, adv: Tensor, mean_lp: Tensor, mean_a: Tensor) -> Tensor:
+    """fp32 ``Cov_t = (logp - mean_lp) (A - mean_a)`` ``[B, T]`` in fp32 arithmetic (the means
+    from :func:`_cov_means`; any value at padding). Each token's value depends only on its own
+    inputs and the global means, so it is the same in every layout."""
+    return (logp.float() - mean_lp) * (adv.float() - mean_a)
 
 
 def _zero_padding(x: Tensor, valid: Tensor, bits: dict[torch.dtype, Tensor]) -> Tensor:
@@ -135,6 +156,10 @@ def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossParams) -> Tensor:
     return na * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high) > na * ratio
 
 
+# one micro-batch's (int32 score bits read unsigned [B, T], active [B, T] bool, Cov [B, T] fp32)
+_Scorer = Callable[[int], tuple[Tensor, Tensor, Tensor]]
+
+
 @torch.no_grad()
 def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorList,
                       old_logp: TensorList, advantages: TensorList, masks: TensorList,
@@ -144,35 +169,45 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
-    Work runs micro-batch by micro-batch (tensors of cache size): covariance, keys, one
-    ``topk`` each, then one ``topk`` over their candidates. Collectives with several DP ranks:
-    1 ``all_reduce`` (means) + 1 ``all_gather`` of each rank's candidates (keys, Cov values,
-    active count) when ``ctx.numel_bound`` is known (one process, gloo); else a radix selection
-    (4 ``all_reduce``) + 1 for the metrics. None with one rank; no host sync. Ties in the score
-    go to the smaller global token index: with one DP rank the flat position stands in for it
-    (same order, see ``context.py``).
+    Work streams micro-batch by micro-batch: one pass for the global means, then per
+    micro-batch the covariance, keys and one ``topk`` of its candidates (its temporaries freed
+    before the next one's, so their memory is reused), then one ``topk`` over the candidates.
+    Collectives with several DP ranks: 1 ``all_reduce`` (means) + 1 ``all_gather`` of each
+    rank's candidates (keys, Cov values, active count) when ``ctx.numel_bound`` is known (one
+    process, gloo, or given by the caller); else a radix selection (4 ``all_reduce``) + 1 for
+    the metrics. None with one rank; no host sync. Ties in the score go to the smaller global
+    token index: with one DP rank the flat position stands in for it (same order, see
+    ``context.py``).
     """
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
     device = lp[0].device
-    cov, batch_cov = _covariances(ctx, lp, adv, ms)
+    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
+    scorer: _Scorer
     if cfg.policy_loss == "kl_cov":
-        active = ms
-        scores = [float_order_u32(c) for c in cov]
+        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
+            return float_order_u32(c), ms[i], c
         ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
-        active = [v & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
-                  & ~ppo_clipped(torch.exp(log_ratio(x, o, None)), a, cfg)
-                  for v, c, x, o, a in zip(ms, cov, lp, old, adv, strict=True)]
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        scores = token_hash32_rows_i32(seed, step, [ctx.seq_index(i, m.shape[0], device)
-                                                    for i, m in enumerate(ms)],
-                                       [m.shape[1] for m in ms])
+        h_seq, h_pos = token_hash_parts(seed, step, [ctx.seq_index(i, m.shape[0], device)
+                                                     for i, m in enumerate(ms)],
+                                        [m.shape[1] for m in ms])
+        row0 = ctx.mb_seq_offsets
+
+        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
+            b, t = ms[i].shape
+            active = ms[i] & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
+            if lp[i] is not old[i]:  # the statistic's own old log-probs: ratio 1, never clipped
+                active &= ~ppo_clipped(torch.exp(log_ratio(lp[i], old[i], None)), adv[i], cfg)
+            return mix_token_hash(h_seq[row0[i]:row0[i] + b], h_pos[:t]), active, c
         ratio_k = cfg.clip_cov_ratio
     else:
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    selected, top = _global_top(ctx, ms, scores, active, cov, ratio_k)
+    selected, top = _global_top(ctx, ms, scorer, ratio_k)
     n = ctx.num_tokens.clamp_min(1).double()
     num = top.count.double()
     name = cfg.policy_loss
@@ -184,43 +219,57 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     return CovSelection(selected, stats)
 
 
-def _global_top(ctx: ReductionContext, ms: list[Tensor], scores: list[Tensor],
-                active: list[Tensor], values: list[Tensor], ratio: float
+def _global_top(ctx: ReductionContext, ms: list[Tensor], scorer: _Scorer, ratio: float
                 ) -> tuple[list[Tensor], TopK]:
-    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned int32 ``scores``
-    desc, global token index asc) among ``active`` ones; all lists per micro-batch
-    ``[B_m, T_m]``. One ``topk`` per micro-batch and one over their candidates; with several DP
-    ranks one ``all_gather`` of candidates when ``ctx.numel_bound`` is known, else the radix
-    selection (four all-reduces). Returns each micro-batch's selected mask and the totals."""
-    device = ms[0].device
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned int32 score desc,
+    global token index asc) among the active ones; ``scorer(i)`` gives micro-batch ``i``'s
+    ``(scores, active, values)`` (each ``[B_i, T_i]``, computed when needed). One ``topk`` per
+    micro-batch and one over their candidates; with several DP ranks one ``all_gather`` of
+    candidates when ``ctx.numel_bound`` is known, else the radix selection (four all-reduces).
+    Returns each micro-batch's selected mask and the totals."""
     k = _count_k(ratio, ctx.num_tokens)
     one_rank = ctx.group is None or ctx.dp_size == 1
-    if one_rank:  # only the order of the tie-break index matters: flat position
-        revs, start = [], 0
-        for m in ms:
-            revs.append(reversed_index(m.numel(), device, start))
-            start += m.numel()
-        bound = start
-    else:
-        revs = [(2**31 - 1) - g.reshape(-1)
-                for g in global_token_index(ctx, [m.shape for m in ms], device)]
-        bound = ctx.numel_bound
-    keys = [masked_composite_key(sc.reshape(-1), ac.reshape(-1), r)
-            for sc, ac, r in zip(scores, active, revs, strict=True)]
-    vals = [v.reshape(-1) for v in values]
-    active_count = torch.stack([ac.sum() for ac in active]).sum()
+    bound = sum(m.numel() for m in ms) if one_rank else ctx.numel_bound
+    counts, start = [], 0
     if bound is not None:
-        sel, top = select_top_keys_chunks(keys, vals, active_count, k, topk_bound(ratio, bound),
-                                          ctx)
+        k_max = topk_bound(ratio, bound)
+        cands = []
+        for i, m in enumerate(ms):
+            score, active, value = scorer(i)
+            key = masked_composite_key(score.reshape(-1), active.reshape(-1),
+                                       _rev_index(ctx, i, m, start, one_rank))
+            cands.append(top_candidates(key, value.reshape(-1), k_max))
+            counts.append(active.sum())
+            start += m.numel()
+            del score, active, value, key  # free before the next micro-batch's
+        sel, top = select_from_candidates(cands, [m.numel() for m in ms],
+                                          torch.stack(counts).sum(), k, k_max, ctx)
         return [s_.view(m.shape) for s_, m in zip(sel, ms, strict=True)], top
     # radix over device counts (no host bound of the global size)
-    flat_keys, flat_active = _flat(keys).clamp_min(0), _flat([a.reshape(-1) for a in active])
-    sel = global_topk_mask(flat_keys, flat_active, k, ctx)
-    value_sum = zero_where_not(_flat(vals), mask_bits(sel, torch.float32)).sum(
-        dtype=torch.float64)
-    sums = torch.stack([sel.sum().double(), value_sum, active_count.double()])
+    keys, actives, vals = [], [], []
+    for i, m in enumerate(ms):
+        score, active, value = scorer(i)
+        keys.append(masked_composite_key(score.reshape(-1), active.reshape(-1),
+                                         _rev_index(ctx, i, m, start, one_rank)))
+        actives.append(active.reshape(-1))
+        vals.append(value.reshape(-1))
+        counts.append(active.sum())
+        start += m.numel()
+    flat_active = _flat(actives)
+    sel = global_topk_mask(_flat(keys).clamp_min(0), flat_active, k, ctx)
+    value_sum = torch.where(sel, _flat(vals), 0.0).sum(dtype=torch.float64)
+    sums = torch.stack([sel.sum().double(), value_sum, torch.stack(counts).sum().double()])
     ctx.all_reduce(sums)
     return _unflat(sel, ms), TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
+
+
+def _rev_index(ctx: ReductionContext, i: int, m: Tensor, start: int, one_rank: bool) -> Tensor:
+    """``2**31 - 1 -`` global token index of micro-batch ``i`` (flat, int64); with one rank the
+    flat position ``start + j`` stands in for it (the same order)."""
+    if one_rank:
+        return reversed_index(m.numel(), m.device, start)
+    (g,) = global_token_index(ctx, [m.shape], m.device, first=i)
+    return (2**31 - 1) - g.reshape(-1)
 
 
 @torch.no_grad()
@@ -230,8 +279,14 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
     mean over all tokens, so users see which tokens drive entropy collapse."""
     ms = [m.bool() for m in as_list(masks)]
-    cov, batch_cov = _covariances(ctx, as_list(logp), as_list(advantages), ms)
-    _, top = _global_top(ctx, ms, [float_order_u32(c) for c in cov], ms, cov, top_frac)
+    lp, adv = as_list(logp), as_list(advantages)
+    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
+
+    def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
+        c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
+        return float_order_u32(c), ms[i], c
+
+    _, top = _global_top(ctx, ms, scorer, top_frac)
     num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),
@@ -277,8 +332,11 @@ class _ClipCovLoss(torch.autograd.Function):
         keep_bits = _bits_of(keep, logp)
         loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
         if ctx.needs_input_grad[0]:
-            tie = loss1 == loss2
-            in_range = clamped == ratio  # == (ratio >= lo) & (ratio <= hi), NaN -> False
+            # ``==`` as bit patterns: it differs from the float ``==`` only where a side is NaN
+            # (both sides of a tie carry -A's sign; ratio >= +0), and there the gradient is
+            # NaN (-A's or the ratio's, the same bits) whatever the 0.5 / in-range factors
+            tie = same_bits(loss1, loss2)
+            in_range = same_bits(clamped, ratio)  # (ratio >= lo) & (ratio <= hi)
             ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
         ctx.mark_non_differentiable(clipped)
         return loss, clipped

@@ -20,17 +20,22 @@ _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat1
 def mask_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """All-ones where ``mask`` (bool) is true, 0 elsewhere, in the integer type as wide as
     ``dtype`` (the second argument of :func:`zero_where_not`); same shape and device."""
-    return -(mask.contiguous().view(torch.uint8).to(_INT_OF[dtype]))
+    # negated as int8 (1 byte per element), then sign-extended: -1 -> all ones
+    return (-mask.contiguous().view(torch.int8)).to(_INT_OF[dtype])
 
 
 def not_mask_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """:func:`mask_bits` of ``~mask`` (all-ones where ``mask`` is false), one op fewer."""
-    return mask.contiguous().view(torch.uint8).to(_INT_OF[dtype]) - 1
+    return (mask.contiguous().view(torch.int8) - 1).to(_INT_OF[dtype])
 
 
 def zero_where_not(x: Tensor, bits: Tensor) -> Tensor:
     """``torch.where(mask, x, 0)`` bit for bit, ``bits`` from :func:`mask_bits` (``x``'s dtype).
-    Not differentiable: use :func:`masked_zero` for tensors that need a gradient."""
+    Not differentiable: use :func:`masked_zero` for tensors that need a gradient. An expanded
+    ``x`` (a broadcast gradient: stride 0 in some dimension) is masked through broadcasting,
+    without materialising it first (the same bits)."""
+    if bits.shape == x.shape and 0 in x.stride() and not x.is_contiguous():
+        x = x[tuple(slice(0, 1) if st == 0 else slice(None) for st in x.stride())]
     x = x.contiguous()
     return (x.view(_INT_OF[x.dtype]) & bits).view(x.dtype)
 
@@ -53,3 +58,11 @@ def masked_zero(x: Tensor, mask: Tensor) -> Tensor:
     if x.dtype not in _INT_OF or mask.shape != x.shape:
         return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return _MaskedZero.apply(x, mask_bits(mask, x.dtype))
+
+
+def same_bits(a: Tensor, b: Tensor) -> Tensor:
+    """bool ``a == b`` compared as bit patterns (same shape and float dtype): equal to the float
+    ``==`` except that a NaN equals a NaN of the same payload and ``+0 != -0``; an integer
+    compare, about half the cost of the float one on CPU."""
+    a, b = a.contiguous(), b.contiguous()
+    return a.view(_INT_OF[a.dtype]) == b.view(_INT_OF[b.dtype])

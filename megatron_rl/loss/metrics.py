@@ -1,9 +1,10 @@
 """Globally reduced metrics, accumulated locally per micro-batch and reduced once per mini-batch.
 
 A loss emits :class:`TokenStat` records; :class:`MetricAccumulator` keeps local sums (no host
-sync) and :meth:`MetricAccumulator.reduce` all-reduces them with two collectives (one SUM for
-every mean/sum, one MIN for every min and negated max). A mean is ``global sum(value * weight) /
-global sum(weight)``, the mean over the whole mini-batch's valid tokens whatever the layout.
+sync) and :meth:`MetricAccumulator.reduce` reduces them with one collective (an ``all_gather``
+of every mean/sum and every min and negated max, summed / minimised over the ranks locally). A
+mean is ``global sum(value * weight) / global sum(weight)``, the mean over the whole mini-batch's
+valid tokens whatever the layout.
 A metric with zero global weight (e.g. no valid token) reports 0.
 
 Every rank must emit the same metric names (they do when they run the same config).
@@ -197,28 +198,34 @@ class MetricAccumulator:
             self._vec, self._vectorised = vec, vectorised
 
     def reduce(self, ctx: ReductionContext) -> dict[str, Tensor]:
-        """All-reduce (2 collectives) and return ``{name: 0-dim fp32 tensor}``."""
+        """Reduce over the DP group and return ``{name: 0-dim fp32 tensor}``: one collective
+        (an ``all_gather`` of this rank's sums and extrema, summed / minimised over the ranks in
+        rank order, the same on every rank); none for a single process."""
         self._flush()
         self._vectorised = False
         out: dict[str, Tensor] = {}
         mean_names, sum_names = sorted(self._num), sorted(self._sum)
-        if mean_names or sum_names:
-            vec = torch.stack([_t(self._num[n]) for n in mean_names]
-                              + [_t(self._den[n]) for n in mean_names]
-                              + [_t(self._sum[n]) for n in sum_names])
-            ctx.all_reduce(vec)
-            k = len(mean_names)
-            for i, n in enumerate(mean_names):
-                den = vec[k + i]
-                out[n] = torch.where(den > 0, vec[i] / den.clamp_min(1e-300), 0.0).float()
-            for i, n in enumerate(sum_names):
-                out[n] = vec[2 * k + i].float()
         min_names, max_names = sorted(self._min), sorted(self._max)
-        if min_names or max_names:
-            vec = torch.stack([_t(self._min[n]) for n in min_names]
-                              + [-_t(self._max[n]) for n in max_names])
-            ctx.all_reduce(vec, op=dist.ReduceOp.MIN)
-            vals = torch.where(torch.isfinite(vec), vec, 0.0)
+        sums = [_t(self._num[n]) for n in mean_names] + [_t(self._den[n]) for n in mean_names] \
+            + [_t(self._sum[n]) for n in sum_names]
+        mins = [_t(self._min[n]) for n in min_names] + [-_t(self._max[n]) for n in max_names]
+        if not sums and not mins:
+            return out
+        vec = torch.stack(sums + mins)
+        if ctx.group is not None and ctx.dp_size > 1:
+            rows = [torch.empty_like(vec) for _ in range(ctx.dp_size)]
+            dist.all_gather(rows, vec, group=ctx.group)  # the one collective of the metrics
+            g = torch.stack(rows)
+            vec = torch.cat([g[:, :len(sums)].sum(0), g[:, len(sums):].amin(0)])
+        k = len(mean_names)
+        for i, n in enumerate(mean_names):
+            den = vec[k + i]
+            out[n] = torch.where(den > 0, vec[i] / den.clamp_min(1e-300), 0.0).float()
+        for i, n in enumerate(sum_names):
+            out[n] = vec[2 * k + i].float()
+        if mins:
+            ext = vec[len(sums):]
+            vals = torch.where(torch.isfinite(ext), ext, 0.0)
             for i, n in enumerate(min_names):
                 out[n] = vals[i].float()
             for i, n in enumerate(max_names):

@@ -119,6 +119,21 @@ def _position_hash(t: int, device: torch.device) -> Tensor:
     return have[:t]
 
 
+def token_hash_parts(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                     lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """``(int32 per-sequence hash [sum B_i], int32 per-position hash [max T_i])`` of
+    :func:`token_hash32` for several micro-batches; :func:`mix_token_hash` of micro-batch ``i``'s
+    rows and its first ``T_i`` positions gives its keys."""
+    _, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
+    return h_seq, h_pos
+
+
+def mix_token_hash(h_seq: Tensor, h_pos: Tensor) -> Tensor:
+    """int32 ``[B, T]`` bit patterns of :func:`token_hash32` from the ``[B]`` / ``[T]`` parts of
+    :func:`token_hash_parts` (read with :func:`unsigned_i64`)."""
+    return _fmix32_i32(h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0))
+
+
 def token_hash32_rows_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
                           lengths: Sequence[int]) -> list[Tensor]:
     """:func:`token_hash32` per micro-batch as int32 bit patterns ``[B_i, T_i]`` (the sequence
@@ -181,11 +196,12 @@ def composite_key(score_key: Tensor, global_index: Tensor) -> Tensor:
     return (score_key << _IDX_BITS) | ((2**_IDX_BITS - 1) - global_index)
 
 
-def global_token_index(ctx: ReductionContext, shapes: Sequence[torch.Size], device: torch.device
-                       ) -> list[Tensor]:
-    """Per micro-batch ``[B_m, T_m]`` int64 global token index ``seq_idx * max_len + t``."""
+def global_token_index(ctx: ReductionContext, shapes: Sequence[torch.Size], device: torch.device,
+                       first: int = 0) -> list[Tensor]:
+    """Per micro-batch ``[B_m, T_m]`` int64 global token index ``seq_idx * max_len + t``
+    (``shapes`` of the local micro-batches ``first``, ``first + 1``, ...)."""
     out = []
-    for i, shape in enumerate(shapes):
+    for i, shape in enumerate(shapes, start=first):
         seq = ctx.seq_index(i, shape[0], device).unsqueeze(-1)
         pos = torch.arange(shape[1], device=device).unsqueeze(0)
         out.append(seq * ctx.max_len.to(device) + pos)
@@ -323,6 +339,35 @@ def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tenso
     return TopK(selected, count, total_active, value_sum)
 
 
+def top_candidates(keys: Tensor, values: Tensor, k_max: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's ``min(k_max, n)`` largest masked keys (1-D int64, unsorted), their positions
+    in the chunk and their ``values`` (1-D fp32): the chunk's candidates for the global top k."""
+    kk = min(int(k_max), keys.numel())
+    if kk > 0:
+        tv, ti = torch.topk(keys, kk, sorted=False)
+    else:
+        tv = torch.empty(0, dtype=torch.int64, device=keys.device)
+        ti = torch.empty(0, dtype=torch.int64, device=keys.device)
+    return tv, ti, values.gather(0, ti)
+
+
+def select_from_candidates(cands: Sequence[tuple[Tensor, Tensor, Tensor]], sizes: Sequence[int],
+                           active_count: Tensor, k: Tensor, k_max: int, ctx: ReductionContext
+                           ) -> tuple[list[Tensor], TopK]:
+    """:func:`select_top_keys` over the :func:`top_candidates` of several chunks (``sizes[i]``
+    tokens each; the global top k is among them). Returns each chunk's 1-D selected mask and the
+    totals (``TopK.selected`` is over the candidates)."""
+    device = cands[0][0].device
+    res = select_top_keys(torch.cat([c[0] for c in cands]), torch.cat([c[2] for c in cands]),
+                          active_count, k, k_max, ctx)
+    out, start = [], 0
+    for (_, ti, _), n in zip(cands, sizes, strict=True):
+        out.append(torch.zeros(n, dtype=torch.bool, device=device)
+                   .scatter_(0, ti, res.selected[start:start + ti.numel()]))
+        start += ti.numel()
+    return out, res
+
+
 def select_top_keys_chunks(keys: Sequence[Tensor], values: Sequence[Tensor], active_count: Tensor,
                            k: Tensor, k_max: int, ctx: ReductionContext
                            ) -> tuple[list[Tensor], TopK]:
@@ -330,22 +375,6 @@ def select_top_keys_chunks(keys: Sequence[Tensor], values: Sequence[Tensor], act
     to stay in cache): one ``topk`` of ``min(k_max, n_i)`` per chunk, then the selection over
     the concatenated chunk candidates (the global top k is among them). Returns each chunk's
     selected mask and the totals (``TopK.selected`` is over the candidates)."""
-    device = keys[0].device
-    tops, cand_v, cand_x = [], [], []
-    for kc, vc in zip(keys, values, strict=True):
-        kk = min(int(k_max), kc.numel())
-        if kk > 0:
-            tv, ti = torch.topk(kc, kk, sorted=False)
-        else:
-            tv = torch.empty(0, dtype=torch.int64, device=device)
-            ti = torch.empty(0, dtype=torch.int64, device=device)
-        tops.append(ti)
-        cand_v.append(tv)
-        cand_x.append(vc.gather(0, ti))
-    res = select_top_keys(torch.cat(cand_v), torch.cat(cand_x), active_count, k, k_max, ctx)
-    out, start = [], 0
-    for kc, ti in zip(keys, tops, strict=True):
-        out.append(torch.zeros(kc.numel(), dtype=torch.bool, device=device)
-                   .scatter_(0, ti, res.selected[start:start + ti.numel()]))
-        start += ti.numel()
-    return out, res
+    cands = [top_candidates(kc, vc, k_max) for kc, vc in zip(keys, values, strict=True)]
+    return select_from_candidates(cands, [kc.numel() for kc in keys], active_count, k, k_max,
+                                  ctx)
