@@ -194,7 +194,8 @@ def _global_top(ctx: ReductionContext, ms: list[Tensor], scores: list[Tensor],
     selection (four all-reduces). Returns each micro-batch's selected mask and the totals."""
     device = ms[0].device
     k = _count_k(ratio, ctx.num_tokens)
-    one_rank = ctx.group is None or ctx.dp_size == 1
+    # one rank, rows in order: the flat position orders like the global index
+    one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
     if one_rank:  # only the order of the tie-break index matters: flat position
         revs, start = [], 0
         for m in ms:
