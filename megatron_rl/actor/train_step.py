@@ -73,9 +73,6 @@ class ActorConfig:
     precision: str | None = None  # bf16 | fp16 | fp32; None: bf16 with CUDA, fp32 on CPU
     recompute: str = "none"  # none | selective | full (megatron activation recomputation)
     offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
-    # 0: micro-batches of micro_batch_size rows padded to the step's longest row; > 0: micro-batches
-    # of at most this many processed tokens, each padded to its own longest row, rows balanced
-    # over DP by token count (actor/micro_batches.py)
     max_tokens_per_micro_batch: int = 0
 
     @property

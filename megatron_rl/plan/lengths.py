@@ -2,8 +2,8 @@
 
 A distribution comes from a mean and a p95 (a log-normal through both, cut at the cap) or from a
 histogram file a previous run wrote (``OUTPUT_DIR/response_lengths.json``, see
-:func:`write_histogram`). :func:`padding_costs` prices the actor's per-step work three ways, from
-the same sample of rows:
+:mod:`megatron_rl.metrics.response_lengths`). :func:`padding_costs` prices the actor's per-step
+work three ways, from the same sample of rows:
 
 - ``padded``: every row padded to the step's longest (the cap: a step of hundreds of responses
   almost always has one at the cap), ``actor.max_tokens_per_micro_batch: 0``;
@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Sequence
 
-HISTOGRAM_FILE = "response_lengths.json"
-HISTOGRAM_BINS = 64
+from megatron_rl.plan.inputs import PlanError, PlanInputs
+
+ASSUMED_MEAN, ASSUMED_P95 = 0.3, 0.9  # fractions of the cap when no distribution is given
 _Z95 = 1.6448536269514722  # standard normal 95th percentile
 
 
-class LengthsError(ValueError):
+class LengthsError(PlanError):
     """A length distribution input is invalid; the message names it."""
 
 
@@ -62,33 +61,6 @@ def lognormal_sample(mean: float, p95: float, cap: int, n: int = 512) -> LengthS
     return LengthSample(tuple(out), cap, f"log-normal, mean {mean:g}, p95 {p95:g}, cut at {cap}")
 
 
-def histogram(lengths: Sequence[int], cap: int, bins: int = HISTOGRAM_BINS,
-              counts: list[int] | None = None) -> dict:
-    """Histogram of response lengths in ``bins`` equal bins over ``[0, cap]`` (added to
-    ``counts`` when given)."""
-    counts = list(counts) if counts is not None else [0] * bins
-    for n in lengths:
-        counts[min(bins - 1, int(n) * bins // max(cap, 1))] += 1
-    return {"cap": int(cap), "bins": bins, "counts": counts}
-
-
-def write_histogram(output_dir: str, lengths: Sequence[int], cap: int) -> str:
-    """Add this step's response ``lengths`` to ``output_dir/response_lengths.json`` (atomic)."""
-    path = os.path.join(output_dir, HISTOGRAM_FILE)
-    prev = None
-    if os.path.exists(path):
-        with open(path) as f:
-            prev = json.load(f)
-        if prev.get("cap") != cap or prev.get("bins") != HISTOGRAM_BINS:
-            prev = None  # a different cap: start again
-    data = histogram(lengths, cap, counts=None if prev is None else prev["counts"])
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-    return path
-
-
 def read_histogram(path: str, n: int = 512) -> LengthSample:
     """A :class:`LengthSample` of ``n`` rows from a histogram file (bin midpoints, in
     proportion to the counts)."""
@@ -118,22 +90,53 @@ class PaddingCost:
     tokens: float  # processed tokens per row
     attn: float  # attention length^2 per row (causal work ~ L^2 per sequence)
     pad_fraction: float
+    response_tokens: float  # scored response tokens per row (the output head's work)
 
 
-def padding_costs(sample: LengthSample, prompt_len: int, budget: int) -> list[PaddingCost]:
+def padding_costs(sample: LengthSample, prompt_len: int, budget: int, rows_per_rank: int = 0
+                  ) -> list[PaddingCost]:
     """Padded, token-budget and packed costs per row for ``sample`` with ``prompt_len``
-    prompts; ``budget``: tokens per micro-batch of the token-budget mode."""
+    prompts; ``budget``: tokens per micro-batch of the token-budget mode, whose micro-batches
+    are cut from ``rows_per_rank`` rows at a time (one DP rank's mini-batch, rows in a seeded
+    random order; 0: all rows at once)."""
+    import random
+
     from megatron_rl.actor.micro_batches import token_budget_groups
 
     rows = [prompt_len + n for n in sample.lengths]
+    random.Random(0).shuffle(rows)
     k = len(rows)
     real = sum(rows) / k
     full = prompt_len + sample.cap
     budget = max(budget, full)
-    groups = token_budget_groups(rows, budget)
-    longest = [max(rows[i] for i in g) for g in groups]
-    tok_budget = sum(len(g) * m for g, m in zip(groups, longest)) / k
-    attn_budget = sum(len(g) * m * m for g, m in zip(groups, longest)) / k
-    return [PaddingCost("padded", full, full * full, 1 - real / full),
-            PaddingCost("token budget", tok_budget, attn_budget, 1 - real / tok_budget),
-            PaddingCost("packed", real, sum(r * r for r in rows) / k, 0.0)]
+    step = rows_per_rank if 0 < rows_per_rank < k else k
+    tok_budget = attn_budget = 0.0
+    for start in range(0, k, step):
+        part = rows[start:start + step]
+        for g in token_budget_groups(part, budget):
+            m = max(part[i] for i in g)
+            tok_budget += len(g) * m / k
+            attn_budget += len(g) * m * m / k
+    resp = sample.mean
+    return [PaddingCost("padded", full, full * full, 1 - real / full, resp),
+            PaddingCost("token budget", tok_budget, attn_budget, 1 - real / tok_budget, resp),
+            PaddingCost("packed", real, sum(r * r for r in rows) / k, 0.0, resp)]
+
+
+def sample_for(x: PlanInputs) -> LengthSample:
+    """The response lengths a plan prices: ``x.lengths_file``, else ``x.response_mean`` /
+    ``x.response_p95``, else an assumed long tail (mean 30 %, p95 90 % of the cap)."""
+    cap = x.response_len
+    if x.lengths_file:
+        return read_histogram(x.lengths_file)
+    if x.response_mean or x.response_p95:
+        return lognormal_sample(x.response_mean, x.response_p95 or cap, cap)
+    s = lognormal_sample(ASSUMED_MEAN * cap, ASSUMED_P95 * cap, cap)
+    return LengthSample(s.lengths, cap, "assumed " + s.source + " (--response-mean/--response-"
+                        "p95 or --lengths-file OUTPUT_DIR/response_lengths.json)")
+
+
+def micro_batch_budget(x: PlanInputs) -> int:
+    """Tokens per micro-batch of the token-budget mode: ``actor.max_tokens_per_micro_batch``,
+    else today's micro-batch (``micro_batch_size x`` the padded length: the same memory)."""
+    return x.token_budget or x.micro_batch_size * x.seq_len

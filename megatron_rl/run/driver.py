@@ -162,6 +162,7 @@ class RolloutDriver:
         elif self.rank0:
             records, metrics = collect_step(self.engine, self.tok, self.loader, self.cfg,
                                             self.score_fn, step)
+            self._record_lengths(records)
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                          rows_multiple)
@@ -171,6 +172,18 @@ class RolloutDriver:
             batch, metrics, self._dp_table, dp, mini,
             balance=bool(self.cfg.actor.max_tokens_per_micro_batch))
         return local, metrics
+
+    def _record_lengths(self, records: list[dict]) -> None:
+        """Add the step's response lengths to ``OUTPUT_DIR/response_lengths.json`` (the
+        histogram ``plan --lengths-file`` prices padding from)."""
+        import os
+
+        from megatron_rl.metrics.response_lengths import write_histogram
+
+        if records and os.path.isdir(self.cfg.trainer.output_dir):
+            write_histogram(self.cfg.trainer.output_dir,
+                            [len(x["response_ids"]) for x in records],
+                            self.cfg.rollout.max_new_tokens)
 
     def validate(self) -> float | None:
         """Validation accuracy on rank 0 (greedy unless ``rollout.val_temperature > 0``)."""
