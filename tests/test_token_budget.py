@@ -90,6 +90,36 @@ def test_budget_below_longest_sequence_is_a_load_error():
     assert cfg.actor.max_tokens_per_micro_batch == 100
 
 
+def test_clip_cov_selection_follows_rows_not_micro_batches():
+    """One process: Clip-Cov picks the same tokens from token-budget micro-batches (rows
+    regrouped and cut short, ``seq_ids`` = their global indices) as from row-count ones."""
+    from megatron_rl.loss import ReductionContext, select_cov_tokens
+
+    batch = make_batch()
+    g = torch.Generator().manual_seed(1)
+    batch["logp"] = -torch.rand(len(SPANS), SEQ, generator=g) * batch["mask"]
+    batch["old_logp"] = batch["logp"] + 0.05 * torch.randn(len(SPANS), SEQ, generator=g)
+    cfg = loss_config("clip_cov")
+    lengths = row_lengths(batch["mask"])
+    groups = token_budget_groups(lengths, BUDGET)
+    assert [i for grp in groups for i in grp] != list(range(len(SPANS)))  # rows do move
+    plain = [take_rows(batch, range(i, i + 2), SEQ, SEQ) for i in range(0, len(SPANS), 2)]
+    parts = [take_rows(batch, grp, max(lengths[i] for i in grp), SEQ) for grp in groups]
+
+    def select(mbs, seq_ids=None):
+        ctx = ReductionContext.from_minibatch([m["mask"] for m in mbs], group=None,
+                                              seq_ids=seq_ids)
+        sel = select_cov_tokens(ctx, cfg, [m["logp"] for m in mbs], [m["old_logp"] for m in mbs],
+                                [m["advantages"] for m in mbs], [m["mask"] for m in mbs], step=3)
+        return sel.selected
+
+    want = torch.cat(select(plain))
+    got = unsplit_rows(select(parts, [torch.tensor(grp) for grp in groups]), groups,
+                       len(SPANS), SEQ)
+    assert int(want.sum()) >= 2
+    assert torch.equal(got, want)
+
+
 # ---- invariance over layouts -----------------------------------------------------------------
 def make_batch(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
