@@ -84,10 +84,12 @@ def test_budget_below_longest_sequence_is_a_load_error():
     over = ["actor.max_tokens_per_micro_batch=100", "data.max_prompt_length=64",
             "rollout.max_new_tokens=64"]
     with pytest.raises(ConfigError, match=r"max_tokens_per_micro_batch=100.*64 \+ 64 = 128"):
-        load_config("examples/tiny_dapo.yaml", over)
-    cfg = load_config("examples/tiny_dapo.yaml", over[:1] + ["data.max_prompt_length=36",
-                                                            "rollout.max_new_tokens=64"])
+        load_config(None, over)
+    cfg = load_config(None, over[:1] + ["data.max_prompt_length=36", "rollout.max_new_tokens=64"])
     assert cfg.actor.max_tokens_per_micro_batch == 100
+    with pytest.raises(ConfigError, match=r"1 prompt token \+ rollout.max_new_tokens = 101"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=100", "data.max_prompt_length=0",
+                           "rollout.max_new_tokens=100"])
 
 
 def test_clip_cov_selection_follows_rows_not_micro_batches():
