@@ -120,6 +120,10 @@ def config_cases() -> list[Case]:
              ["rollout.sglang.gpus", "CUDA device index"]),
         Case("trainer.seed: above 2**32-1", [f"trainer.seed={SEED_MAX + 1}"],
              ["trainer.seed", f"in [0, {SEED_MAX}]"]),
+        Case("actor.max_tokens_per_micro_batch: below the longest sequence",
+             ["actor.max_tokens_per_micro_batch=100", "data.max_prompt_length=64",
+              "rollout.max_new_tokens=64"],
+             ["actor.max_tokens_per_micro_batch=100", "64 + 64 = 128", "at least 128"]),
     ]
     return cases
 

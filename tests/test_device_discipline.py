@@ -32,7 +32,7 @@ def _batch(n: int = 4, seq: int = 16, vocab: int = 256) -> dict:
     return {"tokens": tokens, "mask": mask, "advantages": adv.contiguous()}
 
 
-def _spied_step_worker(fused: bool) -> dict:
+def _spied_step_worker(fused: bool, budget: int = 0) -> dict:
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
@@ -45,7 +45,8 @@ def _spied_step_worker(fused: bool) -> dict:
     loss = LossConfig.for_algorithm("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-100.0,
                                     clip_cov_ub=100.0, use_kl_loss=True, kl_loss_coef=0.01)
     actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=2,
-                                                  fused_logprob_entropy=fused),
+                                                  fused_logprob_entropy=fused,
+                                                  max_tokens_per_micro_batch=budget),
                   OptimConfig(lr=1e-3), loss, total_steps=1, seed=3)
     batch = runtime.move_batch_(_batch(), runtime.device())
     spy = DeviceSpy(device=batch["tokens"].device)
@@ -59,9 +60,11 @@ def _spied_step_worker(fused: bool) -> dict:
     return {"violations": spy.report(), "calls": spy.calls, "metrics": metrics}
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_actor_step_creates_every_tensor_on_the_batch_device(fused):
-    (out,) = spawn(_spied_step_worker, 1, (fused,), timeout_s=240)
+@pytest.mark.parametrize("fused,budget", [(False, 0), (True, 24)],
+                         ids=["unfused", "fused-token-budget"])
+def test_actor_step_creates_every_tensor_on_the_batch_device(fused, budget):
+    """The second case also cuts token-budget micro-batches (actor/micro_batches.py)."""
+    (out,) = spawn(_spied_step_worker, 1, (fused, budget), timeout_s=240)
     assert out["calls"] > 200, "the spy did not see the update path"
     assert "actor/loss" in out["metrics"]
     assert out["violations"] == "", out["violations"]

@@ -213,3 +213,47 @@ def test_plan_cli_reads_colocate_from_the_config(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "peak (max of the phases, not their sum)" in out
     assert "colocation swaps (host<->device)" in out
+
+
+def test_response_length_sample_and_padding_costs():
+    """The log-normal sample has the requested mean (before the cap) and p95; padding costs
+    order padded > token budget > packed, and packed has no padding."""
+    from megatron_rl.plan.lengths import LengthsError, lognormal_sample, padding_costs
+
+    s = lognormal_sample(2000, 6000, 20000, n=2000)
+    assert abs(s.mean / 2000 - 1) < 0.03
+    assert abs(sorted(s.lengths)[int(0.95 * len(s.lengths))] / 6000 - 1) < 0.03
+    padded, budget, packed = padding_costs(s, 500, 2 * 20500, rows_per_rank=64)
+    assert padded.tokens == 20500 and packed.tokens == pytest.approx(500 + s.mean)
+    assert padded.tokens > budget.tokens >= packed.tokens
+    assert padded.pad_fraction > budget.pad_fraction > packed.pad_fraction == 0.0
+    assert padded.attn > budget.attn >= packed.attn
+    with pytest.raises(LengthsError, match="p95=30000 exceeds the cap"):
+        lognormal_sample(2000, 30000, 20000)
+    with pytest.raises(LengthsError, match="need 0 < mean < p95"):
+        lognormal_sample(7000, 6000, 20000)
+
+
+def test_length_histogram_written_by_runs_is_read_by_plan(tmp_path, capsys):
+    """``response_lengths.json`` accumulates over steps; ``plan --lengths-file`` prices it."""
+    import json
+
+    from megatron_rl.metrics.response_lengths import write_histogram
+    from megatron_rl.plan.lengths import read_histogram
+
+    write_histogram(str(tmp_path), [100] * 30, 20480)
+    path = write_histogram(str(tmp_path), [20480] * 10, 20480)
+    data = json.load(open(path))
+    assert sum(data["counts"]) == 40 and data["counts"][-1] == 10
+    s = read_histogram(path, n=400)
+    assert s.cap == 20480 and len(s.lengths) == 400
+    assert abs(s.mean - (30 * 160 + 10 * 20320) / 40) < 1  # bin midpoints
+    assert main(["plan", DAPO_32B, "--recompute", "full", "--lengths-file", path]) in (0, 1)
+    out = capsys.readouterr().out
+    assert f"histogram {path} (40 responses)" in out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.strip().startswith(("padded ", "token budget", "packed "))}
+    assert set(rows) == {"padded", "token", "packed"}
+    assert rows["packed"].rstrip().endswith("x") and "0.0%" in rows["packed"]
+    assert main(["plan", DAPO_32B, "--lengths-file", str(tmp_path / "missing.json")]) == 2
+    assert "not a response-length histogram" in capsys.readouterr().err

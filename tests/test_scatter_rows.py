@@ -50,6 +50,14 @@ def _worker(tp: int) -> dict:
                      "tokens": got["tokens"].clone()}
     none, m_none, _ = scatter_rows(None, {"skipped": 1}, table, dp, MINI)
     out["none"] = (none, m_none)
+    # a token budget: rows balanced over DP by length, each with its step row index
+    from megatron_rl.actor.micro_batches import balanced_dp_rows, row_lengths
+
+    batch = _batch() if rank0 else None
+    got, _, _ = scatter_rows(batch, {}, table, dp, MINI, balance=True)
+    pick = balanced_dp_rows(row_lengths(full["mask"]), dp, dp_rank, MINI)
+    out["balanced"] = torch.equal(got["row_index"], pick) and all(
+        torch.equal(got[k], v[pick]) for k, v in full.items())
     runtime.shutdown()
     return out
 
@@ -58,6 +66,7 @@ def _worker(tp: int) -> dict:
 def test_each_rank_receives_only_its_dp_rows(tp):
     outs = spawn(_worker, 2 * tp, (tp,), timeout_s=300)
     assert [o["dp_rank"] for o in outs] == outs[0]["table"] and outs[0]["dp"] == 2
+    assert all(o["balanced"] for o in outs)
     for mini in (MINI, 0):
         for rank, o in enumerate(outs):
             r = o[mini]

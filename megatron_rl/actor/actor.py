@@ -13,6 +13,7 @@ import torch
 
 from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import forward_logprob_entropy
+from megatron_rl.actor.micro_batches import budget_forward_batches, unsplit_rows
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import (
     apply_recompute,
@@ -41,6 +42,13 @@ def _build_model(cfg: ModelConfig, seed: int, state) -> torch.nn.Module:
     return model
 
 
+def variable_shapes(model: torch.nn.Module, cfg: ActorConfig) -> None:
+    """Token-budget micro-batches have their own ``[B, T]`` each: the pipeline's P2P exchanges
+    the shape before each activation (megatron-core's ``variable_seq_lengths``)."""
+    if cfg.max_tokens_per_micro_batch:
+        model.config.variable_seq_lengths = True
+
+
 class Actor:
     """One rank's share of the policy model and its training machinery."""
 
@@ -52,6 +60,7 @@ class Actor:
                  use_reference: bool = False) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
         self.model = _build_model(model_cfg, seed, full_state)  # fp32 weights, then cast
+        variable_shapes(self.model, actor_cfg)
         set_precision(self.model, actor_cfg.precision)
         apply_recompute(self.model, actor_cfg.recompute)
         # ``self.model`` stays the bare GPTModel (half-precision weights when bf16/fp16);
@@ -64,6 +73,7 @@ class Actor:
         if self.loss_cfg.use_kl_loss or use_reference:
             ref = ref_state if ref_state is not None else full_state
             ref_model = _build_model(model_cfg, seed, ref)
+            variable_shapes(ref_model, actor_cfg)
             set_precision(ref_model, actor_cfg.precision)
             self.ref_model = wrap_precision(ref_model).eval().requires_grad_(False)
         self.offload_ref = resolve_offload_ref(actor_cfg.offload_ref)
@@ -93,17 +103,23 @@ class Actor:
         """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; else None), at
         ``temperature`` (default: the actor's sampling temperature)."""
         temp = self.cfg.temperature if temperature is None else temperature
-        outs = forward_logprob_entropy(model or self.net, self.micro_batches(batch),
+        groups = None
+        if self.cfg.max_tokens_per_micro_batch:
+            mbs, groups = budget_forward_batches(dict(batch), self.cfg.max_tokens_per_micro_batch)
+        else:
+            mbs = self.micro_batches(batch)
+        outs = forward_logprob_entropy(model or self.net, mbs,
                                        temperature=temp,
                                        compute_entropy=compute_entropy,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head)
         if not outs:
             return None
-        res = {"logp": torch.cat([o["logp"] for o in outs])}
-        if compute_entropy:
-            res["entropy"] = torch.cat([o["entropy"] for o in outs])
-        return res
+        keys = ("logp", "entropy") if compute_entropy else ("logp",)
+        if groups is not None:  # back to [N, S] rows in batch order
+            n, seq = batch["tokens"].shape
+            return {k: unsplit_rows([o[k] for o in outs], groups, n, seq) for k in keys}
+        return {k: torch.cat([o[k] for o in outs]) for k in keys}
 
     def add_old_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The old-policy pass: adds ``old_logp`` and ``old_entropy`` (current weights)."""

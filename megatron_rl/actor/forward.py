@@ -16,15 +16,17 @@ def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
-def validate_micro_batches(micro_batches: Sequence[dict]) -> tuple[int, int]:
-    """All micro-batches must share one ``[B, S]`` shape (the pipeline's P2P buffers are fixed).
+def validate_micro_batches(micro_batches: Sequence[dict], variable: bool = False
+                           ) -> tuple[int, int]:
+    """All micro-batches must share one ``[B, S]`` shape (the pipeline's P2P buffers are fixed),
+    unless ``variable`` (the model config's ``variable_seq_lengths``: the P2P sends each shape).
 
-    Returns ``(B, S)``.
+    Returns ``(B, S)`` (the largest of each with ``variable``).
     """
     if not micro_batches:
         raise ValueError("no micro-batches given")
     shapes = {tuple(mb["tokens"].shape) for mb in micro_batches}
-    if len(shapes) != 1:
+    if len(shapes) != 1 and not variable:
         raise ValueError(f"micro-batches must share one [B, S] shape, got {sorted(shapes)}; pad "
                          "them to a common length")
     for i, mb in enumerate(micro_batches):
@@ -34,8 +36,13 @@ def validate_micro_batches(micro_batches: Sequence[dict]) -> tuple[int, int]:
         if mb["mask"][:, 0].any():
             raise ValueError(f"micro-batch {i}: position 0 is marked as a response token; it "
                              "has no preceding position to be scored from")
-    (shape,) = shapes
-    return shape[0], shape[1]
+    return max(s[0] for s in shapes), max(s[1] for s in shapes)
+
+
+def variable_lengths(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (any wrapper of a megatron module) takes micro-batches of their own
+    shapes (``config.variable_seq_lengths``, set with a token budget)."""
+    return bool(getattr(getattr(model, "config", None), "variable_seq_lengths", False))
 
 
 @torch.no_grad()
@@ -49,8 +56,9 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    bsz, seq = validate_micro_batches(micro_batches)
     from megatron_rl.actor.precision import bare_model, model_call_kwargs
+
+    bsz, seq = validate_micro_batches(micro_batches, variable_lengths(model))
 
     device = next(model.parameters()).device
     call_kwargs = model_call_kwargs(model)  # half precision: keep the hidden states as they are

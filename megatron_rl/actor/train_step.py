@@ -22,13 +22,19 @@ stops with :class:`NonFiniteError`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.forward import forward_logprob_entropy
+from megatron_rl.actor.micro_batches import (
+    budget_micro_batches,
+    global_seq_ids,
+    padding_metrics,
+    real_tokens,
+)
 from megatron_rl.actor.precision import bare_model, model_call_kwargs
 from megatron_rl.loss import (
     LossConfig,
@@ -68,6 +74,7 @@ class ActorConfig:
     precision: str | None = None  # bf16 | fp16 | fp32; None: bf16 with CUDA, fp32 on CPU
     recompute: str = "none"  # none | selective | full (megatron activation recomputation)
     offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
+    max_tokens_per_micro_batch: int = 0
 
     @property
     def use_fused_head(self) -> bool:
@@ -80,6 +87,9 @@ class ActorConfig:
         for name in ("micro_batch_size", "ppo_epochs", "max_consecutive_skips"):
             if getattr(self, name) < 1:
                 raise ActorConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ActorConfigError(f"actor.max_tokens_per_micro_batch must be >= 0 (0 = row-count "
+                                   f"micro-batches), got {self.max_tokens_per_micro_batch}")
         if self.mini_batch_size < 0:
             raise ActorConfigError(f"actor.mini_batch_size must be >= 0 (0 = whole batch), got "
                                    f"{self.mini_batch_size}")
@@ -174,20 +184,25 @@ class PolicyUpdater:
     def _micro_batches(self, batch: dict, slices: list[slice]) -> list[dict]:
         return [_take(batch, s) for s in slices]
 
-    def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, first_update: bool,
+    def _cov_prepass(self, mbs: list[dict], first_update: bool) -> list[dict] | None:
+        """The current weights' log-probs for Clip-Cov/KL-Cov statistics when they are not the
+        old ones: a pipeline pass, so every stage runs it (outputs on the last stage)."""
+        cfg = self.loss_cfg
+        if cfg.policy_loss not in COV_LOSSES or first_update or cfg.cov_stat_source == "old_logp":
+            return None
+        return forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
+                                       compute_entropy=False,
+                                       chunk_size=self.cfg.logprob_chunk_size,
+                                       fused=self.cfg.use_fused_head)
+
+    def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None,
                        step: int, salt: int = 0):
         cfg = self.loss_cfg
         if cfg.policy_loss not in COV_LOSSES:
             return None, {}
         olds = [mb["old_logp"] for mb in mbs]
-        if first_update or cfg.cov_stat_source == "old_logp":
-            stat = olds
-        else:  # exact: the current weights' log-probs, no grad, before any backward
-            outs = forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
-                                           compute_entropy=False,
-                                           chunk_size=self.cfg.logprob_chunk_size,
-                                           fused=self.cfg.use_fused_head)
-            stat = [o["logp"] for o in outs]
+        # exact: the current weights' log-probs (no grad, before any backward), else the old ones
+        stat = olds if prepass is None else [o["logp"] for o in prepass]
         sel = select_cov_tokens(ctx, cfg, stat, olds, [mb["advantages"] for mb in mbs],
                                 [mb["mask"] for mb in mbs], step, salt=salt)
         return sel.selected, sel.stats
@@ -204,22 +219,29 @@ class PolicyUpdater:
 
         last = _last_stage()
         cfg, n_micro = self.loss_cfg, len(mbs)
-        bsz, seq = mbs[0]["tokens"].shape
+        bsz = max(mb["tokens"].shape[0] for mb in mbs)  # the shapes differ only with a token
+        seq = max(mb["tokens"].shape[1] for mb in mbs)  # budget (variable_seq_lengths)
         ctx = selected = None
         cov_stats: dict = {}
         acc = MetricAccumulator()
         losses: list[torch.Tensor] = []
+        prepass = self._cov_prepass(mbs, first_update)
         if last:
             extra = None
             if cfg.positive_nll_coef > 0:
                 extra = {"positive": [mb["mask"].bool() & mb["positive"].bool()[:, None]
                                       for mb in mbs]}
             masks = [mb["mask"] for mb in mbs]
-            bound = rank_token_bound(masks, getattr(bare_model(self.model),
-                                                    "max_sequence_length", None))
-            ctx = ReductionContext.from_minibatch(masks, extra_masks=extra,
-                                                  rank_numel_bound=bound)
-            selected, cov_stats = self._cov_selection(mbs, ctx, first_update, step, salt)
+            budget = "seq_id" in mbs[0]  # token-budget micro-batches: regrouped rows
+            # the rank bound needs equal row counts on every DP rank; a token budget's filler
+            # micro-batches (one row each) break that, so there the exchange is sized by the
+            # gathered counts (gloo) or falls back to the radix selection (NCCL)
+            bound = None if budget else rank_token_bound(
+                masks, getattr(bare_model(self.model), "max_sequence_length", None))
+            ctx = ReductionContext.from_minibatch(
+                masks, extra_masks=extra, rank_numel_bound=bound,
+                seq_ids=[mb["seq_id"] for mb in mbs] if budget else None)
+            selected, cov_stats = self._cov_selection(mbs, ctx, prepass, step, salt)
             diagnose = first_update if diagnose is None else diagnose
             if diagnose and cfg.policy_loss != "nll":  # §12 diagnostic, every epoch-0 mini-batch
                 cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
@@ -268,10 +290,15 @@ class PolicyUpdater:
         dev = mbs[0]["tokens"].device
         loss_bad = torch.zeros((), dtype=torch.float32, device=dev)
         if last:
-            total = ctx.all_reduce(torch.stack(losses).double().sum())
-            loss_bad = (~torch.isfinite(total)).float()
+            # loss sum, real tokens, processed tokens, micro-batches: one all-reduce
+            sizes = torch.tensor([0.0, sum(mb["tokens"].numel() for mb in mbs), n_micro],
+                                 dtype=torch.float64, device=dev)
+            sizes[0] = sum(real_tokens(mb["mask"]) for mb in mbs)
+            total = ctx.all_reduce(torch.cat([torch.stack(losses).double().sum().view(1), sizes]))
+            loss_bad = (~torch.isfinite(total[0])).float()
             metrics = {k: float(v) for k, v in {**acc.reduce(ctx), **cov_stats}.items()}
-            metrics["actor/loss"] = float(total)
+            metrics["actor/loss"] = float(total[0])
+            metrics.update(padding_metrics(*total[1:].tolist()))
             metrics["actor/tokens"] = float(ctx.num_tokens)  # weight of the step's aggregation
         grad_bad = self._nonfinite_grads(dev)
         flag = torch.stack([loss_bad, grad_bad])
@@ -314,11 +341,21 @@ class PolicyUpdater:
 
         move_batch_(batch, device())  # once per RL step; no-op when already there
         n_local = batch["tokens"].shape[0]
-        plan = minibatch_slices(n_local, self.cfg, ps.get_data_parallel_world_size())
+        dp = ps.get_data_parallel_world_size()
+        budget = self.cfg.max_tokens_per_micro_batch
+        # with a token budget only the mini-batches' rows are used here
+        plan = minibatch_slices(n_local, replace(self.cfg, micro_batch_size=1) if budget else
+                                self.cfg, dp)
         history = []
         for epoch in range(self.cfg.ppo_epochs):
             for j, slices in enumerate(plan):
-                mbs = self._micro_batches(batch, slices)
+                if budget:
+                    rows = slice(slices[0].start, slices[-1].stop)
+                    mbs = budget_micro_batches(batch, rows, budget, global_seq_ids(
+                        batch, rows, dp, ps.get_data_parallel_rank()),
+                        ps.get_data_parallel_group())
+                else:
+                    mbs = self._micro_batches(batch, slices)
                 history.append(self.train_minibatch(
                     mbs, step, first_update=(epoch == 0 and j == 0), diagnose=epoch == 0,
                     salt=epoch * 65536 + j))  # Clip-Cov draws new tokens per epoch/mini-batch

@@ -142,6 +142,8 @@ def check_batching(cfg) -> None:
     micro-batches on every DP rank."""
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
     dp, micro = cfg.parallel.dp, cfg.actor.micro_batch_size
+    if cfg.actor.max_tokens_per_micro_batch:  # micro-batches are cut by tokens, not rows
+        micro = 1
     mini = cfg.actor.mini_batch_size
     what = (f"trainer.train_batch_size x rollout.n = {cfg.trainer.train_batch_size} x "
             f"{cfg.rollout.n} = {rows} responses")
@@ -150,6 +152,7 @@ def check_batching(cfg) -> None:
     if cfg.sft.steps > 0 and cfg.sft.batch_size % dp:
         raise _error(f"sft.batch_size={cfg.sft.batch_size} must be divisible by "
                      f"parallel.dp={dp}")
+    check_token_budget(cfg)
     if mini == 0:
         return
     if rows % mini:
@@ -158,6 +161,24 @@ def check_batching(cfg) -> None:
     if mini % (dp * micro):
         raise _error(f"actor.mini_batch_size={mini} must be divisible by parallel.dp x "
                      f"actor.micro_batch_size = {dp} x {micro} = {dp * micro}")
+
+
+def check_token_budget(cfg) -> None:
+    """``actor.max_tokens_per_micro_batch`` must hold the longest single sequence:
+    ``data.max_prompt_length + rollout.max_new_tokens`` (with ``data.max_prompt_length: 0``, no
+    limit, only the response is known here: a longer row is refused when it arrives)."""
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if not budget:
+        return
+    prompt = cfg.data.max_prompt_length
+    longest = prompt + cfg.rollout.max_new_tokens if prompt else cfg.rollout.max_new_tokens + 1
+    if budget < longest:
+        what = (f"data.max_prompt_length + rollout.max_new_tokens = {prompt} + "
+                f"{cfg.rollout.max_new_tokens} = {longest}" if prompt else
+                f"1 prompt token + rollout.max_new_tokens = {longest}")
+        raise _error(f"actor.max_tokens_per_micro_batch={budget} is smaller than the longest "
+                     f"single sequence ({what}); raise it to at least {longest} or set it to 0 "
+                     "(row-count micro-batches)")
 
 
 # ---- advantages ---

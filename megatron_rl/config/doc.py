@@ -96,6 +96,9 @@ EXTRA_DOCS: dict[str, str] = {
     "actor.temperature": "log-prob temperature; must equal rollout.temperature",
     "actor.logprob_chunk_size": "token chunk of the log-prob/entropy op (None: unchunked)",
     "actor.max_consecutive_skips": "non-finite updates in a row that stop the run",
+    "actor.max_tokens_per_micro_batch": "processed tokens per micro-batch, each padded to its "
+                                        "own longest row, rows balanced over DP by tokens (0: "
+                                        "micro_batch_size rows; training.md)",
     "optim.lr": "peak learning rate",
     "optim.min_lr": "learning rate at the end of the decay",
     "optim.weight_decay": "AdamW weight decay",

@@ -34,6 +34,11 @@ import torch.distributed as dist
 
 from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import _position_ids, validate_micro_batches
+from megatron_rl.actor.micro_batches import (
+    budget_forward_batches,
+    budget_micro_batches,
+    unsplit_rows,
+)
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import model_call_kwargs, set_precision, wrap_precision
 from megatron_rl.actor.train_step import ActorConfig, minibatch_slices, split_rows
@@ -62,13 +67,14 @@ class Critic:
 
     def __init__(self, model_cfg, critic_cfg, actor_cfg: ActorConfig, total_steps: int,
                  seed: int = 1234, full_state: Any = None) -> None:
-        from megatron_rl.actor.actor import _build_model
+        from megatron_rl.actor.actor import _build_model, variable_shapes
 
         self.cfg = critic_cfg
         self.actor_cfg = dataclasses.replace(
             actor_cfg, mini_batch_size=critic_cfg.mini_batch_size or actor_cfg.mini_batch_size,
             ppo_epochs=critic_cfg.ppo_epochs)
         self.model = _build_model(model_cfg, seed, full_state)  # fp32, then cast
+        variable_shapes(self.model, actor_cfg)
         if _is_last_stage():
             device = next(self.model.parameters()).device
             head = torch.nn.Linear(model_cfg.hidden_size, 1, bias=True)
@@ -101,8 +107,13 @@ class Critic:
         """Forward-only values ``[N, S]`` of this rank's rows (last stage; None elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = self._micro_batches(batch)
-        bsz, seq = validate_micro_batches(mbs)
+        budget, groups = self.actor_cfg.max_tokens_per_micro_batch, None
+        if budget:
+            mbs, groups = budget_forward_batches(
+                {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, budget)
+        else:
+            mbs = self._micro_batches(batch)
+        bsz, seq = validate_micro_batches(mbs, bool(budget))
         model, net = self.model, self.net
         device = next(model.parameters()).device
 
@@ -120,7 +131,11 @@ class Critic:
                 forward_only=True, collect_non_loss_data=True)
         finally:
             net.train()
-        return torch.cat(list(outs)) if _is_last_stage() else None
+        if not _is_last_stage():
+            return None
+        if groups is not None:  # back to [N, S] rows in batch order
+            return unsplit_rows(list(outs), groups, *batch["tokens"].shape)
+        return torch.cat(list(outs))
 
     def add_advantages(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Adds ``values``, ``returns`` and GAE ``advantages`` ``[N, S]`` fp32 (last stage), on
@@ -152,7 +167,7 @@ class Critic:
         from megatron_rl.loss import ReductionContext
 
         last, n_micro = _is_last_stage(), len(mbs)
-        bsz, seq = validate_micro_batches(mbs)
+        bsz, seq = validate_micro_batches(mbs, bool(self.actor_cfg.max_tokens_per_micro_batch))
         model, device = self.model, next(self.model.parameters()).device
         ctx = ReductionContext.from_minibatch([mb["mask"].to(device) for mb in mbs]) \
             if last else None
@@ -210,18 +225,25 @@ class Critic:
         last metrics (and ``critic/actor_trained``) merged into its final entry."""
         from megatron.core import parallel_state as ps
 
-        keys = ("tokens", "mask", "values", "returns")
+        keys = ("tokens", "mask", "values", "returns", "row_index")
         local = {k: batch[k] for k in keys if k in batch}
         if "values" not in local:  # not the last stage: only tokens travel through the pipeline
             local["values"] = local["returns"] = torch.zeros(batch["tokens"].shape,
                                                       device=batch["tokens"].device)
-        plan = minibatch_slices(batch["tokens"].shape[0], self.actor_cfg,
-                                ps.get_data_parallel_world_size())
+        dp = ps.get_data_parallel_world_size()
+        budget = self.actor_cfg.max_tokens_per_micro_batch
+        plan = minibatch_slices(batch["tokens"].shape[0], dataclasses.replace(
+            self.actor_cfg, micro_batch_size=1) if budget else self.actor_cfg, dp)
         metrics: dict[str, float] = {}
         for _ in range(self.actor_cfg.ppo_epochs):
             for slices in plan:
-                metrics = self.train_minibatch([{k: v[s] for k, v in local.items()}
-                                                for s in slices])
+                if budget:  # the value loss is a token mean: no sequence index needed
+                    rows = slice(slices[0].start, slices[-1].stop)
+                    mbs = budget_micro_batches(local, rows, budget, None,
+                                               ps.get_data_parallel_group())
+                else:
+                    mbs = [{k: v[s] for k, v in local.items()} for s in slices]
+                metrics = self.train_minibatch(mbs)
         history = list(actor_history or [])
         last = dict(history[-1]) if history else {}
         last.update(metrics)

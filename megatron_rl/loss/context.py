@@ -75,6 +75,9 @@ class ReductionContext:
     extra_counts: dict[str, Tensor] = field(default_factory=dict)
     dp_grad_average: bool = True
     numel_bound: int | None = None  # host bound of the global padded token count (None: unknown)
+    # global sequence index [B_m] of each micro-batch's rows when they are not this rank's rows
+    # in order (token-budget micro-batches); None: seq_offset + row order
+    seq_ids: list[Tensor] | None = None
 
     # ---- construction -------------------------------------------------------------------------
     @staticmethod
@@ -82,7 +85,8 @@ class ReductionContext:
                        dp_grad_average: bool = True,
                        extra_masks: dict[str, Sequence[Tensor]] | None = None,
                        numel_bound: int | None = None,
-                       rank_numel_bound: int | None = None) -> ReductionContext:
+                       rank_numel_bound: int | None = None,
+                       seq_ids: Sequence[Tensor] | None = None) -> ReductionContext:
         """Build the context from this rank's micro-batch masks (each ``[B_m, T_m]``).
 
         One ``all_gather`` over ``group`` (``"default"``: :func:`default_dp_group`). ``extra_masks``
@@ -98,7 +102,9 @@ class ReductionContext:
         :func:`rank_token_bound`); it gives
         ``numel_bound = dp_size * rank_numel_bound`` on any backend, and each rank checks its own
         micro-batch shapes against it (host integers, no sync; ``ValueError`` when they exceed
-        it).
+        it). ``seq_ids``: per micro-batch ``[B_m]``
+        int64, the global sequence index of each row (rows regrouped by token budget or
+        balanced over DP); None: the rows of all ranks in rank order.
         """
         masks = as_list(masks)
         if not masks:
@@ -141,7 +147,8 @@ class ReductionContext:
             max_len=rows[:, 3].max(), seq_offset=rows[:rank, 2].sum(),
             mb_seq_offsets=offsets,
             extra_counts={n: totals[4 + i] for i, n in enumerate(names)},
-            dp_grad_average=dp_grad_average, numel_bound=numel_bound)
+            dp_grad_average=dp_grad_average, numel_bound=numel_bound,
+            seq_ids=None if seq_ids is None else list(seq_ids))
 
     # ---- denominators -------------------------------------------------------------------------
     @functools.cached_property
@@ -171,6 +178,8 @@ class ReductionContext:
     def seq_index(self, micro_batch: int, rows: int, device: torch.device | None = None) -> Tensor:
         """Global sequence index ``[rows]`` (int64) of the rows of local micro-batch
         ``micro_batch``."""
+        if self.seq_ids is not None:
+            return self.seq_ids[micro_batch].to(device or self.seq_offset.device)
         start = self.seq_offset.to(device or self.seq_offset.device)
         local = torch.arange(rows, device=start.device) + self.mb_seq_offsets[micro_batch]
         return start + local

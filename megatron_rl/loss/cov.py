@@ -228,7 +228,8 @@ def _global_top(ctx: ReductionContext, ms: list[Tensor], scorer: _Scorer, ratio:
     candidates when ``ctx.numel_bound`` is known, else the radix selection (four all-reduces).
     Returns each micro-batch's selected mask and the totals."""
     k = _count_k(ratio, ctx.num_tokens)
-    one_rank = ctx.group is None or ctx.dp_size == 1
+    # one rank, rows in order: the flat position orders like the global index
+    one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
     bound = sum(m.numel() for m in ms) if one_rank else ctx.numel_bound
     counts, start = [], 0
     if bound is not None:

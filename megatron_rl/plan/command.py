@@ -21,7 +21,9 @@ def _cmd_plan(args) -> int:
                     distributed_optimizer=args.distributed_optimizer, device=args.device,
                     prompt_len=args.prompt_len, response_len=args.response_len, mfu=args.mfu,
                     rollout_mfu=args.rollout_mfu, peak_tflops=args.peak_tflops,
-                    tp=args.tp, pp=args.pp, dp=args.dp, colocate=args.colocate)
+                    tp=args.tp, pp=args.pp, dp=args.dp, colocate=args.colocate,
+                    response_mean=args.response_mean, response_p95=args.response_p95,
+                    lengths_file=args.lengths_file)
         if args.gpus is not None and not args.search:
             tp = args.tp or cfg.parallel.tp
             pp = args.pp or cfg.parallel.pp
@@ -88,6 +90,12 @@ def add_plan_subcommand(sub) -> None:
                    help="default: data.max_prompt_length, else 2048")
     p.add_argument("--response-len", type=int, default=None,
                    help="default: rollout.max_new_tokens")
+    p.add_argument("--response-mean", type=float, default=None,
+                   help="mean response length (tokens) the batching comparison is priced on")
+    p.add_argument("--response-p95", type=float, default=None,
+                   help="95th percentile of the response length (default: the cap)")
+    p.add_argument("--lengths-file", default=None,
+                   help="a run's OUTPUT_DIR/response_lengths.json (wins over --response-*)")
     p.add_argument("--mfu", type=float, default=None, help="actor MFU (default 0.35)")
     p.add_argument("--rollout-mfu", type=float, default=None, help="rollout MFU (default 0.10)")
     p.add_argument("--peak-tflops", type=float, default=None,

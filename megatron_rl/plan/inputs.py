@@ -69,6 +69,10 @@ class PlanInputs:
     peak_tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
     mfu: float = 0.35
     rollout_mfu: float = 0.10
+    token_budget: int = 0  # actor.max_tokens_per_micro_batch (0: micro_batch_size x seq_len)
+    response_mean: float = 0.0  # response-length distribution (0: assumed, see plan/lengths.py)
+    response_p95: float = 0.0
+    lengths_file: str | None = None  # a run's response_lengths.json (wins over mean/p95)
 
     @property
     def seq_len(self) -> int:
@@ -139,6 +143,7 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
         prompt_len_from_config=cfg.data.max_prompt_length > 0 or overrides.get(
             "prompt_len") is not None,
         n_micro=max(1, mini // p.dp // a.micro_batch_size), responses_per_step=responses,
+        token_budget=int(getattr(a, "max_tokens_per_micro_batch", 0) or 0),
         gen_responses=(r.gen_batch_size or t.train_batch_size) * r.n,
         fused_head=True if fused is None else fused, head_chunk=a.logprob_chunk_size,
         use_ref=cfg.loss.build().use_kl_loss, offload_ref=bool(getattr(a, "offload_ref", True)),

@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.plan.inputs import GIB, RECOMPUTE, PlanInputs
+from megatron_rl.plan.lengths import (
+    LengthSample,
+    PaddingCost,
+    micro_batch_budget,
+    padding_costs,
+    sample_for,
+)
 from megatron_rl.plan.memory import (
     actor_breakdown,
     checkpoint_host_bytes,
@@ -26,6 +33,8 @@ class Plan:
     server: dict[str, Any] | None
     seconds: dict[str, float] = field(default_factory=dict)
     colocated: dict[str, float] | None = None  # bytes per phase on a shared GPU (colocate)
+    lengths: LengthSample | None = None  # the response lengths the batching modes are priced on
+    batching: list[tuple[PaddingCost, dict[str, float]]] = field(default_factory=list)
 
     @property
     def colocated_peak(self) -> float:
@@ -63,7 +72,11 @@ def make_plan(x: PlanInputs) -> Plan:
     if x.colocate and server is not None:
         colocated = colocated_phases(x, stage, items, server)
         seconds["colocation swaps (host<->device)"] = swap_seconds(x, stage)
-    return Plan(x, stage, items, server, seconds, colocated)
+    sample = sample_for(x)
+    costs = padding_costs(sample, x.prompt_len, micro_batch_budget(x),
+                          rows_per_rank=x.n_micro * x.micro_batch_size)
+    batching = [(c, step_seconds(x, c)) for c in costs]
+    return Plan(x, stage, items, server, seconds, colocated, sample, batching)
 
 
 def _gib(b: float) -> str:
@@ -74,6 +87,30 @@ def _gib(b: float) -> str:
 
 def _fmt_s(s: float) -> str:
     return f"{s / 60:.1f} min" if s >= 120 else f"{s:.2f} s"
+
+
+def _format_batching(p: Plan) -> list[str]:
+    """Actor phases priced padded vs token budget vs packed on the response lengths."""
+    if p.lengths is None or not p.batching:
+        return []
+    x, s = p.inputs, p.lengths
+    roll = "rollout (one generation round)"
+    lines = ["", f"actor passes by batching, response lengths: {s.source}; mean "
+                 f"{s.mean:.0f} tokens = {s.mean / s.cap:.0%} of the cap "
+                 f"(token budget {micro_batch_budget(x)} tokens per micro-batch):",
+             "  (one DP rank's mini-batch at a time; the head scores the sample's response "
+             "tokens)",
+             f"  {'batching':<14} {'tokens/row':>10} {'pad':>6} {'old-logp':>10} "
+             f"{'train':>10} {'actor total':>12} {'vs padded':>10}"]
+    base = None
+    for cost, sec in p.batching:
+        old = sec.get("old-policy log-probs", 0.0) + sec.get("reference log-probs", 0.0)
+        total = sum(v for k, v in sec.items() if k != roll)
+        base = base or total
+        lines.append(f"  {cost.mode:<14} {cost.tokens:>10.0f} {cost.pad_fraction:>6.1%} "
+                     f"{_fmt_s(old):>10} {_fmt_s(sec['train (fwd + bwd)']):>10} "
+                     f"{_fmt_s(total):>12} {total / base:>9.2f}x")
+    return lines
 
 
 def format_plan(p: Plan, alternatives: bool = True) -> str:
@@ -137,5 +174,6 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
                   f"communication:"]
     lines += [f"  {k:<32} {_fmt_s(v)}" for k, v in p.seconds.items()]
     lines.append(f"  {'total (phases sequential)':<32} {_fmt_s(total)}")
+    lines += _format_batching(p)
     lines.append(f"verdict: {p.layout} {'FITS' if p.fits else 'DOES NOT FIT'}")
     return "\n".join(lines)

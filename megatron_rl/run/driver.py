@@ -46,7 +46,8 @@ def _unpack(rows: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def scatter_rows(batch: dict[str, torch.Tensor] | None, metrics: Any, table: list[int],
-                 dp: int, mini: int) -> tuple[dict[str, torch.Tensor] | None, Any, int]:
+                 dp: int, mini: int, balance: bool = False
+                 ) -> tuple[dict[str, torch.Tensor] | None, Any, int]:
     """Rank 0's step ``batch`` (host tensors ``[N, ...]``, or None on every rank but 0) ->
     ``(this rank's rows, metrics, bytes this rank received)`` on every rank.
 
@@ -55,7 +56,10 @@ def scatter_rows(batch: dict[str, torch.Tensor] | None, metrics: Any, table: lis
     to every global rank with that DP rank (``table``: :func:`dp_rank_table`); so each rank
     receives ``1/dp`` of the batch instead of all of it. The rows are the same tensors the
     broadcast-then-slice path gives (token ids travel as int32 and come back as int64). A
-    ``None`` batch (every group filtered out) arrives as ``None`` everywhere.
+    ``None`` batch (every group filtered out) arrives as ``None`` everywhere. ``balance`` (a
+    token budget is set): each global mini-batch's rows are spread over DP ranks by token count
+    (:func:`megatron_rl.actor.micro_batches.balanced_dp_rows`) and every row carries its step
+    index as ``row_index`` (the loss's global sequence index).
     """
     from megatron_rl.parallel.runtime import host_group
     from megatron_rl.rollout.collect import dp_rows
@@ -65,8 +69,15 @@ def scatter_rows(batch: dict[str, torch.Tensor] | None, metrics: Any, table: lis
         shares: list[dict | None] = [None] * dp
         if batch is not None:
             n = batch["tokens"].shape[0]
-            shares = [{k: v[dp_rows(n, dp, d, mini)] for k, v in batch.items()}
-                      for d in range(dp)]
+            if balance:
+                from megatron_rl.actor.micro_batches import balanced_dp_rows, row_lengths
+
+                batch = {**batch, "row_index": torch.arange(n)}
+                lengths = row_lengths(batch["mask"])
+                picks = [balanced_dp_rows(lengths, dp, d, mini) for d in range(dp)]
+            else:
+                picks = [dp_rows(n, dp, d, mini) for d in range(dp)]
+            shares = [{k: v[p] for k, v in batch.items()} for p in picks]
         blobs: dict[int, torch.Tensor] = {}
         works = []
         for dst in range(1, len(table)):
@@ -151,14 +162,28 @@ class RolloutDriver:
         elif self.rank0:
             records, metrics = collect_step(self.engine, self.tok, self.loader, self.cfg,
                                             self.score_fn, step)
+            self._record_lengths(records)
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                          rows_multiple)
         if self._dp_table is None:
             self._dp_table = dp_rank_table()
-        local, metrics, self.received_bytes = scatter_rows(batch, metrics, self._dp_table, dp,
-                                                           mini)
+        local, metrics, self.received_bytes = scatter_rows(
+            batch, metrics, self._dp_table, dp, mini,
+            balance=bool(self.cfg.actor.max_tokens_per_micro_batch))
         return local, metrics
+
+    def _record_lengths(self, records: list[dict]) -> None:
+        """Add the step's response lengths to ``OUTPUT_DIR/response_lengths.json`` (the
+        histogram ``plan --lengths-file`` prices padding from)."""
+        import os
+
+        from megatron_rl.metrics.response_lengths import write_histogram
+
+        if records and os.path.isdir(self.cfg.trainer.output_dir):
+            write_histogram(self.cfg.trainer.output_dir,
+                            [len(x["response_ids"]) for x in records],
+                            self.cfg.rollout.max_new_tokens)
 
     def validate(self) -> float | None:
         """Validation accuracy on rank 0 (greedy unless ``rollout.val_temperature > 0``)."""

@@ -81,7 +81,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 
     dp = ps.get_data_parallel_world_size()
     mini = cfg.actor.mini_batch_size
-    rows_multiple = mini or dp * cfg.actor.micro_batch_size
+    rows_multiple = mini or dp * (1 if cfg.actor.max_tokens_per_micro_batch else
+                                  cfg.actor.micro_batch_size)
     reporter = runtime.last_stage_rank()
     val_acc = driver.last_val()
     step = start
