@@ -163,6 +163,7 @@ class SGLangEngine:
                         self._count("stale_refused")
                         last = StaleResponseError(f"weight version {version}, engine at "
                                                   f"{self.weight_version}")
+                        attempt += 1
                         continue
                     with self._lock:
                         self._lags.append(lag)
