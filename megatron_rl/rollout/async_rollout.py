@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 
@@ -39,7 +39,6 @@ class Produced:
     gen_s: float = 0.0
     gate_wait_s: float = 0.0
     error: BaseException | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def sample_version(rec: dict) -> int:
