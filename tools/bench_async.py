@@ -61,6 +61,7 @@ def run(k: int, out: str, steps: int, extra: list[str]) -> dict:
            "rollout.sglang.num_servers=1", f"rollout.sglang.router_port={free_port_block(3)}",
            f"rollout.max_staleness={k}", *extra]
     env = {**os.environ, "PYTHONPATH": ROOT}
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -83,7 +84,7 @@ def run(k: int, out: str, steps: int, extra: list[str]) -> dict:
             "requeued": sum(r.get("rollout/aborted_requeued", 0.0) for r in steps_rows),
             "staleness_mean": sum(r.get("rollout/staleness_mean", 0.0) for r in steps_rows) / n,
             "val_acc": rows[-1].get("val/acc"), "summary": summary[-1] if summary else "",
-            "wall_s": wall}
+            "wall_s": wall, "load": (load0 + os.getloadavg()[0]) / 2}
 
 
 def main() -> None:
@@ -103,9 +104,15 @@ def main() -> None:
               f"trainer waited {r['trainer_wait_s']:.2f} s/step, trained responses "
               f"{r['trained']:.0f}, dropped stale {r['dropped']:.0f}, re-queued "
               f"{r['requeued']:.0f}, staleness {r['staleness_mean']:.2f}, "
-              f"final val acc {r['val_acc']}", flush=True)
+              f"final val acc {r['val_acc']}, machine load {r['load']:.1f}", flush=True)
     sync = results[0]
     ideal = (sync["gen_s"] + sync["train_s"]) / max(sync["gen_s"], sync["train_s"])
+    # load drifts between runs on a shared machine: each run's step time over its own
+    # generation time (what overlap can hide) is compared too, independent of the drift
+    norm = [r["s_per_step"] / r["gen_s"] for r in results]
+    print(f"step time / generation time: K=0 {norm[0]:.2f}, K=1 {norm[1]:.2f}, K=2 "
+          f"{norm[2]:.2f} (load-independent speedups {norm[0] / norm[1]:.2f}, "
+          f"{norm[0] / norm[2]:.2f})")
     print(f"ideal = (gen + train) / max(gen, train) = ({sync['gen_s']:.2f} + "
           f"{sync['train_s']:.2f}) / {max(sync['gen_s'], sync['train_s']):.2f} "
           f"(both sides share {os.cpu_count()} CPU cores here)")
