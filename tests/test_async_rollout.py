@@ -294,3 +294,19 @@ def test_one_step_off_run_killed_mid_way_resumes(tmp_path):
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/dropped_stale"] == 0
                for r in trained)
     assert any(r["rollout/staleness_max"] == 1 for r in trained)  # it did run ahead
+
+
+def test_bad_max_staleness_is_refused_naming_the_field():
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+
+    assert load_config(None, ["rollout.max_staleness=2"]).rollout.max_staleness == 2
+    for bad in ("rollout.max_staleness=-1", "rollout.max_staleness=65"):
+        with pytest.raises(ConfigError, match="rollout.max_staleness"):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1.*env.name"):
+        load_config(None, ["rollout.max_staleness=1", "env.name=frozenlake"])
+    with pytest.raises(ConfigError, match="colocate"):
+        load_config(None, ["rollout.max_staleness=1", "rollout.engine=sglang",
+                           "rollout.sglang.colocate=true",
+                           "rollout.sglang.weight_sync=from_tensor"])
