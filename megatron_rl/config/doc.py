@@ -55,6 +55,8 @@ EXTRA_DOCS: dict[str, str] = {
     "rollout.rv_include_zero": "RV filter: keep zero-variance groups in the top-p candidate set",
     "rollout.reward_timeout_s": "a reward call slower than this scores 0 (counted)",
     "rollout.weight_sync_bucket_mb": "bucket size of the actor -> engine weight stream",
+    "rollout.max_staleness": "asynchronous rollouts: generation runs up to K steps ahead of "
+                             "training; a sample older than K steps is dropped (docs/async.md)",
     "rollout.val_temperature": "validation sampling temperature;",
     "rollout.sglang.weight_sync": "how the actor's weights reach the servers (docs/rollout.md):",
     "actor.fused_logprob_entropy": "fused output layer + log-prob + entropy (docs/fused-head.md);",

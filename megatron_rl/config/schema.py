@@ -81,7 +81,7 @@ RANGES: dict[str, Range] = {
     "rollout.gen_batch_size": NONNEG, "rollout.max_num_gen_batches": ONE_UP,
     "rollout.overlong_buffer": NONNEG, "rollout.overlong_penalty_factor": NONNEG,
     "rollout.rv_filter_p": UNIT_OPEN_LOW, "rollout.reward_timeout_s": POS,
-    "rollout.weight_sync_bucket_mb": ONE_UP,
+    "rollout.weight_sync_bucket_mb": ONE_UP, "rollout.max_staleness": Range(0, 64),
     "actor.micro_batch_size": ONE_UP, "actor.mini_batch_size": NONNEG, "actor.ppo_epochs": ONE_UP,
     "actor.temperature": POS, "actor.logprob_chunk_size": ONE_UP,
     "actor.max_consecutive_skips": ONE_UP, "actor.max_tokens_per_micro_batch": NONNEG,

@@ -110,6 +110,7 @@ class RolloutSection:
     reward_fn: str | None = None  # dotted path of a custom reward fn(row, response) -> float
     reward_timeout_s: float = 5.0
     weight_sync_bucket_mb: int = 64
+    max_staleness: int = 0  # 0: synchronous; K > 0: generation runs ahead (docs/async.md)
 
 
 @dataclass

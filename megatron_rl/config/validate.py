@@ -39,6 +39,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     if cfg.rollout.engine == "sglang":
         validate_sglang_section(cfg.rollout.sglang)
     validate_colocation(cfg)
+    validate_async(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
         if getattr(cfg.trainer, name) < 1:
             raise ConfigError(f"trainer.{name} must be >= 1")
@@ -136,6 +137,26 @@ def validate_sglang_section(s: SGLangSection) -> None:
     if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
         raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
                           f"= {s.num_servers * s.tp_size} are needed")
+
+
+def validate_async(cfg) -> None:
+    """``rollout.max_staleness``: an int in [0, 64]; K > 0 (asynchronous rollouts) runs with the
+    single-turn prompt loop and a separate rollout fleet or the embedded engine."""
+    k = cfg.rollout.max_staleness
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+        raise ConfigError(f"rollout.max_staleness must be an int in [0, 64] (0 = synchronous), "
+                          f"got {k!r}")
+    if k == 0:
+        return
+    if cfg.env.name:
+        raise ConfigError(f"rollout.max_staleness={k} needs single-turn prompts; env.name="
+                          f"{cfg.env.name!r} (multi-turn episodes) runs only with "
+                          "rollout.max_staleness=0")
+    if cfg.rollout.sglang.colocate and cfg.rollout.engine == "sglang":
+        raise ConfigError(f"rollout.max_staleness={k} needs the servers to generate while the "
+                          "actor trains; rollout.sglang.colocate=true makes them take turns "
+                          "with the GPUs: set rollout.sglang.colocate=false or "
+                          "rollout.max_staleness=0")
 
 
 def validate_colocation(cfg) -> None:

@@ -64,7 +64,10 @@ def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingPa
             records.append({"uid": uid, "prompt_ids": c.prompt_ids, "response_ids":
                             c.response_ids, "logprobs": c.logprobs, "truncated": not c.finished,
                             "response_length": len(c.response_ids), "score": s,
-                            "acc": float(s >= 1.0), "reward": s, "text": text})
+                            "acc": float(s >= 1.0), "reward": s, "text": text,
+                            "weight_version": c.weight_version,
+                            **({"token_versions": c.token_versions} if c.token_versions
+                               else {})})
     return records
 
 
@@ -184,11 +187,21 @@ def pad_records(records: list[dict], pad_id: int, rows_multiple: int) -> dict[st
             "positive": positive}
 
 
-def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int
-                     ) -> dict[str, torch.Tensor]:
-    """:func:`pad_records` plus ``advantages [N, S]`` of ``estimator``."""
+def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int,
+                     versions: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`pad_records` plus ``advantages [N, S]`` of ``estimator``; with ``versions`` also
+    ``rollout_version [N, S]`` (int64, CPU): the policy version that generated each response
+    token (its record's ``token_versions``, else its ``weight_version``; -1 elsewhere)."""
     batch = pad_records(records, pad_id, rows_multiple)
-    return {**batch, "advantages": token_advantages(records, estimator, batch["mask"])}
+    batch["advantages"] = token_advantages(records, estimator, batch["mask"])
+    if versions:
+        ver = torch.full(batch["tokens"].shape, -1, dtype=torch.long)
+        for i, x in enumerate(records):
+            p, n = len(x["prompt_ids"]), len(x["response_ids"])
+            tv = x.get("token_versions") or [x.get("weight_version", -1)] * n
+            ver[i, p:p + n] = torch.tensor(tv, dtype=torch.long)
+        batch["rollout_version"] = ver
+    return batch
 
 
 def token_advantages(records: list[dict], estimator: str, mask: torch.Tensor) -> torch.Tensor:

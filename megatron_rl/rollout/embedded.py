@@ -11,6 +11,7 @@ and every parameter of the engine must have been received; otherwise :class:`Wei
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Iterable
 
 import torch
@@ -68,6 +69,10 @@ class EmbeddedEngine:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.weight_version = -1
         self.per_request_seed = per_request_seed  # sample like a `serve` fleet (sampling.py)
+        # held for a whole generate call and a whole update: with asynchronous rollouts a
+        # weight update waits until the running generate call ends (no request is in flight
+        # across a version change, so each completion has one version)
+        self.lock = threading.RLock()
 
     # ---- weights -------------------------------------------------------------------------------
     @property
@@ -83,6 +88,10 @@ class EmbeddedEngine:
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
         """Copy every received tensor into the model, then verify; returns the checksum."""
+        with self.lock:
+            return self._update_weights(buckets, version)
+
+    def _update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
         params = dict(self.model.named_parameters())
         received: list[tuple[str, torch.Tensor]] = []
         with torch.no_grad():
@@ -109,11 +118,20 @@ class EmbeddedEngine:
         return sent
 
     # ---- generation ----------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seed: int | None = None) -> list[list[Completion]]:
         """``params.n`` completions per prompt (left-padded batch, KV cache; one request at a
-        time with its own seed when ``per_request_seed``)."""
+        time with its own seed when ``per_request_seed``); each carries the weight version."""
+        with self.lock:
+            out = self._generate(prompts, params, seed)
+            for group in out:
+                for c in group:
+                    c.weight_version = self.weight_version
+            return out
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams,
+                  seed: int | None = None) -> list[list[Completion]]:
         if self.per_request_seed:
             return self._generate_per_request(prompts, params, seed or 0)
         if seed is not None:

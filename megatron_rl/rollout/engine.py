@@ -35,6 +35,8 @@ class Completion:
     response_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     finished: bool = True  # False: stopped at max_new_tokens (truncated)
+    weight_version: int = -1  # the policy version that produced it (-1: unknown)
+    token_versions: list[int] | None = None  # per response token, when versions changed mid-way
 
 
 class RolloutEngine(Protocol):

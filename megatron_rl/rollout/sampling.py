@@ -59,18 +59,25 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
 def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
                       temperature: float, top_p: float, greedy: bool, stop_ids: set[int],
                       seed: int, lock: threading.Lock | None = None,
-                      abort: threading.Event | None = None) -> SampleResult:
+                      abort: threading.Event | None = None,
+                      running: threading.Event | None = None,
+                      res: SampleResult | None = None) -> SampleResult:
     """Generate one completion with a KV cache, on the model's device.
 
     ``lock`` is held around each forward (a weight update waits between tokens); ``abort`` set
-    by another thread ends the request with ``finish="abort"``.
+    by another thread ends the request with ``finish="abort"``; while ``running`` is cleared
+    (a server paused in place) no token is generated. ``res`` (filled in as tokens come) lets
+    another thread see how many tokens exist when the weights change.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed & _MASK64)
-    res = SampleResult()
+    res = SampleResult() if res is None else res
     inp = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     past = None
     for _ in range(max_new_tokens):
+        while running is not None and not running.wait(0.05):
+            if abort is not None and abort.is_set():
+                break
         if abort is not None and abort.is_set():
             res.finish = "abort"
             return res

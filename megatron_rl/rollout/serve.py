@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from megatron_rl.rollout.memory_occupation import MemoryOccupation, tensor_bytes
-from megatron_rl.rollout.sampling import sample_completion, teacher_forced_logprobs
+from megatron_rl.rollout.sampling import SampleResult, sample_completion, teacher_forced_logprobs
 
 NEW_RULES, OLD_RULES = "0.5.21", "0.5.20"
 RULES = (NEW_RULES, OLD_RULES)  # SGLang >= 0.5.21 (weight-update sessions) | <= 0.5.20
@@ -238,6 +238,23 @@ def read_vm_into(model: torch.nn.Module, meta: dict) -> int:
     return len(meta["tensors"])
 
 
+def version_spans(events: list[tuple[str, int]], current: str, n: int) -> list[dict]:
+    """``meta_info.weight_versions`` of a request with ``n`` output tokens: the spans
+    ``{"version", "start", "end"}`` of SGLang 0.5.21 (``compute_weight_version_spans``; an event
+    ``(old, k)`` says tokens ``[.., k)`` came from ``old``)."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, n)]:
+        end = min(end, n)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0,
+                      "end": end})
+    return spans
+
+
 class RefusedError(RuntimeError):
     """A request real SGLang refuses (HTTP 400 with its message)."""
 
@@ -258,6 +275,9 @@ class ServeState:
         self.running = threading.Event()
         self.running.set()  # cleared while paused
         self.inflight: dict[str, threading.Event] = {}
+        # rid -> (live result, [(old version, tokens it produced)]): SGLang 0.5.21's
+        # weight-version events of a request that outlives a version change
+        self.live: dict[str, tuple[SampleResult, list[tuple[str, int]]]] = {}
         self.inflight_lock = threading.Lock()
         self.groups: dict[str, Any] = {}
         self.started = time.time()
@@ -269,9 +289,11 @@ class ServeState:
         """One SGLang-shaped response dict for one prompt."""
         self.running.wait()
         abort = threading.Event()
+        live: tuple[SampleResult, list[tuple[str, int]]] = (SampleResult(), [])
         with self.inflight_lock:
             self.memory.check_can_generate()  # refused while weights / KV cache are released
             self.inflight[rid] = abort
+            self.live[rid] = live
         try:
             stop = set(int(s) for s in (sp.get("stop_token_ids") or []))
             if self.eos_id is not None and not sp.get("ignore_eos", False):
@@ -279,13 +301,15 @@ class ServeState:
             temp = float(sp.get("temperature", 1.0))
             seed = sp.get("sampling_seed")
             seed = int(seed) if seed is not None else uuid.uuid4().int & ((1 << 63) - 1)
-            version = self.weight_version
             res = sample_completion(self.model, ids, int(sp.get("max_new_tokens", 128)), temp,
                                     float(sp.get("top_p", 1.0)), temp == 0.0, stop, seed,
-                                    lock=self.lock, abort=abort)
+                                    lock=self.lock, abort=abort, running=self.running,
+                                    res=live[0])
         finally:
             with self.inflight_lock:
                 self.inflight.pop(rid, None)
+                self.live.pop(rid, None)
+                version = self.weight_version  # SGLang reports the version serving at the end
         finish: dict[str, Any] = {"type": res.finish}
         if res.finish == "stop":
             finish["matched"] = res.matched
@@ -296,6 +320,10 @@ class ServeState:
         meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
                                 "completion_tokens": len(res.ids), "cached_tokens": 0,
                                 "weight_version": version}
+        if self.rules == NEW_RULES:  # per-token versions (a request that outlived a sync)
+            spans = version_spans(live[1], version, len(res.ids))
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs,
                                                                               res.ids)]
@@ -331,14 +359,28 @@ class ServeState:
 
     def pause(self, req: dict) -> None:
         """``/pause_generation``: new requests wait; ``mode="abort"`` (default) also aborts
-        the running ones, the other modes let them wait between tokens (weights may change)."""
+        the running ones (they return ``finish_reason.type == "abort"``); ``"in_place"`` and
+        ``"retract"`` stop them between tokens until ``/continue_generation`` (their KV cache is
+        kept: the tokens after a weight update come from the new weights, and the reply's
+        ``weight_versions`` spans say which tokens came from which version)."""
+        mode = req.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_generation mode={mode!r} is not one of "
+                             "('abort', 'retract', 'in_place')")
         self.running.clear()
-        if req.get("mode", "abort") == "abort":
+        if mode == "abort":
             self.abort({"abort_all": True})
 
     # ---- weights --------------------------------------------------------------------------------
     def set_version(self, version: Any) -> None:
-        if version is not None:
+        """A new weight version; a running request that already produced tokens records that
+        they came from the old one (SGLang 0.5.21 ``record_weight_version_events``)."""
+        if version is None or str(version) == self.weight_version:
+            return
+        with self.inflight_lock:
+            for res, events in self.live.values():
+                if res.ids:
+                    events.append((self.weight_version, len(res.ids)))
             self.weight_version = str(version)
 
     def release_memory(self, req: dict) -> None:

@@ -52,15 +52,33 @@ def generate_request(prompt: list[int], params: SamplingParams, stop_ids: list[i
             "return_logprob": True, "rid": rid, "stream": False}
 
 
+def token_versions(meta: dict, n: int) -> list[int] | None:
+    """Per-token weight versions of a reply from SGLang >= 0.5.21's ``meta_info.weight_versions``
+    spans (``[{"version", "start", "end"}]`` over the output tokens); None when the reply has no
+    spans or a single one (every token from ``weight_version``)."""
+    spans = meta.get("weight_versions") or []
+    if len(spans) < 2:
+        return None
+    out = [parse_version(meta.get("weight_version"))] * n
+    for sp in spans:
+        for i in range(int(sp["start"]), min(int(sp["end"]), n)):
+            out[i] = parse_version(sp["version"])
+    return out
+
+
 def completion_from_response(prompt: list[int], resp: dict) -> tuple[Completion, int]:
-    """``(Completion, weight_version)`` of one ``/generate`` reply."""
+    """``(Completion, weight_version)`` of one ``/generate`` reply; the completion carries the
+    version (SGLang: the one serving when the request finished) and per-token versions when the
+    weights changed while it ran (partial rollout)."""
     meta = resp["meta_info"]
     lps = meta.get("output_token_logprobs") or []
     ids = [int(t) for _, t, *_ in lps] if lps else list(resp.get("output_ids") or [])
     finished = (meta.get("finish_reason") or {}).get("type") == "stop"
+    version = parse_version(meta.get("weight_version"))
     return (Completion(prompt_ids=list(prompt), response_ids=ids,
-                       logprobs=[float(lp) for lp, *_ in lps], finished=finished),
-            parse_version(meta.get("weight_version")))
+                       logprobs=[float(lp) for lp, *_ in lps], finished=finished,
+                       weight_version=version, token_versions=token_versions(meta, len(ids))),
+            version)
 
 
 class SGLangEngine:
@@ -82,6 +100,7 @@ class SGLangEngine:
         self._metrics: dict[str, float] = {}
         self._lags: list[int] = []
         self._inflight: dict[str, bool] = {}
+        self._stop = threading.Event()  # cancel_all: every request ends (rollout producer close)
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _count(self, key: str, n: float = 1.0) -> None:
@@ -108,10 +127,12 @@ class SGLangEngine:
              cancel: threading.Event) -> Completion | None:
         """One sample, retried on failure; None when cancelled."""
         last = None
-        for _attempt in range(self.max_retries + 1):
-            if cancel.is_set():
+        attempt = requeued = 0
+        while attempt <= self.max_retries:
+            if cancel.is_set() or self._stop.is_set():
                 return None
             rid = uuid.uuid4().hex
+            epoch = getattr(self.sync, "epoch", 0)  # weight syncs begun so far
             with self._lock:
                 self._inflight[rid] = True
             try:
@@ -124,10 +145,17 @@ class SGLangEngine:
             finally:
                 with self._lock:
                     self._inflight.pop(rid, None)
-            if cancel.is_set():
+            if cancel.is_set() or self._stop.is_set():
                 return None
             if resp is not None:
                 finish = (resp.get("meta_info", {}).get("finish_reason") or {}).get("type")
+                if finish == "abort" and self._sync_aborted(epoch) and requeued < 100:
+                    # a weight sync's pause (mode abort) ended it: re-queued from scratch, with
+                    # the same seed, under the new weights (waits at the server until
+                    # continue_generation); not a failure, no health check
+                    requeued += 1
+                    self._count("aborted_requeued")
+                    continue
                 if finish != "abort":
                     comp, version = completion_from_response(prompt, resp)
                     lag = max(0, self.weight_version - version)
@@ -135,14 +163,32 @@ class SGLangEngine:
                         self._count("stale_refused")
                         last = StaleResponseError(f"weight version {version}, engine at "
                                                   f"{self.weight_version}")
+                        attempt += 1
                         continue
                     with self._lock:
                         self._lags.append(lag)
                     return comp
                 last = ServerError(f"request {rid} was aborted by the server")
+            attempt += 1
             self._count("request_retries")
             self.fleet.check_health()
         raise ServerError(f"a rollout request failed {self.max_retries + 1} times: {last}")
+
+    def _sync_aborted(self, epoch: int) -> bool:
+        """Whether a weight sync paused the servers since a request started (its abort came
+        from ``/pause_generation``)."""
+        sync = self.sync
+        return sync is not None and (getattr(sync, "paused", False) or
+                                     getattr(sync, "epoch", 0) != epoch)
+
+    def cancel_all(self, on: bool) -> None:
+        """``on``: end every request now (queued ones return nothing, in-flight ones are
+        aborted); ``False``: accept requests again. Used when the rollout producer closes."""
+        if on:
+            self._stop.set()
+            self.abort_inflight()
+        else:
+            self._stop.clear()
 
     def abort_inflight(self) -> None:
         """``/abort_request`` for every in-flight request, on every server."""

@@ -127,6 +127,8 @@ class RolloutDriver:
         self.val_start: float | None = None
         self._dp_table: list[int] | None = None
         self.received_bytes = 0  # the last step's rows, as this rank received them
+        self.producer = None  # rollout.max_staleness > 0: the rollout producer thread (rank 0)
+        self._loader_state: dict | None = None  # loader after the last batch trained (async)
 
     def start(self, make_engine, start_step: int, resuming: bool) -> None:
         """Create the engine and the metrics tracker (rank 0)."""
@@ -144,15 +146,54 @@ class RolloutDriver:
                                progress_keys=PROGRESS_KEYS)
 
     # ---- rollout ------------------------------------------------------------------------------
+    def start_async(self, start_step: int, version: int) -> None:
+        """``rollout.max_staleness > 0``: start the producer thread (rank 0), generating from
+        batch ``start_step`` on; the engine holds ``version``
+        (:mod:`megatron_rl.rollout.async_rollout`)."""
+        import copy
+
+        from megatron_rl.rollout.async_rollout import AsyncProducer
+        from megatron_rl.rollout.collect import collect_step
+
+        k = self.cfg.rollout.max_staleness
+        if not self.rank0 or k == 0:
+            return
+        self._loader_state = copy.deepcopy(self.loader.state_dict())
+        self.producer = AsyncProducer(
+            lambda j: collect_step(self.engine, self.tok, self.loader, self.cfg, self.score_fn,
+                                   j),
+            lambda: copy.deepcopy(self.loader.state_dict()), start_step,
+            self.cfg.trainer.total_steps, k, version, self.engine)
+
+    def published(self, version: int) -> None:
+        """The engine holds ``version`` now (after a weight sync): the producer may go on."""
+        if self.producer is not None:
+            self.producer.published(version)
+
+    def _take_async(self, step: int) -> tuple[list[dict], dict]:
+        """Batch ``step`` from the producer, stale groups dropped; its records and metrics."""
+        from megatron_rl.rollout.async_rollout import filter_stale
+
+        item, qm = self.producer.take(step)
+        records, sm = filter_stale(item.records, step, self.cfg.rollout.max_staleness)
+        self._loader_state = item.loader_state
+        return records, {**item.metrics, **qm, **sm}
+
     def collect(self, step: int, rows_multiple: int, dp: int, mini: int
                 ) -> tuple[dict | None, dict]:
         """Generate, score and filter one step's responses; this rank's data-parallel rows of
         the padded batch on every rank (host tensors; None everywhere when every group was
-        filtered out) and the rollout metrics (:func:`scatter_rows`)."""
+        filtered out) and the rollout metrics (:func:`scatter_rows`). With asynchronous
+        rollouts rank 0 takes the step's batch from the producer instead of generating it."""
         from megatron_rl.rollout.collect import collect_step, records_to_batch
 
         batch = metrics = None
-        if self.rank0 and self.cfg.env.name:
+        if self.producer is not None:
+            records, metrics = self._take_async(step)
+            if records:
+                batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
+                                         rows_multiple, versions=True)
+        elif self.rank0 and self.cfg.env.name:
             from megatron_rl.rollout.multiturn import collect_env_step, episodes_to_batch
 
             records, metrics = collect_env_step(self.engine, self.tok, self.loader, self.cfg, step)
@@ -246,8 +287,22 @@ class RolloutDriver:
         """The trainer's part of a checkpoint (the same object on every rank)."""
         state = {"next_step": next_step, "history": self.history, "val_start": self.val_start,
                  "early_stop": self.stopper.state_dict() if self.rank0 else None,
-                 "loader": self.loader.state_dict() if self.rank0 else None}
+                 "loader": self._loader_now() if self.rank0 else None}
         return broadcast_object(state)
+
+    def _loader_now(self) -> dict:
+        """The loader's state after the last batch trained (async: not the producer's, which
+        is ahead; the queued batches are regenerated on resume)."""
+        return self._loader_state if self.producer is not None else self.loader.state_dict()
+
+    def stop_async(self) -> None:
+        """Stop the producer (end of run or early stop): in-flight requests aborted, queued
+        batches abandoned, never trained."""
+        if self.producer is not None:
+            n = self.producer.close()
+            self.producer = None
+            print(f"[train] rollout producer stopped; {n} queued batch(es) abandoned",
+                  flush=True)
 
     def load_state_dict(self, st: dict) -> int:
         """Restore from a checkpoint's trainer state; returns the next step."""
@@ -261,6 +316,7 @@ class RolloutDriver:
         """Final validation if none ran, plots, the summary line; the summary on rank 0."""
         if not self.rank0:
             return None
+        self.stop_async()
         if val_acc is None:
             val_acc = self.validate()
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,

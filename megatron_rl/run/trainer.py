@@ -9,6 +9,10 @@ prompts, the rollout engine, logging and early stopping, and broadcasts what the
         sync_weights(actor -> engine)
         validate / log / early stop / checkpoint
 
+With ``rollout.max_staleness: K > 0`` a producer thread on rank 0 generates the next batches
+while the actor trains (:mod:`megatron_rl.rollout.async_rollout`): ``driver.collect`` takes the
+step's batch from it and the sync tells it the new version.
+
 With ``rollout.sglang.colocate`` the servers and the actor take turns with the GPUs around these
 phases (:mod:`megatron_rl.run.colocation`).
 """
@@ -78,6 +82,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
               version=start)
     driver.validate_start()
+    driver.start_async(start, version=start)  # rollout.max_staleness > 0: generation runs ahead
 
     dp = ps.get_data_parallel_world_size()
     mini = cfg.actor.mini_batch_size
@@ -92,6 +97,10 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             local, metrics = driver.collect(step, rows_multiple, dp, mini)
         if local is None:  # every group filtered out (RV filter): nothing to train this step
             driver.skip_step(step, metrics)
+            if cfg.rollout.max_staleness:  # same weights, next version: the producer goes on
+                colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
+                          version=step + 1)
+                driver.published(step + 1)
             continue
         colo.after_rollout(ph)  # colocated: servers release their memory, the actor returns
         runtime.move_batch_(local, runtime.device())  # once: every pass below reads it there
@@ -111,6 +120,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         with ph("weight_sync"):
             colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
                       version=step + 1)
+        driver.published(step + 1)
         if controller is not None and "old_logp" in local:
             controller.update(measured_entropy(local))
         do_val = (step + 1) % t.test_freq == 0 or step + 1 == t.total_steps

@@ -95,11 +95,14 @@ class SyncStrategy:
         self.flush_retries, self.flush_wait_s = 60, 1.0
         self.sessions: set[str] = set()  # servers with an open weight-update session
         self.no_session: set[str] = set()  # servers without sessions (SGLang <= 0.5.20)
+        self.epoch, self.paused = 0, False  # syncs begun; paused between begin and resume
 
     # ---- coordinator ---------------------------------------------------------------------------
     def begin(self, version: int) -> None:
         """Pause generation (aborting leftovers), flush the KV cache (bounded retries while the
         aborted requests drain) and open the weight-update session on every server."""
+        self.epoch += 1  # before the pause: the client re-queues the requests it aborts
+        self.paused = True
         post_all(self.urls, "/pause_generation", {"mode": "abort"})
         flush_all(self.urls, self.flush_retries, self.flush_wait_s)
         if self.needs_session:
@@ -160,6 +163,7 @@ class SyncStrategy:
                 post_all([u], "/continue_generation")
             except WeightSyncError as exc:
                 failed.append(str(exc))
+        self.paused = False
         if failed:
             raise WeightSyncError(f"continue_generation failed: {failed}")
 

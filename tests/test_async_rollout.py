@@ -1,0 +1,312 @@
+"""Asynchronous rollouts (``rollout.max_staleness``): the staleness filter, the producer's
+gate/queue/close and resume state, and weight updates with requests in flight on each engine:
+our ``serve`` (SGLang 0.5.21's rules: pause ``abort`` -> the client re-queues from scratch;
+pause ``in_place`` -> partial rollout with per-token ``weight_versions`` spans) and the embedded
+engine (an update waits for the running generate call)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_rl.config.sections import SGLangSection
+from megatron_rl.models.config import get_preset
+from megatron_rl.rollout.async_rollout import AsyncProducer, filter_stale, sample_version
+from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.fleet import Fleet, http_json
+from megatron_rl.rollout.serve import ServeState, make_server, version_spans
+from megatron_rl.rollout.sglang_client import (
+    SGLangEngine,
+    completion_from_response,
+    generate_request,
+)
+from megatron_rl.rollout.weight_sync import make_strategy, push_single_process
+
+EOS = 1
+
+
+def _rec(uid, version, tv=None):
+    r = {"uid": uid, "weight_version": version}
+    if tv is not None:
+        r["token_versions"] = tv
+    return r
+
+
+def test_filter_stale_hand_vectors():
+    # step 5, K = 1: versions 4 and 5 pass; group 2 has one sample of version 3 -> dropped whole;
+    # group 3's sample is partial: its oldest token is version 3 -> stale
+    recs = [_rec(0, 5), _rec(0, 4), _rec(1, 4), _rec(1, 4), _rec(2, 4), _rec(2, 3),
+            _rec(3, 5, tv=[3, 3, 5]), _rec(3, 5)]
+    kept, m = filter_stale(recs, 5, 1)
+    assert [r["uid"] for r in kept] == [0, 0, 1, 1]
+    lags = [0, 1, 1, 1, 1, 2, 2, 0]
+    assert m["rollout/dropped_stale"] == 4.0
+    assert m["rollout/staleness_max"] == 2.0
+    assert m["rollout/staleness_mean"] == pytest.approx(sum(lags) / 8)
+    assert sample_version(_rec(9, 7, tv=[6, 7])) == 6
+    kept, m = filter_stale(recs, 5, 2)  # K = 2: everything passes
+    assert len(kept) == 8 and m["rollout/dropped_stale"] == 0.0
+
+
+def test_version_spans_follow_sglang_0_5_21():
+    # compute_weight_version_spans of sglang/srt/utils/weight_versions.py, by hand
+    assert version_spans([], "3", 5) == [{"version": "3", "start": 0, "end": 5}]
+    assert version_spans([("1", 2), ("2", 4)], "3", 6) == [
+        {"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 4},
+        {"version": "3", "start": 4, "end": 6}]
+    # no token between two changes: the middle version owns nothing and is skipped
+    assert version_spans([("1", 2), ("2", 2)], "3", 3) == [
+        {"version": "1", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}]
+    meta = {"weight_version": "4", "weight_versions": [{"version": "3", "start": 0, "end": 1},
+                                                      {"version": "4", "start": 1, "end": 3}],
+            "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
+            "finish_reason": {"type": "length"}}
+    comp, v = completion_from_response([2], {"meta_info": meta})
+    assert v == 4 and comp.weight_version == 4 and comp.token_versions == [3, 4, 4]
+
+
+class _Loader:
+    """A deterministic prompt source with the loader's state interface."""
+
+    def __init__(self, pos=0):
+        self.pos = pos
+
+    def next_batch(self):
+        self.pos += 2
+        return [self.pos - 2, self.pos - 1]
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+
+def test_producer_gate_queue_resume_and_close():
+    loader, seen, versions = _Loader(), [], {}
+    box = {"version": 0}
+
+    def produce(j):
+        rows = loader.next_batch()
+        seen.append(j)
+        versions[j] = box["version"]
+        return [{"uid": j, "rows": rows, "weight_version": box["version"]}], {"m": float(j)}
+
+    p = AsyncProducer(produce, loader.state_dict, 0, 6, max_staleness=1, version=0)
+    time.sleep(0.3)
+    assert seen == [0, 1]  # gate: batch j starts at version >= j - 1
+    trained, ckpt = [], None
+    for s in range(3):
+        item, qm = p.take(s)
+        kept, sm = filter_stale(item.records, s, 1)
+        trained.append((s, item.records[0]["rows"]))
+        assert sm["rollout/dropped_stale"] == 0
+        if s == 0:
+            assert qm["rollout/queue_depth"] == 2.0  # batches 0 and 1 were ready
+        ckpt = item.loader_state  # what a checkpoint after step s stores
+        box["version"] = s + 1
+        p.published(s + 1)
+    time.sleep(0.3)
+    assert max(seen) == 4  # version 3 published: batches up to 4 exist, batch 5 waits
+    assert p.close() == 2  # batches 3 and 4 were queued: abandoned, never trained
+    assert not p.thread.is_alive()
+    # resume from the checkpoint of step 2: the loader continues after batch 2, so batch 3 gets
+    # exactly the prompts the lost batch 3 had, and nothing trained is drawn again
+    loader2 = _Loader(**ckpt)
+    assert loader2.next_batch() == [6, 7]
+    assert [rows for _, rows in trained] == [[0, 1], [2, 3], [4, 5]]
+    assert versions[0] == versions[1] == 0 and versions[2] >= 1  # gated on version 1
+
+
+def test_producer_error_reaches_the_trainer():
+    def produce(j):
+        raise ValueError("reward server down")
+
+    p = AsyncProducer(produce, lambda: None, 0, 3, max_staleness=1, version=0)
+    with pytest.raises(ValueError, match="reward server down"):
+        p.take(0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    torch.manual_seed(0)
+    model = build_hf_model(get_preset("tiny"))
+    state = ServeState(model, "preset:tiny", EOS, 0)
+    srv = make_server(state, "127.0.0.1", 0)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{state.port}", state
+    srv.shutdown()
+
+
+def _engine(url, tmp_path) -> SGLangEngine:
+    s = SGLangSection(servers=[url], router_url=url)
+    fleet = Fleet(s, "preset:tiny", EOS, str(tmp_path / "logs"))
+    fleet.workers = {url: "direct"}  # one server, no router: requests go to it
+    eng = SGLangEngine(fleet, EOS, concurrency=8)
+    eng.sync = make_strategy("from_disk", fleet, str(tmp_path / "sync"))
+    eng.sync.flush_wait_s = 0.1
+    return eng
+
+
+def _wait(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_serve_sync_with_requests_in_flight_requeues_them(server, tmp_path):
+    """Pause (abort) -> sync -> continue while every request is in flight: each is re-queued
+    from scratch and finishes under the new weights; none lost, none duplicated, and each equals
+    what the new weights generate for its seed."""
+    url, state = server
+    eng = _engine(url, tmp_path)
+    torch.manual_seed(1)
+    new = [(n, t.detach().clone()) for n, t in build_hf_model(get_preset("tiny"))
+           .named_parameters()]
+    prompts, params = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], SamplingParams(
+        n=2, max_new_tokens=6, temperature=1.0)
+    out: dict = {}
+    state.lock.acquire()  # every request blocks at its first forward
+    try:
+        gen = threading.Thread(target=lambda: out.update(g=eng.generate(prompts, params,
+                                                                        seed=3)))
+        gen.start()
+        _wait(lambda: len(state.inflight) == 6)
+        sync = threading.Thread(target=lambda: out.update(s=push_single_process(eng, [new], 1)))
+        sync.start()
+        _wait(lambda: not state.running.is_set())  # paused: every abort event is set
+    finally:
+        state.lock.release()
+    sync.join(60)
+    gen.join(60)
+    assert not sync.is_alive() and not gen.is_alive()
+    groups = out["g"]
+    assert out["s"].startswith("from_disk v1")
+    assert [len(g) for g in groups] == [2, 2, 2]
+    m = eng.pop_metrics()
+    assert m["rollout/aborted_requeued"] == 6.0 and "rollout/request_retries" not in m
+    assert all(c.weight_version == 1 and c.token_versions is None for g in groups for c in g), \
+        [(c.weight_version, c.token_versions) for g in groups for c in g]
+    again = eng.generate(prompts, params, seed=3)  # the new weights, same seeds
+    assert [[c.response_ids for c in g] for g in groups] == \
+        [[c.response_ids for c in g] for g in again]
+
+
+def test_serve_pause_in_place_gives_partial_rollout_versions(server, tmp_path):
+    """Pause in place: a running request keeps its tokens and continues under the new weights;
+    the reply's spans (SGLang 0.5.21) say token 0 came from the old version, the rest from the
+    new one, and the client turns them into per-token versions."""
+    url, state = server
+    http_json("POST", url + "/update_weight_version", {"new_version": "4"})
+    body = generate_request([5, 6, 7], SamplingParams(max_new_tokens=5, temperature=1.0),
+                            [], seed=9, rid="partial")
+    body["sampling_params"]["ignore_eos"] = True
+    out: dict = {}
+    state.lock.acquire()
+    try:
+        th = threading.Thread(target=lambda: out.update(r=http_json("POST", url + "/generate",
+                                                                    body)))
+        th.start()
+        _wait(lambda: "partial" in state.live)
+        http_json("POST", url + "/pause_generation", {"mode": "in_place"})
+    finally:
+        state.lock.release()  # exactly one token is generated, then the request waits
+    _wait(lambda: len(state.live["partial"][0].ids) == 1)
+    time.sleep(0.1)
+    assert len(state.live["partial"][0].ids) == 1  # paused between tokens
+    http_json("POST", url + "/update_weight_version", {"new_version": "5"})
+    http_json("POST", url + "/continue_generation", {})
+    th.join(30)
+    meta = out["r"]["meta_info"]
+    assert meta["weight_version"] == "5"
+    assert meta["weight_versions"] == [{"version": "4", "start": 0, "end": 1},
+                                       {"version": "5", "start": 1, "end": 5}]
+    comp, _ = completion_from_response([5, 6, 7], out["r"])
+    assert comp.token_versions == [4, 5, 5, 5, 5]
+    with pytest.raises(Exception, match="mode"):
+        http_json("POST", url + "/pause_generation", {"mode": "later"})
+
+
+def test_embedded_update_waits_for_the_running_generate_call():
+    """The embedded engine's policy: a weight update waits until the running generate call
+    ends, so every completion has one version and none is lost."""
+    eng = EmbeddedEngine(get_preset("tiny"), eos_id=EOS, pad_id=0)
+    eng.weight_version = 0
+    params = [(n, t.detach().clone() + 0.01) for n, t in eng.model.named_parameters()]
+    out: dict = {}
+    eng.lock.acquire()  # a generate call "running" (holds the engine)
+    try:
+        gen = threading.Thread(target=lambda: out.update(g=eng.generate(
+            [[5, 6]], SamplingParams(n=2, max_new_tokens=3), seed=1)))
+        upd = threading.Thread(target=lambda: eng.update_weights([params], 1))
+        gen.start()
+        time.sleep(0.05)
+        upd.start()
+        time.sleep(0.1)
+        assert eng.weight_version == 0 and upd.is_alive()  # the update waits
+    finally:
+        eng.lock.release()
+    gen.join(30)
+    upd.join(30)
+    assert eng.weight_version == 1
+    assert [c.weight_version for c in out["g"][0]] in ([0, 0], [1, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_one_step_off_run_killed_mid_way_resumes(tmp_path):
+    """``max_staleness=1`` end to end (TP1 x PP2, embedded engine): every trained sample is at
+    most one version old; a run SIGKILLed after its step-2 checkpoint (batches queued) resumes
+    from it, regenerates the lost batches and logs every step exactly once."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+           f"output_dir={tmp_path}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=6",
+           "trainer.test_freq=6", "trainer.save_freq=2", "trainer.train_batch_size=4",
+           "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
+           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
+           "trainer.plots=false", "rollout.max_staleness=1"]
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = tmp_path / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text() == "step_0000001":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resumed from checkpoint" in res.stdout
+    assert "rollout producer stopped" in res.stdout
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    trained = [r for r in rows if "rollout/staleness_max" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6]
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/dropped_stale"] == 0
+               for r in trained)
+    assert any(r["rollout/staleness_max"] == 1 for r in trained)  # it did run ahead
+
+
+def test_bad_max_staleness_is_refused_naming_the_field():
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+
+    assert load_config(None, ["rollout.max_staleness=2"]).rollout.max_staleness == 2
+    for bad in ("rollout.max_staleness=-1", "rollout.max_staleness=65"):
+        with pytest.raises(ConfigError, match="rollout.max_staleness"):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1.*env.name"):
+        load_config(None, ["rollout.max_staleness=1", "env.name=frozenlake"])
+    with pytest.raises(ConfigError, match="colocate"):
+        load_config(None, ["rollout.max_staleness=1", "rollout.engine=sglang",
+                           "rollout.sglang.colocate=true",
+                           "rollout.sglang.weight_sync=from_tensor"])
