@@ -88,7 +88,8 @@ class ModelConfig:
         if family in MOE_FAMILIES:
             # The router's aux-loss coefficient of config.json is the pre-training value; RL keeps
             # its own default (model.moe_aux_loss_coeff, docs/moe.md).
-            moe = dict(num_experts=int(hf["num_experts"]),
+            # transformers 5 writes num_local_experts, 4.x num_experts
+            moe = dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
                        num_experts_per_tok=int(hf["num_experts_per_tok"]),
                        moe_intermediate_size=int(hf["moe_intermediate_size"]),
                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
