@@ -53,8 +53,6 @@ def model_config(model_section) -> ModelConfig:
 
     Raises :class:`ModelSourceError` naming the field for a missing directory or an unsupported
     architecture (the message lists the supported ones)."""
-    from megatron_rl.convert.common import ConvertError
-    from megatron_rl.models.config import get_preset
 
     return _with_moe_options(_architecture(model_section), model_section)
 

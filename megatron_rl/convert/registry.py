@@ -1,8 +1,8 @@
 """Family registry and Hugging Face ``config.json`` handling.
 
-One module per family (:mod:`.qwen2`, :mod:`.qwen3`, :mod:`.qwen3_moe`, :mod:`.llama`) provides ``MAPPING`` (a
-:class:`~megatron_rl.convert.common.FamilyMapping`), ``check_hf_config``, ``check_model_config``
-and ``hf_config``.
+One module per family (:mod:`.qwen2`, :mod:`.qwen3`, :mod:`.qwen3_moe`, :mod:`.llama`) provides
+``MAPPING`` (a :class:`~megatron_rl.convert.common.FamilyMapping`), ``check_hf_config``,
+``check_model_config`` and ``hf_config``.
 """
 
 from __future__ import annotations
