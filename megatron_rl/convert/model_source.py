@@ -53,7 +53,6 @@ def model_config(model_section) -> ModelConfig:
 
     Raises :class:`ModelSourceError` naming the field for a missing directory or an unsupported
     architecture (the message lists the supported ones)."""
-
     return _with_moe_options(_architecture(model_section), model_section)
 
 
