@@ -151,7 +151,7 @@ def _convert_worker(hf_dir: str, ckpt: str) -> dict:
     cfg = read_hf_config(hf_dir)[1]
     source = HFShardSource(hf_dir, cfg)
     model = build_model_from_source(cfg, source)
-    local = sorted({n.split(".")[5] for n, _ in model.named_parameters() if ".experts." in n})
+    local = sorted({n.split(".")[6] for n, _ in model.named_parameters() if ".experts." in n})
     stream = {n: t.clone() for b in iter_hf_weight_buckets(model, 40_000) for n, t in b}
     out = {"hf_logits": megatron_logits(model, _tokens()), "stream": stream,
            "bytes_read": source.bytes_read, "local_slots": local}
@@ -200,7 +200,7 @@ def test_hf_moe_logits_stream_and_roundtrip(converted, tmp_path):
 
 
 # --- layout invariance of one update (4 ranks, layouts in sequence) -------------------------------
-LAYOUTS = ((1, 1), (1, 2), (1, 4), (2, 2))  # (pp, ep) on 4 ranks: DP = 4 / pp
+LAYOUTS = ((1, 1), (1, 2), (2, 2))  # (pp, ep) on 4 ranks: DP = 4 / pp
 
 
 def make_batch() -> dict:
@@ -247,6 +247,7 @@ def _layout_worker() -> list[dict]:
         actor = Actor(get_preset(PRESET), ActorConfig(micro_batch_size=1),
                       OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0),
                       LossConfig.for_algorithm("dapo"), total_steps=1, seed=11)
+        init = gather_full_state_dict(actor.model) if not results else None
         record: dict = {}
         hooks = _routing_hooks(actor.model, record)
         actor.add_old_logprobs(batch)  # forward only: one router call per layer and row
@@ -261,7 +262,7 @@ def _layout_worker() -> list[dict]:
         routes: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(routes, routing)
         last = ps.is_pipeline_last_stage() and dp_rank == 0
-        results.append({"pp": pp, "ep": ep, "history": history if last else None,
+        results.append({"pp": pp, "ep": ep, "history": history if last else None, "init": init,
                         "state": state if torch.distributed.get_rank() == 0 else None,
                         "routing": {k: v for r in routes for k, v in r.items()}})
         del actor
@@ -278,9 +279,9 @@ def _max_rel(a: dict, b: dict) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_update_is_expert_layout_invariant():
-    """EP1 (DP4) is the reference for EP2 (DP4, expert-DP 2), EP4 and PP2xDP2xEP2: same routing
-    for every token and layer, same loss and metrics, same updated weights (module docstring of
-    docs/moe.md: why ~1e-7 and not bit-exact)."""
+    """EP1 (DP4) is the reference for EP2 (DP4, expert-DP 2) and PP2xDP2xEP2: same routing for
+    every token and layer, same loss and metrics, same updated weights (docs/moe.md: why ~1e-7
+    and not bit-exact)."""
     from megatron_rl.parallel.launch import spawn
 
     ranks = spawn(_layout_worker, 4, (), timeout_s=540)
@@ -296,31 +297,16 @@ def test_update_is_expert_layout_invariant():
     assert len(ref["routing"]) == SEQS * 4  # every row x layer
     used = torch.cat([v.flatten() for v in ref["routing"].values()]).unique()
     assert len(used) == 8  # every expert gets tokens: all EP ranks take part
-    init = None
     for got in by_layout[1:]:
         assert got["routing"].keys() == ref["routing"].keys()
         for key, ids in ref["routing"].items():
             assert torch.equal(got["routing"][key], ids), (got["pp"], got["ep"], key)
-        assert _max_rel(got["state"], ref["state"]) < 1e-6, (got["pp"], got["ep"])
+        rel = _max_rel(got["state"], ref["state"])
+        print(f"pp={got['pp']} ep={got['ep']}: weights rel {rel:.2e}, loss "
+              f"{got['history'][0]['actor/loss']!r} vs {ref['history'][0]['actor/loss']!r}")
+        assert rel < 1e-6, (got["pp"], got["ep"])
         assert ref["history"][0]["actor/skipped"] == 0.0
         for k, v in ref["history"][0].items():
             assert got["history"][0][k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
-    init = _init_state()
+    init = ranks[0][0]["init"]
     assert _max_rel(init, ref["state"]) > 1e-4  # negative control: the update moved weights
-
-
-def _init_worker() -> dict:
-    from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.weights import gather_full_state_dict
-    from megatron_rl.parallel import runtime
-
-    runtime.init_parallel(timeout_s=60)
-    state = gather_full_state_dict(build_gpt_model(get_preset(PRESET), seed=11))
-    runtime.shutdown()
-    return state
-
-
-def _init_state() -> dict:
-    from megatron_rl.parallel.launch import spawn
-
-    return spawn(_init_worker, 1, timeout_s=120)[0]

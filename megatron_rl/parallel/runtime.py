@@ -270,7 +270,7 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                   timeout_s: float = 600.0, host_timeout_s: float | None = None,
                   socket_ifname: str = "", ep: int = 1) -> ParallelLayout:
     """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout
-    (``ep``: expert-parallel size of MoE layers, carved out of TP x DP; expert TP is 1).
+    (``ep``: expert-parallel size of MoE layers, carved out of TP x DP).
 
     Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world
     or the backend cannot run this many ranks on this node's GPUs.
@@ -289,8 +289,9 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-        distributed_timeout_minutes=timeout_s / 60.0)
+        # expert tensor parallelism keeps megatron's default (= tp), which is 1 for MoE models
+        # (models/config.py: validate_for_layout)
+        expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_s / 60.0)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout(backend)
 
