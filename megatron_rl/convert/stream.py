@@ -134,3 +134,15 @@ def iter_hf_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 512 * 2**
         yield from local
         return
     yield from _broadcast_stages(local, next(model.parameters()).device)
+
+
+def serves_expert_gathers(model: torch.nn.Module) -> bool:
+    """True on a rank outside data-parallel replica 0 that holds experts replica 0's stream
+    gathers (MoE with ``ep > 1``: the expert-parallel group spans DP ranks). Such a rank must run
+    :func:`iter_hf_weight_buckets` too (and drop what it yields) whenever replica 0 streams."""
+    from megatron.core import parallel_state as ps
+
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "num_moe_experts", None)) and \
+        ps.get_expert_model_parallel_world_size() > 1 and \
+        ps.get_data_parallel_rank() != 0 and ps.get_expert_data_parallel_rank() == 0
