@@ -310,3 +310,27 @@ def test_update_is_expert_layout_invariant():
             assert got["history"][0][k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
     init = ranks[0][0]["init"]
     assert _max_rel(init, ref["state"]) > 1e-4  # negative control: the update moved weights
+
+
+def test_embedded_engine_takes_per_expert_tensors():
+    """transformers 5 fuses a Qwen3-MoE's experts in memory; the weight stream sends one tensor
+    per expert (checkpoint names, global ids), which the embedded engine writes into the fused
+    tensors: an engine synced from another's stream computes the same logits."""
+    from megatron_rl.convert.qwen3_moe import per_expert_names
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    cfg = get_preset(PRESET)
+    torch.manual_seed(1)
+    src, dst = EmbeddedEngine(cfg, 0, 0), EmbeddedEngine(cfg, 0, 0)
+    params = src._params()  # noqa: SLF001 - the names the stream sends
+    fused = per_expert_names(dict(src.model.named_parameters()))
+    assert fused, "transformers kept per-expert modules: nothing to map"
+    stream = [[(n, t.detach().clone()) for n, t in params.items() if n not in fused
+               and not (cfg.tie_word_embeddings and n == "lm_head.weight")]]
+    assert "model.layers.3.mlp.experts.7.up_proj.weight" in dict(stream[0])
+    dst.update_weights(stream, version=1)
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(dst.model(ids).logits, src.model(ids).logits)
+    with pytest.raises(Exception, match="did not send"):
+        dst.update_weights([stream[0][:-3]], version=2)

@@ -5,7 +5,10 @@ up]``)/``linear_fc2`` with the global expert id ``e``. No shared experts."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
+
+import torch
 
 from megatron_rl.convert import qwen3
 from megatron_rl.convert.common import COPY, FC1, ConvertError, FamilyMapping, require
@@ -57,4 +60,40 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
                 "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
                 "output_router_logits": False})
+    return out
+
+
+_EXPERT_HF = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_expert_view(params: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a transformers >= 5 in-memory Qwen3-MoE model that holds checkpoint tensor
+    ``name`` (``...mlp.experts.E.gate_proj.weight``): transformers 5 fuses the experts into
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``mlp.experts.down_proj
+    [E, H, I]``. None when ``name`` is not an expert tensor or the model keeps per-expert
+    modules."""
+    m = _EXPERT_HF.match(name)
+    if m is None:
+        return None
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")
+        return None if fused is None else fused[e]
+    fused = params.get(f"{prefix}.gate_up_proj")
+    if fused is None:
+        return None
+    gate, up = fused[e].chunk(2, dim=0)
+    return gate if proj == "gate_proj" else up
+
+
+def per_expert_names(params: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Fused expert parameter name -> the checkpoint tensor names it holds."""
+    out: dict[str, list[str]] = {}
+    for name, p in params.items():
+        for fused, projs in (("gate_up_proj", ("gate_proj", "up_proj")),
+                             ("down_proj", ("down_proj",))):
+            if name.endswith(f".mlp.experts.{fused}"):
+                prefix = name[: -len(fused) - 1]
+                out[name] = [f"{prefix}.{e}.{proj}.weight" for e in range(p.shape[0])
+                             for proj in projs]
     return out
