@@ -74,6 +74,11 @@ def _scenario(name: str, model, batch, ddp, optimizer, root: str) -> None:
 
         build_optimizer(wrap_ddp(build_gpt_model(get_preset("tiny"), seed=0), True),
                         OptimConfig(lr=1e-3, use_distributed_optimizer=True), total_steps=1)
+    elif name == "moe_dtoh_stream":  # the MoE all-to-all dispatcher
+        from megatron_rl.models.builder import build_gpt_model
+        from megatron_rl.models.config import get_preset
+
+        build_gpt_model(get_preset("tiny-qwen3-moe"), seed=0)
     else:  # current_device (rotary, P2P shapes), cuda_factories (schedule counters, causal mask)
         forward_logprob_entropy(model, batch)
 

@@ -22,6 +22,8 @@ class ModelSection:
     megatron_ckpt: str | None = None  # output of `convert hf-to-megatron` (any TP/PP)
     tokenizer: str | None = None  # "byte" or an HF tokenizer dir; default: from the model dir
     init_weights: str | None = None  # canonical weights (.pt) to start from, e.g. from `sft`
+    moe_aux_loss_coeff: float = 0.0  # MoE load-balancing loss (0: off, RL default; docs/moe.md)
+    moe_z_loss_coeff: float = 0.0  # MoE router z-loss (0: off, RL default; docs/moe.md)
 
 
 @dataclass
@@ -29,6 +31,7 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert-parallel size: MoE experts split over ep ranks (docs/moe.md)
     backend: str = "auto"  # auto (NCCL with GPUs, else gloo) | nccl | gloo (CPU ranks); docs/gpu.md
     timeout_s: float = 1800.0  # collectives of the update, checkpoints, weight sync
     host_timeout_s: float = 14400.0  # host objects: ranks wait here while rank 0 generates

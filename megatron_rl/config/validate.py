@@ -18,7 +18,7 @@ from megatron_rl.rollout.fleet import LAUNCHERS, WEIGHT_SYNCS
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the field and the allowed values."""
     try:
-        validate_model_section(cfg.model, cfg.parallel.tp, cfg.parallel.pp)
+        validate_model_section(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     except (ModelSourceError, ModelConfigError) as exc:
         raise ConfigError(str(exc)) from exc
     for old, new in (("prompt_field", "prompt_key"), ("answer_field", "answer_key")):
@@ -63,6 +63,10 @@ def validate_parallel_section(p: ParallelSection) -> None:
     for name in ("timeout_s", "host_timeout_s"):
         if not getattr(p, name) > 0:
             raise ConfigError(f"parallel.{name} must be > 0 seconds, got {getattr(p, name)}")
+    if (p.tp * p.dp) % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the ranks of a pipeline stage, "
+                          f"parallel.tp x parallel.dp = {p.tp * p.dp} (megatron-core carves "
+                          "expert parallelism out of them)")
 
 
 def validate_env_critic(cfg: RunConfig) -> None:

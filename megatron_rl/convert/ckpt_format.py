@@ -15,6 +15,7 @@ from megatron_rl.models.config import ModelConfig
 SIDECAR = "megatron_rl_convert.json"
 ASSETS = "hf_assets"
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # megatron's sharded_state_dict stores the local spec's norms under the Transformer Engine names.
 _LOCAL_TO_CKPT = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
@@ -44,3 +45,17 @@ def checkpoint_key(canonical: str, prefix: str = "") -> tuple[str, int | None]:
         return prefix + canonical, None
     rest = _LOCAL_TO_CKPT.get(m.group(2), m.group(2))
     return f"{prefix}decoder.layers.{rest}", int(m.group(1))
+
+
+def checkpoint_index(canonical: str, prefix: str = "") -> tuple[str, tuple[int, ...]]:
+    """Checkpoint key of a canonical name and its index along the key's leading axes: ``()`` for
+    a global tensor, ``(layer,)`` for a layer tensor (all layers stacked), ``(layer, expert)`` for
+    a routed expert's tensor (megatron stacks ``[layers, experts, ...]`` under
+    ``decoder.layers.mlp.experts.experts.*``, global expert ids)."""
+    m = _LAYER_RE.match(canonical)
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:
+        return (f"{prefix}decoder.layers.mlp.experts.experts.{e.group(2)}",
+                (int(m.group(1)), int(e.group(1))))
+    key, layer = checkpoint_key(canonical, prefix)
+    return key, () if layer is None else (layer,)

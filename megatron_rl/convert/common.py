@@ -109,6 +109,9 @@ def canonical_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     h, d, v = cfg.hidden_size, cfg.kv_channels, cfg.vocab_size
     nh, ng, ffn = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    if suffix.startswith("mlp.experts.local_experts."):  # one expert: its own FFN size
+        ffn = cfg.moe_intermediate_size
+        suffix = "mlp." + suffix.split(".", 4)[-1]
     shapes = {
         "embedding.word_embeddings.weight": (v, h), "output_layer.weight": (v, h),
         "decoder.final_layernorm.weight": (h,), "input_layernorm.weight": (h,),
@@ -118,6 +121,7 @@ def canonical_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
         "self_attention.linear_proj.weight": (h, nh * d),
         "self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,),
         "mlp.linear_fc1.weight": (2 * ffn, h), "mlp.linear_fc2.weight": (h, ffn),
+        "mlp.router.weight": (cfg.num_experts, h),
     }
     if suffix not in shapes:
         raise ConvertError(f"no shape rule for canonical tensor {name!r}")
@@ -145,6 +149,8 @@ class FamilyMapping:
     ``layer_tensors`` rows are ``(canonical suffix, HF suffixes, kind)`` relative to
     ``decoder.layers.{i}.`` and ``model.layers.{i}.``; ``global_tensors`` rows are full names.
     ``output`` is omitted when embeddings are tied (HF checkpoints do not store ``lm_head``).
+    ``expert_tensors`` rows (MoE families) are relative to ``decoder.layers.{i}.mlp.experts.
+    local_experts.{e}.`` and ``model.layers.{i}.mlp.experts.{e}.``, repeated for every expert e.
     """
 
     family: str
@@ -154,18 +160,24 @@ class FamilyMapping:
     embedding: tuple[str, str] = ("embedding.word_embeddings.weight", "model.embed_tokens.weight")
     final_norm: tuple[str, str] = ("decoder.final_layernorm.weight", "model.norm.weight")
     output: tuple[str, str] = ("output_layer.weight", "lm_head.weight")
+    expert_tensors: tuple[tuple[str, tuple[str, ...], str], ...] = ()
 
-    def layer_maps(self, layer: int) -> list[TensorMap]:
-        """Tensor maps of decoder layer ``layer`` (global, 0-based)."""
-        return [TensorMap(f"decoder.layers.{layer}.{c}",
+    def layer_maps(self, layer: int, num_experts: int = 0) -> list[TensorMap]:
+        """Tensor maps of decoder layer ``layer`` (global, 0-based; ``num_experts`` per layer)."""
+        maps = [TensorMap(f"decoder.layers.{layer}.{c}",
                           tuple(f"model.layers.{layer}.{h}" for h in hf), kind)
                 for c, hf, kind in self.layer_tensors]
+        for e in range(num_experts if self.expert_tensors else 0):
+            maps += [TensorMap(f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{c}",
+                               tuple(f"model.layers.{layer}.mlp.experts.{e}.{h}" for h in hf),
+                               kind) for c, hf, kind in self.expert_tensors]
+        return maps
 
     def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
         """All tensor maps of ``cfg`` in checkpoint order (embedding, layers, norm, head)."""
         maps = [TensorMap(self.embedding[0], (self.embedding[1],))]
         for i in range(cfg.num_hidden_layers):
-            maps += self.layer_maps(i)
+            maps += self.layer_maps(i, cfg.num_experts)
         maps.append(TensorMap(self.final_norm[0], (self.final_norm[1],)))
         if not cfg.tie_word_embeddings:
             maps.append(TensorMap(self.output[0], (self.output[1],)))

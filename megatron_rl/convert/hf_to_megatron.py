@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from megatron_rl.convert.ckpt_format import ASSETS, checkpoint_key, write_sidecar
+from megatron_rl.convert.ckpt_format import ASSETS, checkpoint_index, write_sidecar
 from megatron_rl.convert.common import (
     ConvertError,
     FamilyMapping,
@@ -192,13 +192,29 @@ def prepare(hf_dir: str, out_dir: str | None, tp: int, pp: int, dtype: str | Non
     return raw, cfg, mapping, ckpt, maps, _resolve_dtype(dtype, ckpt)
 
 
+def extra_state_keys(cfg: ModelConfig) -> list[str]:
+    """The ``_extra_state`` object keys megatron's ``sharded_state_dict`` of ``cfg`` holds (local
+    spec): the linear layers of every decoder layer; with MoE, each expert's instead of the dense
+    MLP's (``.../shard_{layer}.{expert}_{layers}.{experts}``)."""
+    from megatron_rl.convert.dcp_stream import EXTRA_STATE_MODULES
+
+    n, e = cfg.num_hidden_layers, cfg.num_experts
+    mods = [m for m in EXTRA_STATE_MODULES if not (cfg.is_moe and m.startswith("mlp."))]
+    keys = [f"decoder.layers.{mod}._extra_state/shard_{layer}_{n}"
+            for layer in range(n) for mod in mods]
+    if cfg.is_moe:
+        keys += [f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{layer}.{x}_{n}.{e}"
+                 for layer in range(n) for x in range(e) for fc in ("linear_fc1", "linear_fc2")]
+    return keys
+
+
 def stream_tensors(hf_dir: str, out_dir: str, cfg: ModelConfig, maps: list[TensorMap],
                    ckpt: HFCheckpoint, params_dtype: torch.dtype, writer_rank: int = 0,
                    world: int = 1, log: Log | None = None):
     """Write this writer's share (every ``world``-th tensor) of the checkpoint's chunks; returns
     its :class:`~megatron_rl.convert.dcp_stream.DcpPart`. Holds one canonical tensor (and the HF
     tensors it is fused from) at a time."""
-    from megatron_rl.convert.dcp_stream import EXTRA_STATE_MODULES, DcpStreamWriter
+    from megatron_rl.convert.dcp_stream import DcpStreamWriter
 
     n_layers = cfg.num_hidden_layers
     writer = DcpStreamWriter(out_dir, writer_rank)
@@ -209,20 +225,16 @@ def stream_tensors(hf_dir: str, out_dir: str, cfg: ModelConfig, maps: list[Tenso
         if i % world != writer_rank:
             continue
         full = state[tmap.canonical]
-        key, layer = checkpoint_key(tmap.canonical)
-        if layer is None:
-            writer.add_chunk(key, tuple(full.shape), (0,) * full.dim(), full)
-        else:
-            writer.add_chunk(key, (n_layers, *full.shape), (layer,) + (0,) * full.dim(),
-                             full.unsqueeze(0))
+        key, lead = checkpoint_index(tmap.canonical)
+        stack = (n_layers, cfg.num_experts)[:len(lead)]  # [layers(, experts)] axes of the key
+        writer.add_chunk(key, (*stack, *full.shape), lead + (0,) * full.dim(),
+                         full.reshape((1,) * len(lead) + tuple(full.shape)))
         state._last = None  # noqa: SLF001 - drop the tensor before reading the next
         del full
         bar.update(info=f"{state.bytes / 2**30:.2f} GiB read")
-    extras = [(layer, mod) for layer in range(n_layers) for mod in EXTRA_STATE_MODULES]
-    for j, (layer, mod) in enumerate(extras):
+    for j, key in enumerate(extra_state_keys(cfg)):
         if (len(maps) + j) % world == writer_rank:
-            writer.add_object(f"decoder.layers.{mod}._extra_state/shard_{layer}_{n_layers}",
-                              [None])
+            writer.add_object(key, [None])
     bar.close()
     return writer.close(), state
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_rl.convert.ckpt_format import ASSETS, checkpoint_key, read_sidecar
+from megatron_rl.convert.ckpt_format import ASSETS, checkpoint_index, read_sidecar
 from megatron_rl.convert.common import (
     ConvertError,
     FamilyMapping,
@@ -55,13 +55,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class CkptTensor:
-    """Where one canonical tensor lives in the checkpoint: its key, and its layer when the key
-    stacks all layers along a leading axis."""
+    """Where one canonical tensor lives in the checkpoint: its key, and its index along the
+    key's leading axes (``lead``: ``()``, ``(layer,)``, or ``(layer, expert)`` for MoE experts;
+    ``stack`` the sizes of those axes)."""
 
     tmap: TensorMap
     key: str
-    layer: int | None
-    n_layers: int
+    lead: tuple[int, ...]
+    stack: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -110,31 +111,31 @@ def read_checkpoint_metadata(ckpt_dir: str) -> dict[str, Any]:
 
 
 def load_tensors(ckpt_dir: str, items: list[CkptTensor]) -> list[torch.Tensor]:
-    """Read exactly ``items`` from the checkpoint: per stacked key, the range of layers the items
-    span (consecutive items of the checkpoint order span a contiguous range of each key).
+    """Read exactly ``items`` from the checkpoint: per stacked key, the box of layers (and
+    experts) the items span (consecutive items of the checkpoint order span a contiguous range of
+    each key).
 
     Uses torch DCP without a process group, so concurrent converter processes never talk.
     """
-    spans: dict[str, tuple[int, int]] = {}
+    lows: dict[str, list[int]] = {}
+    highs: dict[str, list[int]] = {}
     for it in items:
-        if it.layer is not None:
-            lo, hi = spans.get(it.key, (it.layer, it.layer))
-            spans[it.key] = (min(lo, it.layer), max(hi, it.layer))
+        lo, hi = lows.setdefault(it.key, list(it.lead)), highs.setdefault(it.key, list(it.lead))
+        for d, i in enumerate(it.lead):
+            lo[d], hi[d] = min(lo[d], i), max(hi[d], i)
     state: dict[str, torch.Tensor] = {}
     chunks: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for it in items:
         if it.key in chunks:
             continue
-        if it.layer is None:
-            offsets, sizes = (0,) * len(it.shape), it.shape
-        else:
-            lo, hi = spans[it.key]
-            offsets, sizes = (lo,) + (0,) * len(it.shape), (hi - lo + 1, *it.shape)
+        lo, hi = lows[it.key], highs[it.key]
+        offsets = (*lo, *(0,) * len(it.shape))
+        sizes = (*(h - l + 1 for l, h in zip(lo, hi, strict=True)), *it.shape)  # noqa: E741
         chunks[it.key] = (offsets, sizes)
         state[it.key] = torch.empty(sizes, dtype=it.dtype)
     dcp.load(state, storage_reader=FileSystemReader(ckpt_dir), planner=_SlicePlanner(chunks),
              no_dist=True)
-    return [state[it.key] if it.layer is None else state[it.key][it.layer - spans[it.key][0]]
+    return [state[it.key][tuple(i - lo for i, lo in zip(it.lead, lows[it.key], strict=True))]
             for it in items]
 
 
@@ -176,18 +177,18 @@ def locate_tensors(meta: dict[str, Any], cfg: ModelConfig,
     located, used = [], set()
     n_layers = cfg.num_hidden_layers
     for tmap in mapping.tensor_maps(cfg):
-        key, layer = checkpoint_key(tmap.canonical, prefix)
+        key, lead = checkpoint_index(tmap.canonical, prefix)
         if key not in meta:
             raise ConvertError(f"checkpoint has no tensor {key!r} (needed for {tmap.canonical!r})")
         shape = canonical_shape(tmap.canonical, cfg)
-        want = shape if layer is None else (n_layers, *shape)
+        stack = (n_layers, cfg.num_experts)[:len(lead)]
+        want = (*stack, *shape)
         got = tuple(meta[key].size)
         if got != want:
             raise ConvertError(f"shape mismatch for tensor {key!r}: checkpoint has {list(got)}, "
                                f"the model config implies {list(want)}")
         used.add(key)
-        located.append(CkptTensor(tmap, key, layer, n_layers, shape,
-                                  meta[key].properties.dtype))
+        located.append(CkptTensor(tmap, key, lead, stack, shape, meta[key].properties.dtype))
     model_keys = {k for k in meta if k.startswith(tuple(f"{prefix}{p}" for p in (
         "embedding.", "decoder.", "output_layer.")))}
     extra = sorted(model_keys - used)

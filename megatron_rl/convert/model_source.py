@@ -53,6 +53,29 @@ def model_config(model_section) -> ModelConfig:
 
     Raises :class:`ModelSourceError` naming the field for a missing directory or an unsupported
     architecture (the message lists the supported ones)."""
+    return _with_moe_options(_architecture(model_section), model_section)
+
+
+def _with_moe_options(cfg: ModelConfig, model_section) -> ModelConfig:
+    """Apply the run's MoE loss coefficients (``model.moe_aux_loss_coeff``/``moe_z_loss_coeff``;
+    a checkpoint's own pre-training values are not used)."""
+    from megatron_rl.models.config import ModelConfigError
+
+    coeffs = {n: float(getattr(model_section, n, 0.0) or 0.0)
+              for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff")}
+    if not cfg.is_moe:
+        for n, v in coeffs.items():
+            if v:
+                raise ModelSourceError(f"model.{n}={v} needs a mixture-of-experts model (this "
+                                       f"one is {cfg.family}); allowed: 0")
+        return cfg
+    try:
+        return cfg.replace(**coeffs)
+    except ModelConfigError as exc:
+        raise ModelSourceError(str(exc)) from exc
+
+
+def _architecture(model_section) -> ModelConfig:
     from megatron_rl.convert.common import ConvertError
     from megatron_rl.models.config import get_preset
 
@@ -106,7 +129,7 @@ def tokenizer_dir(model_section) -> str | None:
     return None
 
 
-def validate_model_section(model_section, tp: int, pp: int) -> ModelConfig:
+def validate_model_section(model_section, tp: int, pp: int, ep: int = 1) -> ModelConfig:
     """Load-time checks: one source, readable config, supported architecture, layout fits, and
     (HF) every tensor present with the shape config.json implies (headers only)."""
     from megatron_rl.convert.common import ConvertError
@@ -114,7 +137,7 @@ def validate_model_section(model_section, tp: int, pp: int) -> ModelConfig:
 
     cfg = model_config(model_section)
     try:
-        validate_for_layout(cfg, tp, pp)
+        validate_for_layout(cfg, tp, pp, ep)
     except ModelConfigError as exc:
         raise ModelSourceError(f"model ({source_kind(model_section)}): {exc}") from exc
     if source_kind(model_section) == "hf":

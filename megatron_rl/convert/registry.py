@@ -1,8 +1,8 @@
 """Family registry and Hugging Face ``config.json`` handling.
 
-One module per family (:mod:`.qwen2`, :mod:`.qwen3`, :mod:`.llama`) provides ``MAPPING`` (a
-:class:`~megatron_rl.convert.common.FamilyMapping`), ``check_hf_config``, ``check_model_config``
-and ``hf_config``.
+One module per family (:mod:`.qwen2`, :mod:`.qwen3`, :mod:`.qwen3_moe`, :mod:`.llama`) provides
+``MAPPING`` (a :class:`~megatron_rl.convert.common.FamilyMapping`), ``check_hf_config``,
+``check_model_config`` and ``hf_config``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import os
 from types import ModuleType
 from typing import Any, Mapping
 
-from megatron_rl.convert import llama, qwen2, qwen3
+from megatron_rl.convert import llama, qwen2, qwen3, qwen3_moe
 from megatron_rl.convert.common import ConvertError, FamilyMapping
 from megatron_rl.models.config import ModelConfig, ModelConfigError
 
-FAMILY_MODULES: dict[str, ModuleType] = {"qwen2": qwen2, "qwen3": qwen3, "llama": llama}
+FAMILY_MODULES: dict[str, ModuleType] = {"qwen2": qwen2, "qwen3": qwen3,
+                                         "qwen3_moe": qwen3_moe, "llama": llama}
 ARCHITECTURES: dict[str, str] = {arch: fam for fam, mod in FAMILY_MODULES.items()
                                  for arch in mod.MAPPING.architectures}
 SUPPORTED = ", ".join(sorted(ARCHITECTURES))

@@ -12,7 +12,9 @@ Pipeline ownership (``broadcast_pp``):
 - ``False`` (default): **each stage yields its own tensors** (its layers; the first stage also
   the embedding, the last the final norm and untied ``lm_head``). The union over stages is the
   whole HF state dict; nothing crosses stages. Every TP rank of a stage yields the same buckets,
-  so a sender usually acts on TP rank 0 of each stage.
+  so a sender usually acts on TP rank 0 of each stage. MoE experts are all-gathered over the
+  expert-parallel group, so every rank of a stage yields every expert, named with its global
+  expert id (``model.layers.L.mlp.experts.E.gate_proj.weight``).
 - ``True``: every rank yields every tensor. Stages take turns in order; the owning stage
   broadcasts each bucket (names/shapes first, then the tensors) over the pipeline group.
 
@@ -33,7 +35,13 @@ import torch.distributed as dist
 from megatron_rl.convert.common import to_hf
 from megatron_rl.convert.registry import mapping_for
 from megatron_rl.models.config import ModelConfig
-from megatron_rl.models.weights import iter_local_params, tp_info, unshard
+from megatron_rl.models.weights import (
+    gather_experts,
+    is_expert_name,
+    iter_local_params,
+    tp_info,
+    unshard,
+)
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -59,6 +67,10 @@ def iter_stage_hf_tensors(model: torch.nn.Module, cfg: ModelConfig | None = None
     index = {m.canonical: m for m in mapping_for(cfg).tensor_maps(cfg)}
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
     for _, name, param in iter_local_params(model):
+        if is_expert_name(name):  # every expert-parallel rank's expert in this slot
+            for ename, tensor in gather_experts(model, name, param.detach()):
+                yield from to_hf(index[ename], tensor, cfg)
+            continue
         yield from to_hf(index[name], gather_tp(name, param, tp_group), cfg)
 
 
@@ -122,3 +134,15 @@ def iter_hf_weight_buckets(model: torch.nn.Module, bucket_bytes: int = 512 * 2**
         yield from local
         return
     yield from _broadcast_stages(local, next(model.parameters()).device)
+
+
+def serves_expert_gathers(model: torch.nn.Module) -> bool:
+    """True on a rank outside data-parallel replica 0 that holds experts replica 0's stream
+    gathers (MoE with ``ep > 1``: the expert-parallel group spans DP ranks). Such a rank must run
+    :func:`iter_hf_weight_buckets` too (and drop what it yields) whenever replica 0 streams."""
+    from megatron.core import parallel_state as ps
+
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "num_moe_experts", None)) and \
+        ps.get_expert_model_parallel_world_size() > 1 and \
+        ps.get_data_parallel_rank() != 0 and ps.get_expert_data_parallel_rank() == 0

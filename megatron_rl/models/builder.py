@@ -41,7 +41,8 @@ def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    validate_for_layout(cfg, tp, pp)
+    ep = ps.get_expert_model_parallel_world_size()
+    validate_for_layout(cfg, tp, pp, ep)
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
@@ -67,8 +68,53 @@ def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.
         # gloo's P2P is synchronous once waited on, so the sync is not needed on CPU.
         batch_p2p_sync=on_gpu,
     )
+    if cfg.is_moe:
+        define_missing_te_moe_names()
+        kwargs.update(moe_kwargs(cfg, ep))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+_TE_MOE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+                 "fused_unpermute", "te_general_gemm")
+
+
+def define_missing_te_moe_names() -> None:
+    """megatron-core 0.16 ``transformer/moe/moe_utils.py`` imports its TE kernels in a ``try``
+    and, without TE, leaves the names undefined, yet ``RouterGatingLinearFunction`` tests
+    ``te_general_gemm is not None`` (a ``NameError`` on every router call). Define the missing
+    names as ``None``, the value its checks expect when TE is absent. Idempotent; a no-op with TE.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _TE_MOE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def moe_kwargs(cfg: ModelConfig, ep: int) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a mixture-of-experts model (megatron-core ``MoELayer``).
+
+    Routing follows Hugging Face's Qwen3-MoE: fp32 softmax over all experts, top-k, and with
+    ``norm_topk_prob`` the k probabilities renormalised to sum to 1. megatron's
+    ``moe_router_pre_softmax=False`` (top-k of the logits, then softmax over those k) is the same
+    function, so it stands for ``norm_topk_prob=True``; ``pre_softmax=True`` (softmax, then top-k
+    without renormalising) for ``False``. Tokens travel with the ``alltoall`` dispatcher; no token
+    is dropped (no capacity factor). Expert tensor parallelism is 1: experts are split whole over
+    ``expert_parallel_size`` ranks.
+    """
+    return dict(
+        num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_topk=cfg.num_experts_per_tok, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.norm_topk_prob, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff),
+        moe_z_loss_coeff=float(cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff > 0 else None,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False)
 
 
 class _HiddenStatesMixin:
@@ -107,10 +153,15 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_experts or None, moe_grouped_gemm=False,
+            qk_layernorm=cfg.qk_layernorm)
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+        # MoE: SequentialMLP experts (one megatron MLP per expert; no TE / grouped GEMM needed)
+        spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts or None,
+                                        moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
+                                        normalization="RMSNorm")
         from megatron_rl.models.attention import use_sdpa_core_attention
 
         use_sdpa_core_attention(spec)  # O(S) attention memory, no fused-softmax extension
@@ -121,6 +172,10 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta))
     model.model_config = cfg
+    if cfg.is_moe:
+        from megatron_rl.models.weights import mark_expert_params
+
+        mark_expert_params(model)
     if seed is not None:
         from megatron_rl.models.weights import init_layout_invariant
 

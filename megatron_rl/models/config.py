@@ -1,4 +1,4 @@
-"""Model architecture configs for the supported families (Qwen2/Qwen2.5, Qwen3, Llama).
+"""Model architecture configs for the supported families (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama).
 
 :class:`ModelConfig` is the one description of an architecture that the builder, the weight
 resharding code and the HF conversion share. It maps 1:1 onto Hugging Face ``config.json`` fields
@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+MOE_FAMILIES = ("qwen3_moe",)
 
 
 class ModelConfigError(ValueError):
@@ -37,6 +38,13 @@ class ModelConfig:
     attention_bias: bool | None = None  # None: family default (qwen2: True, others: False)
     qk_norm: bool | None = None  # None: family default (qwen3: True, others: False)
     init_method_std: float = 0.02
+    # Mixture of experts (family qwen3_moe; docs/moe.md). Every decoder layer is an MoE layer.
+    num_experts: int = 0  # routed experts per layer (0: dense MLP)
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # FFN size of one expert
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (RL default: off)
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient (RL default: off)
 
     def __post_init__(self) -> None:
         validate_model_config(self)
@@ -54,7 +62,12 @@ class ModelConfig:
     @property
     def qk_layernorm(self) -> bool:
         """Whether q and k are RMS-normalised per head (Qwen3 family)."""
-        return self.family == "qwen3" if self.qk_norm is None else self.qk_norm
+        return self.family in ("qwen3", "qwen3_moe") if self.qk_norm is None else self.qk_norm
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLP of every layer is a mixture of experts."""
+        return self.num_experts > 0
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
@@ -65,11 +78,21 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (Qwen2ForCausalLM, Qwen3ForCausalLM,
         LlamaForCausalLM)."""
         model_type = hf.get("model_type")
-        family = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}.get(model_type)
+        family = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                  "llama": "llama"}.get(model_type)
         if family is None:
             raise ModelConfigError(
                 f"model_type={model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         heads = hf["num_attention_heads"]
+        moe: dict[str, Any] = {}
+        if family in MOE_FAMILIES:
+            # The router's aux-loss coefficient of config.json is the pre-training value; RL keeps
+            # its own default (model.moe_aux_loss_coeff, docs/moe.md).
+            # transformers 5 writes num_local_experts, 4.x num_experts
+            moe = dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                       num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                       moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
         return cls(
             family=family, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -83,7 +106,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=hf.get("attention_bias", family == "qwen2"),
-            qk_norm=family == "qwen3")
+            qk_norm=family in ("qwen3", "qwen3_moe"), **moe)
 
 
 def validate_model_config(cfg: ModelConfig) -> None:
@@ -105,10 +128,34 @@ def validate_model_config(cfg: ModelConfig) -> None:
             f"model.num_attention_heads ({cfg.num_attention_heads}) when head_dim is unset")
     if cfg.rope_theta <= 0 or cfg.rms_norm_eps <= 0:
         raise ModelConfigError("model.rope_theta and model.rms_norm_eps must be > 0")
+    _validate_moe(cfg)
 
 
-def validate_for_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Check that the model can be split ``tp`` ways in tensors and ``pp`` ways in layers."""
+def _validate_moe(cfg: ModelConfig) -> None:
+    moe_family = cfg.family in MOE_FAMILIES
+    if moe_family != (cfg.num_experts > 0):
+        raise ModelConfigError(
+            f"model.num_experts={cfg.num_experts} does not fit model.family={cfg.family!r}: "
+            f"families {MOE_FAMILIES} need num_experts >= 1, the others num_experts=0")
+    if not moe_family:
+        return
+    for name in ("num_experts_per_tok", "moe_intermediate_size"):
+        val = getattr(cfg, name)
+        if not isinstance(val, int) or val < 1:
+            raise ModelConfigError(f"model.{name} must be a positive integer, got {val!r}")
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ModelConfigError(
+            f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be <= "
+            f"model.num_experts={cfg.num_experts}")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        val = getattr(cfg, name)
+        if not isinstance(val, (int, float)) or val < 0:
+            raise ModelConfigError(f"model.{name} must be a number >= 0, got {val!r}")
+
+
+def validate_for_layout(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """Check that the model can be split ``tp`` ways in tensors, ``pp`` ways in layers and
+    ``ep`` ways in experts."""
     checks = (("vocab_size", cfg.vocab_size, tp), ("num_attention_heads", cfg.num_attention_heads,
               tp), ("num_key_value_heads", cfg.num_key_value_heads, tp),
               ("intermediate_size", cfg.intermediate_size, tp))
@@ -121,6 +168,22 @@ def validate_for_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ModelConfigError(
             f"model.num_hidden_layers={cfg.num_hidden_layers} is not divisible by "
             f"pipeline_parallel_size={pp}")
+    if not cfg.is_moe:
+        if ep != 1:
+            raise ModelConfigError(
+                f"expert_parallel_size={ep} needs a mixture-of-experts model (model.family in "
+                f"{MOE_FAMILIES}); a dense model takes expert_parallel_size=1")
+        return
+    if cfg.num_experts % ep:
+        raise ModelConfigError(
+            f"model.num_experts={cfg.num_experts} is not divisible by expert_parallel_size={ep}; "
+            "choose an expert_parallel_size that divides it")
+    if tp != 1:
+        raise ModelConfigError(
+            f"tensor_parallel_size={tp} with a mixture-of-experts model: megatron-core trains MoE "
+            "layers under tensor parallelism only with sequence parallelism, which this actor "
+            "does not use (allowed: tensor_parallel_size=1; split the experts with "
+            "parallel.ep instead, docs/moe.md)")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -136,6 +199,13 @@ PRESETS: dict[str, ModelConfig] = {
                               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                               num_key_value_heads=2, max_position_embeddings=512,
                               rms_norm_eps=1e-5, tie_word_embeddings=True, init_method_std=0.1),
+    # 8 experts, top-2: EP 1/2/4/8 split them; 4 layers so that PP=2 splits the stack.
+    "tiny-qwen3-moe": ModelConfig(family="qwen3_moe", vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=512, init_method_std=0.1,
+                                  num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=32),
     # Real shapes (weights come from a converted checkpoint).
     "qwen2.5-0.5b": ModelConfig(family="qwen2", vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_hidden_layers=24,

@@ -12,6 +12,11 @@ The canonical state dict is layout-free:
   a contiguous slice of whole groups is the TP shard, so it needs no re-layout here.
 - With tied embeddings only ``embedding.word_embeddings.weight`` is stored; the last stage's
   ``output_layer.weight`` (PP > 1) is loaded from it.
+- Mixture-of-experts layers: expert ``e`` of layer ``L`` is
+  ``decoder.layers.L.mlp.experts.local_experts.e.*`` with the **global** expert id ``e`` (an
+  expert-parallel rank holds experts ``ep_rank * E/EP ...``); experts are never split by tensor
+  parallelism (expert tensor parallel size 1). The router is ``decoder.layers.L.mlp.router.weight``
+  ``[E, H]``.
 
 This is what lets the same weights run at TP1xPP1, TP2xPP2 or TP4 without re-initialising.
 """
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -44,9 +50,10 @@ def _layer_offsets(model: torch.nn.Module) -> dict[int, int]:
     return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
 
 
-def canonical_name(local_name: str, offsets: Mapping[int, int]) -> str | None:
+def canonical_name(local_name: str, offsets: Mapping[int, int],
+                   expert_offset: int = 0) -> str | None:
     """Canonical name of a local parameter name; None for parameters that are not stored
-    (``_extra_state`` entries)."""
+    (``_extra_state`` entries). ``expert_offset``: global id of this rank's first local expert."""
     if local_name.endswith("_extra_state"):
         return None
     m = _LAYER_RE.match(local_name)
@@ -54,7 +61,35 @@ def canonical_name(local_name: str, offsets: Mapping[int, int]) -> str | None:
         return local_name
     idx, rest = int(m.group(1)), m.group(2)
     rest = _TE_TO_LOCAL.get(rest, rest)
+    e = _EXPERT_RE.match(rest)
+    if e:
+        rest = f"mlp.experts.local_experts.{expert_offset + int(e.group(1))}.{e.group(2)}"
     return f"decoder.layers.{offsets[idx]}.{rest}"
+
+
+def is_expert_name(name: str) -> bool:
+    """Whether a (local or canonical) parameter name is a routed expert's."""
+    return ".mlp.experts.local_experts." in name
+
+
+def expert_id(name: str) -> int | None:
+    """Global expert id of a canonical expert tensor name (None for other tensors)."""
+    m = _LAYER_RE.match(name)
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
+
+
+def local_experts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(first global expert id, number of local experts)`` of this expert-parallel rank
+    (``(0, 0)`` for a dense model)."""
+    cfg = getattr(model, "config", None)
+    n = getattr(cfg, "num_moe_experts", None) or 0
+    if not n:
+        return 0, 0
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    return ps.get_expert_model_parallel_rank() * (n // ep), n // ep
 
 
 def _is_fc1_weight(name: str) -> bool:
@@ -62,8 +97,19 @@ def _is_fc1_weight(name: str) -> bool:
 
 
 def tp_info(param: torch.Tensor) -> tuple[bool, int]:
+    """``(split by tensor parallelism, split dim)``. Routed experts are whole on every rank
+    (expert tensor parallel size 1), whatever megatron's attributes say."""
+    if getattr(param, "mrl_expert", False):
+        return False, 0
     return bool(getattr(param, "tensor_model_parallel", False)), int(
         getattr(param, "partition_dim", 0))
+
+
+def mark_expert_params(model: torch.nn.Module) -> None:
+    """Tag routed-expert parameters (``param.mrl_expert = True``) for :func:`tp_info`."""
+    for name, param in model.named_parameters():
+        if is_expert_name(name):
+            param.mrl_expert = True
 
 
 def shard_for_rank(name: str, full: torch.Tensor, partitioned: bool, dim: int, tp: int,
@@ -94,8 +140,9 @@ def _tied(model: torch.nn.Module) -> bool:
 def iter_local_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """Yield ``(local_name, canonical_name, param)`` for every stored parameter of this stage."""
     offsets = _layer_offsets(model)
+    first_expert, _ = local_experts(model)
     for local, param in model.named_parameters():
-        name = canonical_name(local, offsets)
+        name = canonical_name(local, offsets, first_expert)
         if name is None:
             continue
         if name == OUTPUT and _tied(model):
@@ -118,13 +165,34 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
     for _, name, param in iter_local_params(model):
         partitioned, dim = tp_info(param)
         data = (main.get(id(param), param) if main else param).detach()
-        if partitioned and tp > 1:
+        if is_expert_name(name):
+            out.update((n, t.cpu()) for n, t in gather_experts(model, name, data))
+        elif partitioned and tp > 1:
             parts = [torch.empty_like(data) for _ in range(tp)]
             dist.all_gather(parts, data.contiguous(), group=tp_group)
             out[name] = unshard(name, parts, dim).cpu()
         else:
             out[name] = data.clone().cpu()
     return out
+
+
+def gather_experts(model: torch.nn.Module, name: str, data: torch.Tensor
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """``(canonical name, tensor)`` of the same local expert slot on every expert-parallel rank
+    (global expert ids), in rank order. Collective over the expert-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    first, n_local = local_experts(model)
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return [(name, data)]
+    parts = [torch.empty_like(data) for _ in range(ep)]
+    dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
+    slot = expert_id(name) - first
+    prefix, rest = name.split(".mlp.experts.local_experts.", 1)
+    rest = rest.split(".", 1)[1]
+    return [(f"{prefix}.mlp.experts.local_experts.{r * n_local + slot}.{rest}", part)
+            for r, part in enumerate(parts)]
 
 
 def gather_full_state_dict(model: torch.nn.Module, main: Mapping[int, torch.Tensor] | None = None
@@ -182,7 +250,9 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
             out.copy_(shard_for_rank(OUTPUT, full[EMBEDDING], True, 0, tp, rank).to(out.dtype))
     if strict:
         offsets = set(_layer_offsets(model).values())
-        mine = {n for n in full if _belongs_to_stage(n, model, offsets)}
+        first, n_local = local_experts(model)
+        mine = {n for n in full if _belongs_to_stage(n, model, offsets) and (
+            expert_id(n) is None or first <= expert_id(n) < first + n_local)}
         extra = sorted(mine - seen)
         if extra:
             raise WeightsError(f"unexpected tensors for this model: {extra[:5]}"

@@ -197,6 +197,30 @@ def _patch_synchronize() -> Callable[[], None]:
     return _set_attr(torch.cuda, "synchronize", lambda *a, **k: None)
 
 
+# --- patch 7: the MoE all-to-all dispatcher's device-to-host copy stream -----------------------
+def _patch_moe_dtoh_stream() -> Callable[[], None]:
+    # The alltoall dispatcher makes a CUDA side stream when built and, at its "dtoh point",
+    # copies its split sizes to the host on it as numpy arrays (what all_to_all_single takes).
+    # On a CPU-only machine they already are host tensors: the replacement only converts them to
+    # numpy at the same point, with no stream to wait for.
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    cls = td.MoEAlltoAllTokenDispatcher
+
+    def as_numpy(x):
+        return x.numpy() if torch.is_tensor(x) else x
+
+    def dtoh_on_cpu(self, point: str, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            self.input_splits = as_numpy(self.input_splits)
+            self.output_splits = as_numpy(self.output_splits)
+            self.output_splits_tp = as_numpy(self.output_splits_tp)
+        return tokens_per_expert
+
+    return _chain(_set_attr(cls, "cuda_dtoh_stream", object()),
+                  _set_attr(cls, "_maybe_dtoh_and_synchronize", dtoh_on_cpu))
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("rng_tracker", "tensor_parallel/random.py: CudaRNGStatesTracker.add/fork and "
           "model_parallel_cuda_manual_seed read and set torch.cuda RNG states", _patch_rng_tracker),
@@ -222,6 +246,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("distrib_optimizer_type_check", "optimizer/distrib_optimizer.py: DistributedOptimizer "
           "(optim.use_distributed_optimizer) only accepts params whose .type() is "
           "torch.cuda.{Half,BFloat16,Float}Tensor", _patch_distrib_optimizer_type_check),
+    Patch("moe_dtoh_stream", "transformer/moe/token_dispatcher.py: MoEAlltoAllTokenDispatcher "
+          "makes a torch.cuda.Stream when built and copies split sizes to the host on it "
+          "(mixture-of-experts models)", _patch_moe_dtoh_stream),
 )
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 

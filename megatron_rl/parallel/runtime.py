@@ -169,9 +169,15 @@ def choose_backend(requested: str | None = None) -> str:
     return resolve_backend(req, local_world_size(denv), torch.cuda.device_count())
 
 
-def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
-    """Check the sizes and return DP. Errors name every size involved."""
-    for name, val in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1,
+                    ep: int = 1) -> int:
+    """Check the sizes and return DP. Errors name every size involved.
+
+    Expert parallelism splits each MoE layer's experts over ``ep`` ranks of one pipeline stage
+    (expert tensor parallelism 1): megatron-core needs ``TP x DP`` (the ranks of a stage) to be a
+    multiple of ``ep``."""
+    for name, val in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp),
+                      ("expert_parallel_size", ep)):
         if not isinstance(val, int) or val < 1:
             raise ParallelConfigError(f"{name} must be a positive integer, got {val!r}")
     if cp != 1:
@@ -187,6 +193,10 @@ def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp
         raise ParallelConfigError(
             f"world size {world_size} != tensor_parallel_size ({tp}) x pipeline_parallel_size "
             f"({pp}) x data_parallel_size ({dp}) = {tp * pp * dp}")
+    if (tp * implied) % ep:
+        raise ParallelConfigError(
+            f"expert_parallel_size={ep} must divide the ranks of a pipeline stage: "
+            f"tensor_parallel_size ({tp}) x data_parallel_size ({implied}) = {tp * implied}")
     return implied
 
 
@@ -258,14 +268,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
 def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                   seed: int = 1234, backend: str | None = None,
                   timeout_s: float = 600.0, host_timeout_s: float | None = None,
-                  socket_ifname: str = "") -> ParallelLayout:
-    """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout.
+                  socket_ifname: str = "", ep: int = 1) -> ParallelLayout:
+    """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout
+    (``ep``: expert-parallel size of MoE layers, carved out of TP x DP).
 
     Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world
     or the backend cannot run this many ranks on this node's GPUs.
     """
     denv = read_dist_env()
-    dp = validate_layout(denv.world_size, tp, pp, dp, cp)
+    dp = validate_layout(denv.world_size, tp, pp, dp, cp, ep)
     backend = choose_backend(backend) if not dist.is_initialized() else dist.get_backend()
     if backend == "gloo" and not torch.cuda.is_available():
         from megatron_rl.parallel import cpu_compat
@@ -278,7 +289,9 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        distributed_timeout_minutes=timeout_s / 60.0)
+        # expert tensor parallelism keeps megatron's default (= tp), which is 1 for MoE models
+        # (models/config.py: validate_for_layout)
+        expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_s / 60.0)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout(backend)
 

@@ -81,10 +81,26 @@ class EmbeddedEngine:
         return next(self.model.parameters()).dtype
 
     def _expected_names(self) -> set[str]:
-        names = {n for n, _ in self.model.named_parameters()}
+        from megatron_rl.convert.qwen3_moe import per_expert_names
+
+        params = dict(self.model.named_parameters())
+        names = set(params)
+        for fused, parts in per_expert_names(params).items():  # MoE: checkpoint names
+            names.discard(fused)
+            names.update(parts)
         if self.cfg.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        """Parameters by the names the weight stream sends (checkpoint names: one tensor per MoE
+        expert, a view into transformers' fused expert tensors)."""
+        from megatron_rl.convert.qwen3_moe import fused_expert_view, per_expert_names
+
+        params = dict(self.model.named_parameters())
+        for parts in per_expert_names(params).values():
+            params.update((n, fused_expert_view(params, n)) for n in parts)
+        return params
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
         """Copy every received tensor into the model, then verify; returns the checksum."""
@@ -92,7 +108,7 @@ class EmbeddedEngine:
             return self._update_weights(buckets, version)
 
     def _update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
-        params = dict(self.model.named_parameters())
+        params = self._params()
         received: list[tuple[str, torch.Tensor]] = []
         with torch.no_grad():
             for bucket in buckets:

@@ -11,12 +11,13 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     """Stream HF-named buckets out of the Megatron actor into the engine.
 
     Collective over the model-parallel group of DP replica 0 only (the engine's rank is there);
-    the other replicas hold identical weights and skip the gathers entirely. Returns the engine's
+    the other replicas hold identical weights and skip the gathers entirely, except, with MoE
+    expert parallelism, the ranks holding the experts replica 0 gathers. Returns the engine's
     checksum on the engine's rank, None elsewhere.
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.convert.stream import iter_hf_weight_buckets
+    from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
@@ -24,6 +25,9 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     if plan is not None:
         return sync_fleet_retrying(actor, engine, plan, bucket_mb, version)
     if ps.get_data_parallel_rank() != 0:
+        if serves_expert_gathers(actor.model):
+            for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True):
+                pass
         return None
     buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
     if engine is not None:

@@ -125,9 +125,12 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
     """The verified sync (module docstring); a summary on rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.convert.stream import iter_hf_weight_buckets
+    from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
 
     if ps.get_data_parallel_rank() != 0:
+        if serves_expert_gathers(actor.model):  # MoE: replica 0's stream gathers our experts
+            for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False):
+                pass
         return None
     mp = ps.get_model_parallel_group()
     coord = engine.sync if dist.get_rank() == 0 else None
