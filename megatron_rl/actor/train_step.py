@@ -68,7 +68,7 @@ class ActorConfig:
     precision: str | None = None  # bf16 | fp16 | fp32; None: bf16 with CUDA, fp32 on CPU
     recompute: str = "none"  # none | selective | full (megatron activation recomputation)
     offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
-    pack_sequences: bool = False  # run each micro-batch's valid tokens as one packed row (THD)
+    pack_sequences: bool = False  # one packed (THD) row per micro-batch (docs/packing.md)
 
     @property
     def use_fused_head(self) -> bool:

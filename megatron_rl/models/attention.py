@@ -112,6 +112,7 @@ class SDPAttention(MegatronModule):
         if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and drop == 0.0
                 and _varlen_attn is not None):
             cu = cu_q.to(torch.int32)
+            query, key, value = (x.contiguous() for x in (query, key, value))
             out = _varlen_attn(query, key, value, cu, cu, int(params.max_seqlen_q),
                                int(params.max_seqlen_kv), scale=self.softmax_scale,
                                window_size=(-1, 0), enable_gqa=gqa)
