@@ -7,7 +7,7 @@ Lengths (stated in the output): prompts of ``--prompt`` tokens; responses 70% lo
 to the longest row of the step (as ``rollout/collect.py`` does) for the padded path.
 
 Per mode: tokens the model runs per step, pad fraction (padding / all tokens run), seconds per
-step (median), step time ratio vs padded, peak RSS growth during the mode's steps. On CPU also
+step (median), step time ratio vs padded, peak RSS growth during a timed step (after warm-up). On CPU also
 "packed, mask attention": the same packed rows with SDPAttention's ``[T, T]`` document-causal
 mask instead of its per-sequence loop (both exact).
 
@@ -105,8 +105,8 @@ def _worker(args: argparse.Namespace) -> dict:
             actor.add_old_logprobs(b)
             hist = actor.update(b, step)
             dt = time.perf_counter() - t0
-            rss[name] = max(rss[name], rss_kib("VmHWM") - base)
             if step:
+                rss[name] = max(rss[name], rss_kib("VmHWM") - base)
                 times[name].append(dt)
             info[name] = hist[-1]
     runtime.shutdown()
@@ -118,13 +118,13 @@ def _worker(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--cap", type=int, default=1024, help="response length cap (tokens)")
+    ap.add_argument("--cap", type=int, default=512, help="response length cap (tokens)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--micro", type=int, default=4, help="actor.micro_batch_size")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     from megatron_rl.parallel.launch import spawn
