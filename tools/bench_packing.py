@@ -7,9 +7,10 @@ Lengths (stated in the output): prompts of ``--prompt`` tokens; responses 70% lo
 to the longest row of the step (as ``rollout/collect.py`` does) for the padded path.
 
 Per mode: tokens the model runs per step, pad fraction (padding / all tokens run), seconds per
-step (median), step time ratio vs padded, peak RSS growth during a timed step (after warm-up). On CPU also
-"packed, mask attention": the same packed rows with SDPAttention's ``[T, T]`` document-causal
-mask instead of its per-sequence loop (both exact).
+step (median), step time ratio vs padded, peak RSS growth during a timed step (after warm-up).
+"packed" is the default attention choice; on CPU also "packed, per-seq attention" and "packed,
+mask attention": SDPAttention forced to its per-sequence loop / its ``[T, T]`` document-causal
+mask (both exact).
 
     python tools/bench_packing.py                 # defaults below, a few minutes on 2 cores
     python tools/bench_packing.py --rows 16 --cap 256 --steps 2     # quick
@@ -80,6 +81,7 @@ def _worker(args: argparse.Namespace) -> dict:
     batch = make_batch(resp, args.prompt, args.vocab, args.seed)
     modes = {"padded": dict(pack_sequences=False), "packed": dict(pack_sequences=True)}
     if not torch.cuda.is_available():
+        modes["packed, per-seq attention"] = dict(pack_sequences=True)
         modes["packed, mask attention"] = dict(pack_sequences=True)
     if "max_tokens_per_micro_batch" in {f.name for f in dataclasses.fields(ActorConfig)}:
         modes["packed + token budget"] = dict(
@@ -89,10 +91,10 @@ def _worker(args: argparse.Namespace) -> dict:
         actors[name] = Actor(mcfg, ActorConfig(micro_batch_size=args.micro, **kw),
                              OptimConfig(lr=1e-5), LossConfig.for_algorithm("dapo"),
                              total_steps=args.steps + 1, seed=1)
-        if name.endswith("mask attention"):
+        if name.endswith(" attention"):  # CPU: force one SDPAttention mode (default: auto)
             for m in actors[name].model.modules():
                 if isinstance(m, SDPAttention):
-                    m.packed_cpu_mode = "mask"
+                    m.packed_cpu_mode = "mask" if "mask" in name else "segments"
     times: dict[str, list[float]] = {k: [] for k in modes}
     rss: dict[str, int] = {k: 0 for k in modes}
     info: dict[str, dict] = {}

@@ -33,6 +33,12 @@ except ImportError:  # pragma: no cover - older torch
     _varlen_attn = None
 
 
+# CPU packed rows up to this many tokens use one document-causal mask, longer ones a loop over
+# sequences: equal time at ~800 tokens of 4 sequences, the mask 15% faster at 650 tokens of 64
+# sequences (tools/bench_packing.py), and its [heads, T, T] scores grow quadratically.
+PACKED_MASK_MAX_TOKENS = 1024
+
+
 class SDPAttention(MegatronModule):
     """Drop-in ``core_attention`` for the local spec (see module docstring)."""
 
@@ -60,7 +66,7 @@ class SDPAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else \
             attention_dropout
         self.use_sdpa_on_cpu = False
-        self.packed_cpu_mode = "segments"  # segments | mask (exact either way; see _packed)
+        self.packed_cpu_mode = "auto"  # auto | segments | mask (exact either way; see _packed)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None
@@ -93,9 +99,10 @@ class SDPAttention(MegatronModule):
         ``cu_seqlens`` segment, nothing across segments.
 
         CUDA, fp16/bf16, no dropout: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's
-        variable-length kernel). Otherwise one causal attention per segment (SDPA on CUDA; on CPU
-        megatron's operation order, as for unpacked rows), or, with ``packed_cpu_mode = "mask"``
-        on CPU, one ``[T, T]`` document-causal mask (exact too; slower, see docs/packing.md).
+        variable-length kernel). Otherwise one causal attention per segment (SDPA on CUDA). On CPU
+        in megatron's operation order: per segment (``packed_cpu_mode = "segments"``) or with one
+        ``[T, T]`` document-causal mask (``"mask"``; no per-segment Python loop, ``[h, T, T]``
+        scores); ``"auto"`` takes the mask up to :data:`PACKED_MASK_MAX_TOKENS` tokens.
         """
         if getattr(params, "qkv_format", "thd") != "thd":
             raise NotImplementedError(f"SDPAttention: qkv_format={params.qkv_format!r} "
@@ -120,7 +127,10 @@ class SDPAttention(MegatronModule):
         seqlens = getattr(params, "seqlens", None) or tuple(
             int(n) for n in (cu_q[1:] - cu_q[:-1]).tolist() if n > 0)
         q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))  # [1, h|g, T, D]
-        if not q.is_cuda and not self.use_sdpa_on_cpu and self.packed_cpu_mode == "mask":
+        mode = self.packed_cpu_mode
+        if mode == "auto":  # measured (tools/bench_packing.py): the mask wins for short rows
+            mode = "mask" if t <= PACKED_MASK_MAX_TOKENS else "segments"
+        if not q.is_cuda and not self.use_sdpa_on_cpu and mode == "mask":
             seg = torch.repeat_interleave(torch.arange(len(seqlens), device=q.device),
                                           torch.tensor(seqlens, device=q.device))
             keep = (seg[:, None] == seg[None, :]) & torch.ones(
