@@ -267,12 +267,11 @@ def run_layout(tp: int, pp: int, dp: int) -> dict:
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 2, 1), (1, 1, 2)])
 def test_packed_update_matches_padded(tp, pp, dp):
     res = run_layout(tp, pp, dp)
-    print(res)
     assert res["logp"] <= 1e-5 and res["entropy"] <= 1e-5, res
     assert res["loss"] <= 1e-6, res
-    # fp32 rounding floor: the packed GEMMs/attention see other shapes (measured ~1.3e-6 here;
-    # in fp64 the same comparison is exact to 1e-15, test_packed_model_is_exact_in_fp64)
-    assert res["grad"] <= 3e-6 and res["weight"] <= 1e-6, res
+    # measured: log-probs, entropy and loss bit-identical, gradients <= 5.6e-7 (GEMMs of other
+    # shapes round differently; in fp64 the same comparison is exact to 1e-15)
+    assert res["grad"] <= 1e-6 and res["weight"] <= 1e-6, res
     assert res["metrics"] <= 1e-5, res
     for loss, (pad_padded, pad_packed, tpm_padded, tpm_packed) in res["pad"].items():
         assert pad_packed < pad_padded and tpm_packed < tpm_padded, (loss, res["pad"])
