@@ -13,6 +13,10 @@ order (``baddbmm`` scores, fp32 softmax, ``bmm``), bit-identical to ``DotProduct
 CPU results and seeded CPU training trajectories do not depend on which attention is built;
 ``use_sdpa_on_cpu = True`` runs the SDPA kernel there too (the tests compare the two).
 
+Packed rows (megatron-core ``PackedSeqParams`` with ``qkv_format='thd'``, see
+:mod:`megatron_rl.actor.packing`): ``query [T, heads/TP, D]`` -> ``[T, heads/TP * D]``, causal
+within each ``cu_seqlens`` segment and never across (:meth:`SDPAttention._packed`).
+
 Shapes: ``query [Sq, B, heads/TP, D]``, ``key``/``value [Sk, B, groups/TP, D]`` ->
 ``context [Sq, B, heads/TP * D]``, all on the inputs' device and dtype.
 """
