@@ -37,10 +37,13 @@ except ImportError:  # pragma: no cover - older torch
     _varlen_attn = None
 
 
-# CPU packed rows up to this many tokens use one document-causal mask, longer ones a loop over
-# sequences: equal time at ~800 tokens of 4 sequences, the mask 15% faster at 650 tokens of 64
-# sequences (tools/bench_packing.py), and its [heads, T, T] scores grow quadratically.
-PACKED_MASK_MAX_TOKENS = 1024
+# CPU packed rows of short sequences (mean length <= PACKED_MASK_MEAN_LEN, at most
+# PACKED_MASK_MAX_TOKENS tokens) use one document-causal mask: the per-sequence loop's Python
+# overhead dominates there (64 sequences of ~10 tokens: the loop 1.45x the padded step time, the
+# mask 1.3x); longer sequences use the loop (4 sequences of ~200 tokens: the mask 1.5x the loop's
+# time, and its [heads, T, T] scores grow quadratically). tools/bench_packing.py measures both.
+PACKED_MASK_MEAN_LEN = 64
+PACKED_MASK_MAX_TOKENS = 4096
 
 
 class SDPAttention(MegatronModule):
@@ -106,7 +109,7 @@ class SDPAttention(MegatronModule):
         variable-length kernel). Otherwise one causal attention per segment (SDPA on CUDA). On CPU
         in megatron's operation order: per segment (``packed_cpu_mode = "segments"``) or with one
         ``[T, T]`` document-causal mask (``"mask"``; no per-segment Python loop, ``[h, T, T]``
-        scores); ``"auto"`` takes the mask up to :data:`PACKED_MASK_MAX_TOKENS` tokens.
+        scores); ``"auto"`` takes the mask for short sequences (:data:`PACKED_MASK_MEAN_LEN`).
         """
         if getattr(params, "qkv_format", "thd") != "thd":
             raise NotImplementedError(f"SDPAttention: qkv_format={params.qkv_format!r} "
@@ -133,7 +136,8 @@ class SDPAttention(MegatronModule):
         q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))  # [1, h|g, T, D]
         mode = self.packed_cpu_mode
         if mode == "auto":  # measured (tools/bench_packing.py): the mask wins for short rows
-            mode = "mask" if t <= PACKED_MASK_MAX_TOKENS else "segments"
+            short = t <= PACKED_MASK_MEAN_LEN * len(seqlens)
+            mode = "mask" if short and t <= PACKED_MASK_MAX_TOKENS else "segments"
         if not q.is_cuda and not self.use_sdpa_on_cpu and mode == "mask":
             seg = torch.repeat_interleave(torch.arange(len(seqlens), device=q.device),
                                           torch.tensor(seqlens, device=q.device))
