@@ -1,9 +1,12 @@
 """Sequence packing (issue 25): packed (THD) micro-batches give the padded path's numbers.
 
-Cheap checks in-process (pack layout, SDPAttention on packed rows vs per-row attention, the
-backend refusal); one spawn per layout (TP1xPP1xDP1, TP2xPP2xDP1, TP1xPP1xDP2) that runs DAPO,
-GSPO and Clip-Cov packed and padded from identical weights and batch and compares per-token
-log-probs/entropy, loss and gradients (fp32, gloo)."""
+Fast tier: the pack layout (in-process); one spawn for SDPAttention on packed rows (per-sequence
+loop, document mask, SDPA kernel) vs each sequence alone, with a negative control, and a whole
+fp64 model packed vs padded (exact). Slow tier: one spawn per layout (TP1xPP1xDP1, TP2xPP2xDP1,
+TP1xPP1xDP2) running DAPO, GSPO and Clip-Cov packed and padded from identical weights and batch
+(per-token log-probs/entropy, loss, metrics, gradients, updated weights; fp32, gloo) plus the
+refusal of megatron's own local attention; 3 steps of the main recipe packed vs padded. GPU tier:
+the varlen kernel and a bf16 update on CUDA."""
 
 from __future__ import annotations
 
