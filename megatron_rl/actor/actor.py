@@ -82,6 +82,10 @@ class Actor:
             from megatron_rl.actor.offload import FrozenModelOffload
 
             self.ref_offload = FrozenModelOffload(self.ref_model)
+        if actor_cfg.pack_sequences:
+            from megatron_rl.actor.packing import check_packing_backend
+
+            check_packing_backend(self.model)
         self.ddp = wrap_ddp(self.net, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
         # megatron's schedule multiplies each loss by this before backward (the fp16 loss scale;
@@ -112,7 +116,8 @@ class Actor:
                                        temperature=temp,
                                        compute_entropy=compute_entropy,
                                        chunk_size=self.cfg.logprob_chunk_size,
-                                       fused=self.cfg.use_fused_head)
+                                       fused=self.cfg.use_fused_head,
+                                       pack=self.cfg.pack_sequences)
         if not outs:
             return None
         keys = ("logp", "entropy") if compute_entropy else ("logp",)

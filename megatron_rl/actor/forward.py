@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.actor.packing import PackedMicroBatches
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
@@ -48,8 +49,12 @@ def variable_lengths(model: torch.nn.Module) -> bool:
 @torch.no_grad()
 def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict], *,
                             temperature: float = 1.0, compute_entropy: bool = True,
-                            chunk_size: int | None = None, fused: bool = False) -> list[dict]:
+                            chunk_size: int | None = None, fused: bool = False,
+                            pack: bool = False) -> list[dict]:
     """Run ``micro_batches`` (dicts with ``tokens`` and ``mask``, ``[B, S]``) through the pipeline.
+
+    ``pack``: run each micro-batch as one packed row (:mod:`megatron_rl.actor.packing`); same
+    values.
 
     Returns, on the last pipeline stage, one dict per micro-batch with ``logp`` and ``entropy``
     (``[B, S]`` fp32, zero outside the mask); an empty list on the other stages.
@@ -66,21 +71,31 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
 
     from megatron.core import parallel_state as ps
 
+    packed = None
+    if pack:
+        common = ps.get_pipeline_model_parallel_world_size() > 1  # fixed P2P shapes
+        packed = PackedMicroBatches(micro_batches, common=common, device=device)
     # the response positions of every micro-batch: one host sync here, none per micro-batch
     index = response_indices([mb["mask"].to(device) for mb in micro_batches]) \
-        if ps.is_pipeline_last_stage() else [None] * len(micro_batches)
+        if ps.is_pipeline_last_stage() and packed is None else [None] * len(micro_batches)
 
     def forward_step(data_iterator, model_chunk):
         i, mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         mask = mb["mask"].to(device)
-        hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs)
+        if packed is not None:
+            hidden = packed.model_forward(model_chunk, i, **call_kwargs)
+        else:
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs)
 
         def collect(hidden_states, non_loss_data=True):
-            logp, ent = response_logprob_entropy(
-                head, hidden_states, tokens, mask, temperature=temperature,
-                compute_entropy=compute_entropy, entropy_grad=False, chunk_size=chunk_size,
-                fused=fused, index=index[i])
+            kw = dict(temperature=temperature, compute_entropy=compute_entropy,
+                      entropy_grad=False, chunk_size=chunk_size, fused=fused)
+            if packed is not None:
+                logp, ent = packed.logprob_entropy(head, hidden_states, i, **kw)
+            else:
+                logp, ent = response_logprob_entropy(head, hidden_states, tokens, mask,
+                                                     index=index[i], **kw)
             return {"logp": logp, "entropy": ent}
 
         return hidden, collect
@@ -90,8 +105,10 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     try:
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(micro_batches))),
-            model=[model], num_microbatches=len(micro_batches), seq_length=seq,
-            micro_batch_size=bsz, forward_only=True, collect_non_loss_data=True)
+            model=[model], num_microbatches=len(micro_batches),
+            seq_length=seq if packed is None else packed.seq_length,
+            micro_batch_size=bsz if packed is None else packed.micro_batch_size,
+            forward_only=True, collect_non_loss_data=True)
     finally:
         model.train(was_training)
     return list(out)

@@ -192,12 +192,6 @@ def budget_forward_batches(batch: dict, budget: int) -> tuple[list[dict], list[l
     return [take_rows(batch, g, max(lengths[i] for i in g), seq) for g in groups], groups
 
 
-def real_tokens(mask: torch.Tensor) -> torch.Tensor:
-    """0-dim int64 on ``mask``'s device: the summed row lengths (:func:`row_lengths`), no sync."""
-    pos = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return (mask.bool() * pos).amax(1).clamp_min(1).sum()
-
-
 def global_seq_ids(batch: dict, rows: slice, dp: int, dp_rank: int) -> torch.Tensor:
     """``[rows]`` int64 global sequence index (inside its global mini-batch) of this rank's rows
     ``rows`` of one mini-batch: ``batch["row_index"] % (dp x rows)`` when the rows were balanced

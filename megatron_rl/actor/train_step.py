@@ -32,9 +32,8 @@ from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.micro_batches import (
     budget_micro_batches,
     global_seq_ids,
-    padding_metrics,
-    real_tokens,
 )
+from megatron_rl.actor.packing import PackedMicroBatches, token_counts, token_metrics
 from megatron_rl.actor.precision import bare_model, model_call_kwargs
 from megatron_rl.loss import (
     LossConfig,
@@ -75,6 +74,7 @@ class ActorConfig:
     recompute: str = "none"  # none | selective | full (megatron activation recomputation)
     offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
     max_tokens_per_micro_batch: int = 0
+    pack_sequences: bool = False  # one packed (THD) row per micro-batch (docs/packing.md)
 
     @property
     def use_fused_head(self) -> bool:
@@ -150,6 +150,12 @@ def _take(batch: dict[str, Any], rows: slice) -> dict[str, Any]:
     return {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def _pipeline_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
+
+
 def _last_stage() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -193,7 +199,8 @@ class PolicyUpdater:
         return forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
                                        compute_entropy=False,
                                        chunk_size=self.cfg.logprob_chunk_size,
-                                       fused=self.cfg.use_fused_head)
+                                       fused=self.cfg.use_fused_head,
+                                       pack=self.cfg.pack_sequences)
 
     def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None,
                        step: int, salt: int = 0):
@@ -251,21 +258,30 @@ class PolicyUpdater:
         compute_ent, ent_grad = needs_entropy(cfg, self.entropy_controller is not None)
         module = bare_model(self.model)  # the GPTModel under DDP / Float16Module (the head)
         half_kwargs = model_call_kwargs(self.model)
+        packed = PackedMicroBatches(mbs, common=_pipeline_size() > 1) \
+            if self.cfg.pack_sequences else None
         # response positions of every micro-batch: one host sync per mini-batch, not per micro
-        index = response_indices([mb["mask"] for mb in mbs]) if last else None
+        index = response_indices([mb["mask"] for mb in mbs]) if last and packed is None else None
+        head_kwargs = dict(temperature=self.cfg.temperature, compute_entropy=compute_ent,
+                           entropy_grad=ent_grad, chunk_size=self.cfg.logprob_chunk_size,
+                           fused=self.cfg.use_fused_head)
 
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
             tokens, mask = mb["tokens"], mb["mask"]
-            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            hidden = model_chunk(tokens, pos, None, **half_kwargs)
+            if packed is not None:
+                hidden = packed.model_forward(model_chunk, i, **half_kwargs)
+            else:
+                pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(
+                    tokens)
+                hidden = model_chunk(tokens, pos, None, **half_kwargs)
 
             def loss_func(hidden_states):
-                logp, ent = response_logprob_entropy(
-                    module, hidden_states, tokens, mask, temperature=self.cfg.temperature,
-                    compute_entropy=compute_ent, entropy_grad=ent_grad,
-                    chunk_size=self.cfg.logprob_chunk_size, fused=self.cfg.use_fused_head,
-                    index=index[i])
+                if packed is not None:
+                    logp, ent = packed.logprob_entropy(module, hidden_states, i, **head_kwargs)
+                else:
+                    logp, ent = response_logprob_entropy(module, hidden_states, tokens, mask,
+                                                         index=index[i], **head_kwargs)
                 out = compute_loss(LossInputs(
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
@@ -283,22 +299,22 @@ class PolicyUpdater:
         self.optimizer.zero_grad()
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
-            model=[self.model], num_microbatches=n_micro, seq_length=seq, micro_batch_size=bsz,
+            model=[self.model], num_microbatches=n_micro,
+            seq_length=seq if packed is None else packed.seq_length,
+            micro_batch_size=bsz if packed is None else packed.micro_batch_size,
             forward_only=False)
 
         metrics: dict[str, float] = {}
         dev = mbs[0]["tokens"].device
         loss_bad = torch.zeros((), dtype=torch.float32, device=dev)
         if last:
-            # loss sum, real tokens, processed tokens, micro-batches: one all-reduce
-            sizes = torch.tensor([0.0, sum(mb["tokens"].numel() for mb in mbs), n_micro],
-                                 dtype=torch.float64, device=dev)
-            sizes[0] = sum(real_tokens(mb["mask"]) for mb in mbs)
+            # loss sum, then (used tokens, processed tokens, micro-batches): one all-reduce
+            sizes = token_counts(mbs, packed, dev)
             total = ctx.all_reduce(torch.cat([torch.stack(losses).double().sum().view(1), sizes]))
             loss_bad = (~torch.isfinite(total[0])).float()
             metrics = {k: float(v) for k, v in {**acc.reduce(ctx), **cov_stats}.items()}
             metrics["actor/loss"] = float(total[0])
-            metrics.update(padding_metrics(*total[1:].tolist()))
+            metrics.update(token_metrics(total[1:]))
             metrics["actor/tokens"] = float(ctx.num_tokens)  # weight of the step's aggregation
         grad_bad = self._nonfinite_grads(dev)
         flag = torch.stack([loss_bad, grad_bad])

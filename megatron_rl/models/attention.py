@@ -13,6 +13,10 @@ order (``baddbmm`` scores, fp32 softmax, ``bmm``), bit-identical to ``DotProduct
 CPU results and seeded CPU training trajectories do not depend on which attention is built;
 ``use_sdpa_on_cpu = True`` runs the SDPA kernel there too (the tests compare the two).
 
+Packed rows (megatron-core ``PackedSeqParams`` with ``qkv_format='thd'``, see
+:mod:`megatron_rl.actor.packing`): ``query [T, heads/TP, D]`` -> ``[T, heads/TP * D]``, causal
+within each ``cu_seqlens`` segment and never across (:meth:`SDPAttention._packed`).
+
 Shapes: ``query [Sq, B, heads/TP, D]``, ``key``/``value [Sk, B, groups/TP, D]`` ->
 ``context [Sq, B, heads/TP * D]``, all on the inputs' device and dtype.
 """
@@ -26,6 +30,20 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+try:  # FlashAttention's variable-length kernel (torch >= 2.9, CUDA)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+
+# CPU packed rows of short sequences (mean length <= PACKED_MASK_MEAN_LEN, at most
+# PACKED_MASK_MAX_TOKENS tokens) use one document-causal mask: the per-sequence loop's Python
+# overhead dominates there (64 sequences of ~10 tokens: the loop 1.45x the padded step time, the
+# mask 1.3x); longer sequences use the loop (4 sequences of ~200 tokens: the mask 1.5x the loop's
+# time, and its [heads, T, T] scores grow quadratically). tools/bench_packing.py measures both.
+PACKED_MASK_MEAN_LEN = 64
+PACKED_MASK_MAX_TOKENS = 4096
 
 
 class SDPAttention(MegatronModule):
@@ -55,6 +73,7 @@ class SDPAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else \
             attention_dropout
         self.use_sdpa_on_cpu = False
+        self.packed_cpu_mode = "auto"  # auto | segments | mask (exact either way; see _packed)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None
@@ -62,8 +81,10 @@ class SDPAttention(MegatronModule):
                 packed_seq_params: Any = None, **_unused: Any) -> torch.Tensor:
         """``[Sq, B, h, D]`` x ``[Sk, B, g, D]`` -> ``[Sq, B, h*D]``. ``attention_mask`` (bool,
         True = masked, broadcastable to ``[B, h, Sq, Sk]``) overrides the causal default."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention: packed sequences / attention bias need TE")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention: attention bias needs TE")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, h|g, S, D]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -79,6 +100,62 @@ class SDPAttention(MegatronModule):
             is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
+    def _packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                params: Any) -> torch.Tensor:
+        """Packed (THD) rows: ``[T, h, D]`` x ``[T, g, D]`` -> ``[T, h*D]``, causal within each
+        ``cu_seqlens`` segment, nothing across segments.
+
+        CUDA, fp16/bf16, no dropout: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's
+        variable-length kernel). Otherwise one causal attention per segment (SDPA on CUDA). On CPU
+        in megatron's operation order: per segment (``packed_cpu_mode = "segments"``) or with one
+        ``[T, T]`` document-causal mask (``"mask"``; no per-segment Python loop, ``[h, T, T]``
+        scores); ``"auto"`` takes the mask for short sequences (:data:`PACKED_MASK_MEAN_LEN`).
+        """
+        if getattr(params, "qkv_format", "thd") != "thd":
+            raise NotImplementedError(f"SDPAttention: qkv_format={params.qkv_format!r} "
+                                      "(allowed: 'thd')")
+        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
+        if (getattr(params, "cu_seqlens_q_padded", None) is not None
+                or getattr(params, "cu_seqlens_kv_padded", None) is not None
+                or (cu_k is not cu_q and not torch.equal(cu_q, cu_k))):
+            raise NotImplementedError("SDPAttention: packed rows need cu_seqlens_q == "
+                                      "cu_seqlens_kv and no padded cu_seqlens")
+        t = query.shape[0]
+        gqa = self.heads != self.groups
+        drop = self.dropout if self.training else 0.0
+        if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and drop == 0.0
+                and _varlen_attn is not None):
+            cu = cu_q.to(torch.int32)
+            query, key, value = (x.contiguous() for x in (query, key, value))
+            out = _varlen_attn(query, key, value, cu, cu, int(params.max_seqlen_q),
+                               int(params.max_seqlen_kv), scale=self.softmax_scale,
+                               window_size=(-1, 0), enable_gqa=gqa)
+            return out.reshape(t, self.heads * self.head_dim)
+        seqlens = getattr(params, "seqlens", None) or tuple(
+            int(n) for n in (cu_q[1:] - cu_q[:-1]).tolist() if n > 0)
+        q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))  # [1, h|g, T, D]
+        mode = self.packed_cpu_mode
+        if mode == "auto":  # measured (tools/bench_packing.py): the mask wins for short rows
+            short = t <= PACKED_MASK_MEAN_LEN * len(seqlens)
+            mode = "mask" if short and t <= PACKED_MASK_MAX_TOKENS else "segments"
+        if not q.is_cuda and not self.use_sdpa_on_cpu and mode == "mask":
+            seg = torch.repeat_interleave(torch.arange(len(seqlens), device=q.device),
+                                          torch.tensor(seqlens, device=q.device))
+            keep = (seg[:, None] == seg[None, :]) & torch.ones(
+                t, t, dtype=torch.bool, device=q.device).tril()
+            return self._megatron_order(q, k, v, keep, False).reshape(t, -1)
+        outs, start = [], 0
+        for n in seqlens:
+            s = slice(start, start + n)
+            start += n
+            qs, ks, vs = q[:, :, s], k[:, :, s], v[:, :, s]
+            if not q.is_cuda and not self.use_sdpa_on_cpu:
+                outs.append(self._megatron_order(qs, ks, vs, None, True).reshape(n, -1))
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=drop, is_causal=True,
+                                                   scale=self.softmax_scale, enable_gqa=gqa)
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        return torch.cat(outs) if outs else query.new_zeros(0, self.heads * self.head_dim)
 
     def _megatron_order(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         keep: torch.Tensor | None, causal: bool) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""Sequence packing (THD layout) for the actor's forward passes.
+
+A micro-batch of right-padded rows ``tokens/mask [B, S]`` is run as one packed row ``[1, T]``:
+row ``b`` contributes its first ``L_b`` tokens, where ``L_b`` is one past its last response token
+(its log-probs need nothing later: attention is causal; a row without response tokens contributes
+none). ``T = sum(L_b)``, rounded up to ``multiple``, or to a length shared by all micro-batches of
+a pipeline schedule (megatron's P2P buffers have one shape); the filler tokens form a segment of
+their own, so they never reach a real sequence. Positions restart at 0 per sequence (RoPE), and
+megatron-core's :class:`~megatron.core.packed_seq_params.PackedSeqParams` (``qkv_format='thd'``,
+``cu_seqlens``) makes the attention document-causal: TE's fused attention, or
+:class:`megatron_rl.models.attention.SDPAttention` without TE.
+
+Only the model runs packed. The response head reads the packed hidden states at the response
+positions and hands back per-token log-prob/entropy in the rows' ``[B, S]`` view, so every loss,
+mask, advantage and statistic (token-level, sequence-level, Clip-Cov selections) is computed from
+the same numbers as without packing. Those are elementwise ``[B, S]`` operations (no GEMM); the
+model's FLOPs and activations follow ``T``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_rl.actor.micro_batches import padding_metrics
+from megatron_rl.models.heads import response_logprob_entropy
+from megatron_rl.models.response_tokens import response_indices
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class HostPackedSeqParams(PackedSeqParams):
+    """:class:`PackedSeqParams` plus the segment lengths as host ints (attention loops over them
+    without a device->host copy per layer)."""
+
+    seqlens: tuple[int, ...] = ()
+
+
+class PackingBackendError(ValueError):
+    """The model's attention cannot run packed (THD) rows."""
+
+
+def row_lengths(mask: Tensor) -> Tensor:
+    """``[B]`` int64 on ``mask``'s device: one past the last response token of each row (0 for a
+    row without response tokens). ``mask [B, S]``."""
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * cols).amax(dim=1) if mask.shape[1] else mask.new_zeros(
+        mask.shape[0], dtype=torch.long)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def check_packing_backend(model: torch.nn.Module) -> None:
+    """Raise :class:`PackingBackendError` unless every core attention of ``model`` handles packed
+    rows (Transformer Engine's, or :class:`~megatron_rl.models.attention.SDPAttention`)."""
+    from megatron_rl.models.attention import SDPAttention
+
+    for name, mod in model.named_modules():
+        if not name.endswith("core_attention"):
+            continue
+        cls = type(mod)
+        if isinstance(mod, SDPAttention) or cls.__module__.startswith(
+                ("megatron.core.extensions.transformer_engine", "transformer_engine")):
+            continue
+        raise PackingBackendError(
+            f"actor.pack_sequences=true: attention backend {cls.__module__}.{cls.__name__} "
+            f"({name}) cannot run packed (THD) rows and would attend across sequences. Build the "
+            "model with Transformer Engine or the local spec's SDPAttention "
+            "(megatron_rl.models.attention), or set actor.pack_sequences=false.")
+
+
+@dataclass
+class PackedMicroBatch:
+    """One micro-batch as a packed row. Tensors on the micro-batch's device."""
+
+    tokens: Tensor  # [1, T] int64
+    position_ids: Tensor  # [1, T] int64, 0.. per sequence
+    params: HostPackedSeqParams
+    starts: Tensor  # [B] int64: packed offset of each row's first token
+    shape: tuple[int, int]  # the rows' [B, S]
+    used: int  # sum of the rows' lengths (T minus filler)
+
+
+def pack_micro_batch(tokens: Tensor, lengths: Sequence[int], total: int) -> PackedMicroBatch:
+    """Pack the first ``lengths[b]`` tokens of each row of ``tokens [B, S]`` into ``[1, total]``
+    (``total >= sum(lengths)``; the rest is one filler segment of token 0)."""
+    dev = tokens.device
+    bsz, seq = tokens.shape
+    used = int(sum(lengths))
+    if total < used:
+        raise ValueError(f"packed length {total} < {used} valid tokens")
+    lens = torch.tensor(list(lengths), dtype=torch.long, device=dev)
+    starts = torch.cumsum(lens, 0) - lens
+    rows = torch.repeat_interleave(torch.arange(bsz, device=dev), lens, output_size=used)
+    cols = torch.arange(used, device=dev) - starts[rows]
+    filler = total - used
+    packed = torch.zeros(1, total, dtype=tokens.dtype, device=dev)
+    packed[0, :used] = tokens[rows, cols]
+    pos = torch.cat([cols, torch.arange(filler, device=dev)]).unsqueeze(0)
+    seqlens = tuple(int(n) for n in lengths if n > 0) + ((filler,) if filler else ())
+    cu = torch.tensor((0, *torch.tensor(seqlens).cumsum(0).tolist()) if seqlens else (0,),
+                      dtype=torch.int32, device=dev)
+    longest = max(seqlens) if seqlens else 0
+    params = HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest, seqlens=seqlens)
+    return PackedMicroBatch(packed, pos, params, starts, (bsz, seq), used)
+
+
+class PackedMicroBatches:
+    """All micro-batches of one schedule call, packed; one host sync (the row lengths).
+
+    ``common``: pad every packed row to one length (pipeline parallelism: fixed P2P shapes);
+    ``multiple``: round packed lengths up to it (e.g. the TP size for sequence parallelism).
+    ``seq_length``/``micro_batch_size`` are what megatron's schedule is told.
+    """
+
+    micro_batch_size = 1
+
+    def __init__(self, micro_batches: Sequence[dict], common: bool, multiple: int = 1,
+                 device: torch.device | None = None) -> None:
+        def dev(t: Tensor) -> Tensor:
+            return t if device is None else t.to(device)
+
+        self.masks = [dev(mb["mask"]) for mb in micro_batches]
+        lens = torch.cat([row_lengths(m) for m in self.masks])
+        flat = lens.tolist()  # the one host sync
+        per, k = [], 0
+        for m in self.masks:
+            per.append(flat[k:k + m.shape[0]])
+            k += m.shape[0]
+        totals = [round_up(max(sum(p), 1), multiple) for p in per]
+        if common:
+            totals = [max(totals)] * len(totals)
+        self.packs = [pack_micro_batch(dev(mb["tokens"]), p, t)
+                      for mb, p, t in zip(micro_batches, per, totals)]
+        self.seq_length = max(totals)
+        self._index: list[tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def used_tokens(self) -> int:
+        """Valid tokens of all micro-batches."""
+        return sum(p.used for p in self.packs)
+
+    @property
+    def processed_tokens(self) -> int:
+        """Tokens the model runs (valid + filler)."""
+        return sum(p.tokens.shape[1] for p in self.packs)
+
+    def model_forward(self, model_chunk: torch.nn.Module, i: int, **kwargs: Any) -> Tensor:
+        """Micro-batch ``i`` through ``model_chunk``: hidden states ``[T, 1, H]`` (last stage)."""
+        p = self.packs[i]
+        return model_chunk(p.tokens, p.position_ids, None, packed_seq_params=p.params, **kwargs)
+
+    def index(self, i: int) -> tuple[Tensor, Tensor]:
+        """``(b, t)`` response positions of micro-batch ``i`` in the rows' view (one host sync
+        for all micro-batches, on first use)."""
+        if self._index is None:
+            self._index = response_indices(self.masks) if len(
+                {m.shape for m in self.masks}) == 1 else [
+                tuple(m.bool().nonzero(as_tuple=True)) for m in self.masks]
+        return self._index[i]
+
+    def logprob_entropy(self, head: torch.nn.Module, hidden: Tensor, i: int,
+                        **head_kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-prob/entropy of micro-batch ``i`` as ``[B, S]`` fp32 (zero outside the
+        mask) from packed ``hidden [T, 1, H]``; same values as the unpacked head."""
+        p = self.packs[i]
+        b, t = self.index(i)
+        pos = p.starts[b] + t  # packed position of each response token
+        logp, ent = response_logprob_entropy(
+            head, hidden, p.tokens, None, index=(torch.zeros_like(pos), pos), **head_kwargs)
+
+        def unpack(x: Tensor | None) -> Tensor | None:
+            if x is None:
+                return None
+            return x.new_zeros(p.shape).index_put((b, t), x[0, pos])
+
+        return unpack(logp), unpack(ent)
+
+
+def token_counts(micro_batches: Sequence[dict], packed: PackedMicroBatches | None,
+                 device: torch.device) -> Tensor:
+    """``[3]`` float64 on ``device``: (valid tokens, processed tokens, micro-batches) of this rank
+    (padded: every micro-batch runs ``B x S`` tokens). No host sync."""
+    n = float(len(micro_batches))
+    if packed is not None:
+        return torch.tensor([packed.used_tokens, packed.processed_tokens, n],
+                            dtype=torch.float64, device=device)
+    used = sum(row_lengths(mb["mask"].to(device)).sum() for mb in micro_batches)
+    processed = float(sum(mb["tokens"].numel() for mb in micro_batches))
+    out = torch.tensor([0.0, processed, n], dtype=torch.float64, device=device)
+    out[0] = used
+    return out
+
+
+def token_metrics(counts: Tensor) -> dict[str, float]:
+    """``actor/pad_fraction`` and ``actor/tokens_per_micro_batch`` (defined by
+    :func:`~megatron_rl.actor.micro_batches.padding_metrics`) from summed :func:`token_counts`
+    (one host sync)."""
+    return padding_metrics(*counts.tolist())
