@@ -115,6 +115,8 @@ def test_update_is_layout_invariant(reference, tp, pp, dp, fused):
     assert ref_h[0]["actor/skipped"] == 0.0
     assert _max_rel(got["state"], reference["state"]) < 1e-5
     for k, v in ref_h[0].items():
+        if k == "actor/tokens_per_micro_batch":  # the micro-batch shape is part of the layout
+            continue
         assert got_h[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
@@ -131,6 +133,8 @@ def test_new_loss_update_is_layout_invariant(loss):
     assert 0 < ref_h[0]["rollout_corr/masked_frac"] < 1  # and the correction's mask
     assert _max_rel(got["state"], ref["state"]) < 1e-5
     for k, v in ref_h[0].items():
+        if k == "actor/tokens_per_micro_batch":  # the micro-batch shape is part of the layout
+            continue
         assert got_h[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 

@@ -1,11 +1,14 @@
 """megatron-core imports without TorchInductor; its decorated functions still compile on use."""
 
+import os
 import subprocess
 import sys
 
 import torch
 
 from megatron_rl.util.lazy_compile import deferred, deferred_torch_compile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_megatron_core_imports_without_inductor_and_torch_compile_is_restored():
@@ -47,3 +50,17 @@ def test_deferred_torch_compile_restores_the_real_function():
     with deferred_torch_compile():
         assert torch.compile is not real
     assert torch.compile is real
+
+
+def test_loading_a_config_imports_no_megatron_core():
+    """The launcher loads and checks the config before it spawns the ranks: it must stay light
+    (and quiet: megatron-core warns on import without TE/apex, before any config error)."""
+    code = ("import sys\n"
+            "from megatron_rl.config.load import load_config\n"
+            "load_config('examples/tiny_dapo.yaml', ['output_dir=/tmp/unused'])\n"
+            "bad = [m for m in ('megatron.core', 'reasoning_gym', 'torch.distributed.checkpoint')"
+            " if m in sys.modules]\n"
+            "print('heavy:', bad)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert res.stdout.strip() == "heavy: []", res.stdout + res.stderr[-3000:]

@@ -3,7 +3,8 @@
 Fast tier: the pack layout (in-process); one spawn for SDPAttention on packed rows (per-sequence
 loop, document mask, SDPA kernel) vs each sequence alone, with a negative control, and a whole
 fp64 model packed vs padded (exact). Slow tier: one spawn per layout (TP1xPP1xDP1, TP2xPP2xDP1,
-TP1xPP1xDP2) running DAPO, GSPO and Clip-Cov packed and padded from identical weights and batch
+TP1xPP1xDP2) running DAPO, GSPO and Clip-Cov padded, packed, and packed in token-budget
+micro-batches from identical weights and batch
 (per-token log-probs/entropy, loss, metrics, gradients, updated weights; fp32, gloo) plus the
 refusal of megatron's own local attention; 3 steps of the main recipe packed vs padded. GPU tier:
 the varlen kernel and a bf16 update on CUDA."""
@@ -19,6 +20,8 @@ GLOBAL_SEQS, SEQ, VOCAB = 8, 24, 256
 # (prompt, response) per row: long-tailed, one row at the cap, one empty (an overlong-filtered
 # or filler row), so packing removes real padding
 SPANS = [(3, 12), (5, 3), (2, 22), (6, 4), (4, 0), (3, 7), (5, 2), (2, 9)]
+# (pack_sequences, max_tokens_per_micro_batch): the padded reference first
+VARIANTS = [(False, 0), (True, 0), (True, 32)]
 
 
 def make_global_batch(seed: int = 0) -> dict:
@@ -207,39 +210,43 @@ def _invariance_worker(tp: int, pp: int, dp: int) -> dict | None:
                  "metrics": 0.0, "pad": {}}
     for loss in LOSSES:
         actors, hist = {}, {}
-        for pack in (False, True):
+        # padded; packed; packed in token-budget micro-batches (the budget counts packed tokens)
+        for variant in VARIANTS:
+            pack, budget = variant
             batch = {k: v[rows].clone() for k, v in full.items()}
             noise = batch.pop("old_noise")
             actor = Actor(get_preset("tiny"), ActorConfig(
-                micro_batch_size=GLOBAL_SEQS // dp // 2, pack_sequences=pack),
+                micro_batch_size=GLOBAL_SEQS // dp // 2, pack_sequences=pack,
+                max_tokens_per_micro_batch=budget),
                 OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0), _loss_config(loss),
                 total_steps=1, seed=7)
             actor.add_old_logprobs(batch)
             if last:
                 batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
-            hist[pack] = (batch, actor.update(batch, 0))
-            actors[pack] = actor
-        (b0, h0), (b1, h1) = hist[False], hist[True]
-        if last:
-            res["logp"] = max(res["logp"], _rel(b1["old_logp"], b0["old_logp"]))
-            res["entropy"] = max(res["entropy"], _rel(b1["old_entropy"], b0["old_entropy"]))
-            for m0, m1 in zip(h0, h1):
-                res["loss"] = max(res["loss"], abs(m1["actor/loss"] - m0["actor/loss"])
-                                  / max(abs(m0["actor/loss"]), 1e-30))
-                for k, v in m0.items():
-                    if k.startswith("actor/") and k in ("actor/pad_fraction",
-                                                        "actor/tokens_per_micro_batch"):
-                        continue
-                    res["metrics"] = max(res["metrics"], abs(m1[k] - v) / max(abs(v), 1e-6))
-            res["pad"][loss] = (h0[0]["actor/pad_fraction"], h1[0]["actor/pad_fraction"],
-                                h0[0]["actor/tokens_per_micro_batch"],
-                                h1[0]["actor/tokens_per_micro_batch"])
-        p0 = dict(actors[False].model.named_parameters())
-        p1 = dict(actors[True].model.named_parameters())
-        res["grad_" + loss] = _l2_rel({k: p.main_grad for k, p in p1.items()},
-                                               {k: p.main_grad for k, p in p0.items()})
-        res["grad"] = max(res["grad"], res["grad_" + loss])
-        res["weight"] = max(res["weight"], _l2_rel(p1, p0))
+            hist[variant] = (batch, actor.update(batch, 0))
+            actors[variant] = actor
+        b0, h0 = hist[VARIANTS[0]]
+        p0 = dict(actors[VARIANTS[0]].model.named_parameters())
+        for variant in VARIANTS[1:]:
+            b1, h1 = hist[variant]
+            if last:
+                res["logp"] = max(res["logp"], _rel(b1["old_logp"], b0["old_logp"]))
+                res["entropy"] = max(res["entropy"], _rel(b1["old_entropy"], b0["old_entropy"]))
+                for m0, m1 in zip(h0, h1, strict=True):
+                    res["loss"] = max(res["loss"], abs(m1["actor/loss"] - m0["actor/loss"])
+                                      / max(abs(m0["actor/loss"]), 1e-30))
+                    for k, v in m0.items():
+                        if k in ("actor/pad_fraction", "actor/tokens_per_micro_batch"):
+                            continue
+                        res["metrics"] = max(res["metrics"], abs(m1[k] - v) / max(abs(v), 1e-6))
+                res["pad"][f"{loss}/{variant}"] = (
+                    h0[0]["actor/pad_fraction"], h1[0]["actor/pad_fraction"],
+                    h0[0]["actor/tokens_per_micro_batch"], h1[0]["actor/tokens_per_micro_batch"])
+            p1 = dict(actors[variant].model.named_parameters())
+            res[f"grad_{loss}/{variant}"] = _l2_rel({k: p.main_grad for k, p in p1.items()},
+                                                    {k: p.main_grad for k, p in p0.items()})
+            res["grad"] = max(res["grad"], res[f"grad_{loss}/{variant}"])
+            res["weight"] = max(res["weight"], _l2_rel(p1, p0))
     if tp == pp == dp == 1:  # megatron's own local attention cannot run packed rows: refused
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -109,7 +109,8 @@ class Actor:
         temp = self.cfg.temperature if temperature is None else temperature
         groups = None
         if self.cfg.max_tokens_per_micro_batch:
-            mbs, groups = budget_forward_batches(dict(batch), self.cfg.max_tokens_per_micro_batch)
+            mbs, groups = budget_forward_batches(dict(batch), self.cfg.max_tokens_per_micro_batch,
+                                                 packed=self.cfg.pack_sequences)
         else:
             mbs = self.micro_batches(batch)
         outs = forward_logprob_entropy(model or self.net, mbs,

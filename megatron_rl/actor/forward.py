@@ -8,7 +8,6 @@ from typing import Sequence
 
 import torch
 
-from megatron_rl.actor.packing import PackedMicroBatches
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
@@ -74,6 +73,8 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     packed = None
     if pack:
         common = ps.get_pipeline_model_parallel_world_size() > 1  # fixed P2P shapes
+        from megatron_rl.actor.packing import PackedMicroBatches  # imports megatron-core
+
         packed = PackedMicroBatches(micro_batches, common=common, device=device)
     # the response positions of every micro-batch: one host sync here, none per micro-batch
     index = response_indices([mb["mask"].to(device) for mb in micro_batches]) \

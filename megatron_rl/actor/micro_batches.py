@@ -167,28 +167,30 @@ def unsplit_rows(parts: Sequence[torch.Tensor], groups: Sequence[Sequence[int]],
 
 
 def budget_micro_batches(batch: dict, rows: slice, budget: int, seq_ids: torch.Tensor | None,
-                         group=None) -> list[dict]:
+                         group=None, packed: bool = False) -> list[dict]:
     """Token-budget micro-batches of ``batch``'s rows ``rows`` (one mini-batch of this rank),
     each cut to its longest row; ``seq_ids`` ``[rows]`` int64 (their global sequence indices,
     on the batch's device) travel as ``mb["seq_id"]``. With ``group`` (the DP group) every rank
-    ends with the same count: the maximum over ``group``, filled with :func:`empty_micro_batch`."""
+    ends with the same count: the maximum over ``group``, filled with :func:`empty_micro_batch`.
+    ``packed``: the budget counts summed lengths (each micro-batch runs as one packed row)."""
     sub = {k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in batch.items()}
     if seq_ids is not None:
         sub["seq_id"] = seq_ids
     seq = sub["tokens"].shape[1]
     lengths = row_lengths(sub["mask"])
-    groups = token_budget_groups(lengths, budget)
+    groups = token_budget_groups(lengths, budget, packed)
     mbs = [take_rows(sub, g, max(lengths[i] for i in g), seq) for g in groups]
     n = agree_count(len(mbs), group, sub["mask"].device)
     return mbs + [empty_micro_batch(sub, seq) for _ in range(n - len(mbs))]
 
 
-def budget_forward_batches(batch: dict, budget: int) -> tuple[list[dict], list[list[int]]]:
+def budget_forward_batches(batch: dict, budget: int, packed: bool = False
+                           ) -> tuple[list[dict], list[list[int]]]:
     """Forward-only passes: all of this rank's rows in token-budget micro-batches (no DP
     agreement needed); returns the micro-batches and their row groups (for :func:`unsplit_rows`)."""
     seq = batch["tokens"].shape[1]
     lengths = row_lengths(batch["mask"])
-    groups = token_budget_groups(lengths, budget)
+    groups = token_budget_groups(lengths, budget, packed)
     return [take_rows(batch, g, max(lengths[i] for i in g), seq) for g in groups], groups
 
 

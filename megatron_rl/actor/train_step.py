@@ -33,7 +33,6 @@ from megatron_rl.actor.micro_batches import (
     budget_micro_batches,
     global_seq_ids,
 )
-from megatron_rl.actor.packing import PackedMicroBatches, token_counts, token_metrics
 from megatron_rl.actor.precision import bare_model, model_call_kwargs
 from megatron_rl.loss import (
     LossConfig,
@@ -258,6 +257,9 @@ class PolicyUpdater:
         compute_ent, ent_grad = needs_entropy(cfg, self.entropy_controller is not None)
         module = bare_model(self.model)  # the GPTModel under DDP / Float16Module (the head)
         half_kwargs = model_call_kwargs(self.model)
+        # megatron-core's PackedSeqParams: imported here, config loading must not need megatron
+        from megatron_rl.actor.packing import PackedMicroBatches, token_counts, token_metrics
+
         packed = PackedMicroBatches(mbs, common=_pipeline_size() > 1) \
             if self.cfg.pack_sequences else None
         # response positions of every micro-batch: one host sync per mini-batch, not per micro
@@ -369,7 +371,7 @@ class PolicyUpdater:
                     rows = slice(slices[0].start, slices[-1].stop)
                     mbs = budget_micro_batches(batch, rows, budget, global_seq_ids(
                         batch, rows, dp, ps.get_data_parallel_rank()),
-                        ps.get_data_parallel_group())
+                        ps.get_data_parallel_group(), packed=self.cfg.pack_sequences)
                 else:
                     mbs = self._micro_batches(batch, slices)
                 history.append(self.train_minibatch(
