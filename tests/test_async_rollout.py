@@ -16,7 +16,7 @@ from megatron_rl.rollout.async_rollout import AsyncProducer, filter_stale, sampl
 from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.fleet import Fleet, http_json
-from megatron_rl.rollout.serve import ServeState, make_server, version_spans
+from megatron_rl.rollout.serve import version_spans
 from megatron_rl.rollout.sglang_client import (
     SGLangEngine,
     completion_from_response,
@@ -24,7 +24,7 @@ from megatron_rl.rollout.sglang_client import (
 )
 from megatron_rl.rollout.weight_sync import make_strategy, push_single_process
 
-EOS = 1
+EOS = 1  # the `server` fixture's end-of-sequence id (conftest.py)
 
 
 def _rec(uid, version, tv=None):
@@ -126,16 +126,6 @@ def test_producer_error_reaches_the_trainer():
         p.take(0)
 
 
-@pytest.fixture(scope="module")
-def server():
-    torch.manual_seed(0)
-    model = build_hf_model(get_preset("tiny"))
-    state = ServeState(model, "preset:tiny", EOS, 0)
-    srv = make_server(state, "127.0.0.1", 0)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield f"http://127.0.0.1:{state.port}", state
-    srv.shutdown()
 
 
 def _engine(url, tmp_path) -> SGLangEngine:

@@ -24,16 +24,6 @@ from megatron_rl.rollout.weight_sync.common import probe_check, probe_tokens
 EOS = 1
 
 
-@pytest.fixture(scope="module")
-def server():
-    torch.manual_seed(0)
-    model = build_hf_model(get_preset("tiny"))
-    state = ServeState(model, "preset:tiny", EOS, 0)
-    srv = make_server(state, "127.0.0.1", 0)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield f"http://127.0.0.1:{state.port}", state
-    srv.shutdown()
 
 
 def _engine(url, tmp_path, strategy="from_disk") -> SGLangEngine:
