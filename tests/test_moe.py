@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from test_actor_layout import _max_rel  # relative L2 of two state dicts
 
 from megatron_rl.models.config import ModelConfig, ModelConfigError, get_preset, validate_for_layout
 
@@ -268,12 +269,6 @@ def _layout_worker() -> list[dict]:
         del actor
     runtime.shutdown()
     return results
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a) ** 0.5
-    return diff / sum(float(b[k].double().pow(2).sum()) for k in b) ** 0.5
 
 
 @pytest.mark.slow
