@@ -83,6 +83,11 @@ def _ckpt_worker(tp: int, pp: int, dp: int, root: str, steps: int, resume: bool,
         start = info["trainer"]["data_position"]
     history = _train(actor, dp, start, steps, root, kill_after, inf_steps)
     out = _report(actor, history)
+    if out is not None and torch.distributed.get_rank() == 0:
+        import multiprocessing
+
+        # a synchronous save leaves no helper process behind (megatron's Manager queue)
+        out["children"] = [p.name for p in multiprocessing.active_children()]
     runtime.shutdown()
     return out
 
@@ -101,6 +106,7 @@ def run(tp, pp, dp, root, steps, resume=False, kill_after=None, inf_steps=()) ->
 def test_save_tp2pp2_load_other_layouts(tmp_path):
     saved = run(2, 2, 1, tmp_path, steps=1)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_0000000"]
+    assert saved["children"] == []
     for tp, pp in [(1, 1), (1, 2)]:
         loaded = run(tp, pp, 1, tmp_path, steps=1, resume=True)  # loads, trains 0 more steps
         m = make_global_batch(seed=999)["mask"]

@@ -238,6 +238,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
     from megatron.core import dist_checkpointing
 
     from megatron_rl.actor.precision import precision_of
+    from megatron_rl.util.sync_save import use_in_process_results_queue
 
     rank = dist.get_rank()
     final = os.path.join(root, step_dir_name(step))
@@ -257,6 +258,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
     # The model part holds the fp32 main weights whatever the precision.
     sharded, _ = _sharded_state(model, optimizer, is_loading=False, main_from=optimizer)
     err = None
+    use_in_process_results_queue()
     try:
         dist_checkpointing.save(sharded, tmp)
     except Exception as exc:  # noqa: BLE001 - a write error on any rank (DCP re-raises it)

@@ -129,9 +129,12 @@ def save_megatron_checkpoint(model: torch.nn.Module, out_dir: str) -> None:
     """``dist_checkpointing.save`` of the model's sharded state dict. Collective over all ranks."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.util.sync_save import use_in_process_results_queue
+
     os.makedirs(out_dir, exist_ok=True)
     # On CPU, megatron_rl.parallel.cpu_compat (enabled by init_parallel) covers the
     # torch.cuda.synchronize() that dist_checkpointing's save calls.
+    use_in_process_results_queue()
     dist_checkpointing.save(model.sharded_state_dict(), out_dir)
 
 
