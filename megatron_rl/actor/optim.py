@@ -9,8 +9,10 @@ Transformer Engine it runs on torch's Adam, whose checkpoint path megatron-core 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the config part is imported by config loading, which stays torch-free
+    import torch
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -74,6 +76,7 @@ def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
 
 def build_optimizer(ddp_model, cfg: OptimConfig, total_steps: int):
     """megatron optimizer (AdamW) and ``OptimizerParamScheduler`` for ``ddp_model``."""
+    import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

@@ -20,21 +20,13 @@ from typing import Any, Mapping
 
 import torch
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-RECOMPUTE = ("none", "selective", "full")
+from megatron_rl.actor.actor_config import (  # noqa: F401 - re-export
+    PRECISIONS,
+    RECOMPUTE,
+    validate_memory_fields,
+)
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def validate_memory_fields(precision: str | None, recompute: str, offload_ref: bool | None,
-                           error: type[Exception] = ValueError) -> None:
-    """Raise ``error`` naming the field and its allowed values for a bad value."""
-    if precision is not None and precision not in PRECISIONS:
-        raise error(f"actor.precision={precision!r} is not one of {PRECISIONS} (or null for "
-                    "bf16 with CUDA, fp32 on CPU)")
-    if recompute not in RECOMPUTE:
-        raise error(f"actor.recompute={recompute!r} is not one of {RECOMPUTE}")
-    if offload_ref is not None and not isinstance(offload_ref, bool):
-        raise error(f"actor.offload_ref={offload_ref!r} must be true, false or null")
 
 
 def resolve_precision(precision: str | None) -> str:

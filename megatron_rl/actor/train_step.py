@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.actor_config import ActorConfig, ActorConfigError  # noqa: F401 - re-export
 from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.micro_batches import (
     budget_micro_batches,
@@ -52,51 +53,6 @@ COV_LOSSES = ("clip_cov", "kl_cov")
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps had a non-finite loss or gradient."""
-
-
-class ActorConfigError(ValueError):
-    """An actor config field has an invalid value."""
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    """Batching of the update and the numerical guard."""
-
-    micro_batch_size: int = 2  # sequences per micro-batch on one DP rank
-    mini_batch_size: int = 0  # sequences per optimizer step, all DP ranks; 0 = the whole batch
-    ppo_epochs: int = 1
-    temperature: float = 1.0
-    logprob_chunk_size: int | None = None
-    max_consecutive_skips: int = 3
-    fused_logprob_entropy: bool | None = None  # None: on when CUDA is available
-    precision: str | None = None  # bf16 | fp16 | fp32; None: bf16 with CUDA, fp32 on CPU
-    recompute: str = "none"  # none | selective | full (megatron activation recomputation)
-    offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
-    max_tokens_per_micro_batch: int = 0
-    pack_sequences: bool = False  # one packed (THD) row per micro-batch (docs/packing.md)
-
-    @property
-    def use_fused_head(self) -> bool:
-        """Whether the fused linear + log-prob + entropy head is used."""
-        if self.fused_logprob_entropy is None:
-            return torch.cuda.is_available()
-        return self.fused_logprob_entropy
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "ppo_epochs", "max_consecutive_skips"):
-            if getattr(self, name) < 1:
-                raise ActorConfigError(f"actor.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens_per_micro_batch < 0:
-            raise ActorConfigError(f"actor.max_tokens_per_micro_batch must be >= 0 (0 = row-count "
-                                   f"micro-batches), got {self.max_tokens_per_micro_batch}")
-        if self.mini_batch_size < 0:
-            raise ActorConfigError(f"actor.mini_batch_size must be >= 0 (0 = whole batch), got "
-                                   f"{self.mini_batch_size}")
-        if not self.temperature > 0:
-            raise ActorConfigError(f"actor.temperature must be > 0, got {self.temperature}")
-        from megatron_rl.actor.precision import validate_memory_fields
-
-        validate_memory_fields(self.precision, self.recompute, self.offload_ref, ActorConfigError)
 
 
 @dataclass

@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_subcommand(sub)
 
-    from megatron_rl.rollout.serve import add_serve_subcommand
+    from megatron_rl.rollout.serve_cli import add_serve_subcommand
 
     add_serve_subcommand(sub)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_rl.actor.actor_config import ActorConfig
 from megatron_rl.actor.optim import OptimConfig
-from megatron_rl.actor.train_step import ActorConfig
 
 
 @dataclass

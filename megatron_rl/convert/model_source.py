@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.models.config import ModelConfig
+
+if TYPE_CHECKING:  # config loading imports this module and stays torch-free
+    import torch
 
 DEFAULT_PRESET = "tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -211,6 +212,8 @@ def shard_reads(tmap, cfg: ModelConfig, partitioned: bool, dim: int, tp: int,
 def assemble_shard(tmap, pieces: list[torch.Tensor], cfg: ModelConfig, tp: int) -> torch.Tensor:
     """This rank's local parameter from its HF slices (QKV interleave over its own groups;
     fc1 ``[gate_r; up_r]``)."""
+    import torch
+
     from megatron_rl.convert.common import FC1, QKV
 
     if tmap.kind == QKV:
@@ -266,6 +269,7 @@ class HFShardSource:
 
     def load_into(self, model: torch.nn.Module) -> None:
         """Fill ``model`` (this rank's stage) from the HF files; no collective."""
+        import torch
         from megatron.core import parallel_state as ps
 
         from megatron_rl.convert.registry import mapping_for
@@ -330,9 +334,13 @@ def source_from_description(desc: dict) -> Any:
     raise ModelSourceError(f"unknown weight source {desc!r}")
 
 
-def build_model_from_source(cfg: ModelConfig, source, params_dtype: torch.dtype = torch.float32
+def build_model_from_source(cfg: ModelConfig, source, params_dtype: torch.dtype | None = None
                             ) -> torch.nn.Module:
-    """This rank's stage, built without random init and filled from ``source``."""
+    """This rank's stage, built without random init and filled from ``source`` (``params_dtype``
+    None: fp32)."""
+    import torch
+
+    params_dtype = torch.float32 if params_dtype is None else params_dtype
     from megatron_rl.convert.hf_to_megatron import build_uninitialized_model
 
     model = build_uninitialized_model(cfg, params_dtype)

@@ -4,7 +4,8 @@ Used by the ``check`` command, the tests and the benchmarks. Every worker gets t
 environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
 so the code it runs is the same code that runs under ``torchrun`` or SLURM.
 
-Results travel back as ``torch.save`` bytes; a failure on any rank is re-raised in the parent with
+Results travel back as pickled bytes (the launcher itself never imports torch unless a result
+holds tensors); a failure on any rank is re-raised in the parent with
 that rank's traceback, a rank that dies without a report (killed, crashed) stops the group within
 about two seconds with the rank, its pid and its exit code or signal named, and a group that does
 not finish within ``timeout_s`` is killed. However the group ends, every rank and every process
@@ -16,8 +17,9 @@ SIGKILLed: :func:`~megatron_rl.parallel.lifecycle.watch_parent`).
 
 from __future__ import annotations
 
-import io
+import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import socket
@@ -27,14 +29,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
-import torch.multiprocessing as mp
-
 from megatron_rl.parallel.hostlist import expand_hostlist, tasks_per_node
 
 
 class WorkerError(RuntimeError):
     """A worker process raised; the message holds its rank and traceback."""
+
+
+BACKENDS = ("auto", "nccl", "gloo")  # parallel.backend (torch.distributed); launch imports no torch
 
 
 def free_port() -> int:
@@ -49,6 +51,8 @@ def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args
     # Own process group, so the parent can kill anything this rank starts (e.g. the
     # multiprocessing manager of dist_checkpointing) when the group fails or hangs; and the
     # group dies with the launcher, however the launcher ends.
+    import torch
+
     os.setpgid(0, 0)
     if launcher is not None:
         from megatron_rl.parallel.lifecycle import watch_parent
@@ -64,9 +68,7 @@ def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     try:
         result = fn(*args)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        out.put((rank, "ok", buf.getvalue()))
+        out.put((rank, "ok", pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -130,7 +132,7 @@ def _spawn(fn: Callable, world_size: int, args: Sequence, timeout_s: float,
                         raise WorkerError(_dead_ranks_message(procs, dead)) from None
                 continue
             if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                results[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
                 # One failed rank usually leaves its peers blocked in a collective: give them

@@ -94,7 +94,8 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                    master_port=int(env.get("MASTER_PORT", "29500")), source="single")
 
 
-BACKENDS = ("auto", "nccl", "gloo")
+from megatron_rl.parallel.launch import BACKENDS  # noqa: E402 - defined torch-free there
+
 BACKEND_ENV = "MRL_PARALLEL_BACKEND"  # used when the caller passes None or "auto"
 
 

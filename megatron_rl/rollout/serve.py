@@ -42,9 +42,8 @@ import torch
 
 from megatron_rl.rollout.memory_occupation import MemoryOccupation, tensor_bytes
 from megatron_rl.rollout.sampling import SampleResult, sample_completion, teacher_forced_logprobs
+from megatron_rl.rollout.serve_rules import NEW_RULES, OLD_RULES, RULES  # noqa: F401 - re-export
 
-NEW_RULES, OLD_RULES = "0.5.21", "0.5.20"
-RULES = (NEW_RULES, OLD_RULES)  # SGLang >= 0.5.21 (weight-update sessions) | <= 0.5.20
 NO_WEIGHTS_BY_NAME = ("qwen2", "qwen3")  # SGLang's models without get_weights_by_name
 _SESSION_ERR = "{} must run between begin_weight_update() and end_weight_update()"
 
@@ -630,23 +629,8 @@ def make_server(state: ServeState, host: str, port: int) -> ThreadingHTTPServer:
     return srv
 
 
-def add_serve_subcommand(sub) -> None:
-    """``serve`` on the CLI's subparsers."""
-    p = sub.add_parser("serve", help="OUR rollout server with SGLang's HTTP API subset "
-                       "(CPU/tests; not SGLang)")
-    p.add_argument("--preset", default=None, help="model preset (random weights; default tiny)")
-    p.add_argument("--model-path", default=None, help="HF dir (config.json [+ safetensors])")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=30000, help="port to listen on")
-    p.add_argument("--eos-id", type=int, default=None, help="stop token added to every request")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--sglang-rules", default=NEW_RULES, choices=RULES,
-                   help="imitate SGLang >= 0.5.21 (weight-update sessions, /weights_checker, "
-                   "/flush_cache?timeout) or <= 0.5.20")
-    p.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run ``serve`` until interrupted (the CLI subcommand)."""
     torch.set_num_threads(args.threads)
     model, path = build_model(args.preset, args.model_path)
     state = ServeState(model, path, args.eos_id, args.port, args.sglang_rules)
