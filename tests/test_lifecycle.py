@@ -166,9 +166,10 @@ def test_sigterm_mid_checkpoint_stops_all_processes_then_resume_finishes(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_chaos_quick_subset_survives(tmp_path):
-    """``tools/chaos.py --quick``: kill -9 of one rank mid-update (the launcher names it) and of
-    the launcher mid-weight-sync; each run resumes to the uninterrupted run's metrics and
-    bit-identical final checkpoint."""
+    """``tools/chaos.py --quick``: kill -9 of one rank mid-update (the launcher names it), then of
+    the launcher mid-weight-sync in the resumed run; each stop is checked on its own, and the run
+    resumed once more ends with the uninterrupted run's metrics and bit-identical final
+    checkpoint."""
     res = subprocess.run([sys.executable, "tools/chaos.py", "--quick", "--work",
                           str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True,
                          timeout=1700)

@@ -2,7 +2,7 @@
 step, resume, and check that the run ends exactly as an uninterrupted one.
 
     python tools/chaos.py                       # the full campaign (embedded engine and fleet)
-    python tools/chaos.py --quick               # 2 faults (the CI subset)
+    python tools/chaos.py --quick               # 2 faults chained into one run (the CI subset)
     python tools/chaos.py --engines embedded --targets rank --signals KILL --phases update
 
 Each fault: a fresh run of the tiny job (``examples/tiny_dapo.yaml`` at TP1 x PP2, 3 RL steps,
@@ -409,14 +409,18 @@ def load_results(path: str) -> list[Outcome]:
     return list(by_key.values())
 
 
-def groups(faults: list[Outcome], n: int) -> list[list[Outcome]]:
-    """Chains of up to ``n`` faults of one engine, target and signal, in plan order; server faults
-    (the run goes on to its end) always run on their own."""
+def groups(faults: list[Outcome], n: int, mixed: bool = False) -> list[list[Outcome]]:
+    """Chains of up to ``n`` faults of one engine, target and signal (``mixed``: of one engine), in
+    plan order; server faults (the run goes on to its end) always run on their own."""
     out: list[list[Outcome]] = []
+
+    def kind(o: Outcome) -> tuple:
+        return (o.engine,) if mixed else (o.engine, o.target, o.sig)
+
     for o in faults:
         last = out[-1] if out else None
-        if (last and o.target != "server" and len(last) < n and
-                (last[0].engine, last[0].target, last[0].sig) == (o.engine, o.target, o.sig)):
+        if (last and o.target != "server" and last[0].target != "server" and len(last) < n
+                and kind(last[0]) == kind(o)):
             last.append(o)
         else:
             out.append([o])
@@ -459,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                          "into one run, each into the resumed run of the one before, and compare "
                          "once at the end (a chain that does not end as the reference is redone "
                          "fault by fault); 1 = every "
-                         "fault in a run of its own (default: %(default)s; --quick: 1)")
+                         "fault in a run of its own (default: %(default)s; --quick: its "
+                         f"{len(QUICK)} faults in one chain)")
     ap.add_argument("--results", default=None, metavar="FILE",
                     help="append one JSON line per finished fault to FILE; the table and the "
                          "last line then cover every fault in FILE")
@@ -474,14 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_done:
         seen = {o.key for o in earlier}
         faults = [o for o in faults if o.key not in seen]
-    chain_len = 1 if args.quick else max(1, args.chain)
+    chain_len = len(QUICK) if args.quick else max(1, args.chain)
     work = args.work or tempfile.mkdtemp(prefix="mrl-chaos-")
     os.makedirs(work, exist_ok=True)
     print(f"chaos: {len(faults)} fault(s), work directory {work}", flush=True)
     t_start = time.monotonic()
     refs: dict[str, tuple[dict, list[str]]] = {}
     done: list[Outcome] = []
-    for group in groups(faults, chain_len):
+    for group in groups(faults, chain_len, mixed=args.quick):
         engine = group[0].engine
         if engine not in refs:
             ov = engine_overrides(engine)
