@@ -74,11 +74,23 @@ def test_local_spawn_refuses_before_starting_ranks(monkeypatch):
 
     monkeypatch.delenv("MRL_PARALLEL_BACKEND", raising=False)
     assert cli.local_spawn_env("gloo", 4) == {"CUDA_VISIBLE_DEVICES": ""}
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a 1-GPU machine's answer
+    from megatron_rl.parallel import backend
+
+    monkeypatch.setattr(backend, "visible_gpu_count", lambda: 1)  # a 1-GPU machine's answer
     with pytest.raises(ParallelConfigError, match="4 ranks on this node but only 1"):
         cli.local_spawn_env("auto", 4)
     assert cli.local_spawn_env("auto", 1) == {}
     assert cli.local_spawn_env("gloo", 4) == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_visible_gpu_count_is_torchs_count(monkeypatch):
+    """The launcher counts GPUs without importing torch where no GPU driver exists; the answer
+    is torch's wherever it runs (0 with CUDA_VISIBLE_DEVICES empty)."""
+    from megatron_rl.parallel.backend import visible_gpu_count
+
+    assert visible_gpu_count() == torch.cuda.device_count()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpu_count() == 0
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -52,14 +52,21 @@ def test_deferred_torch_compile_restores_the_real_function():
     assert torch.compile is real
 
 
-def test_loading_a_config_imports_no_megatron_core():
+def test_loading_a_config_imports_no_megatron_core(tmp_path):
     """The launcher loads and checks the config before it spawns the ranks: it must stay light
-    (and quiet: megatron-core warns on import without TE/apex, before any config error)."""
+    (and quiet: megatron-core warns on import without TE/apex, before any config error). Up to
+    the spawn (input checks, resume preflight, rank environment) it imports no torch at all: each
+    rank imports its own."""
     code = ("import sys\n"
             "from megatron_rl.config.load import load_config\n"
-            "load_config('examples/tiny_dapo.yaml', ['output_dir=/tmp/unused'])\n"
+            f"cfg = load_config('examples/tiny_dapo.yaml', ['output_dir={tmp_path}'])\n"
             "bad = [m for m in ('megatron.core', 'reasoning_gym', 'torch.distributed.checkpoint')"
             " if m in sys.modules]\n"
+            "from megatron_rl.cli.app import build_parser, local_spawn_env\n"
+            "from megatron_rl.run.guard import preflight\n"
+            "from megatron_rl.run.input_checks import check_inputs\n"
+            "build_parser(); check_inputs(cfg); preflight(cfg); local_spawn_env('auto', 1)\n"
+            "bad += [m for m in ('torch', 'megatron.core') if m in sys.modules]\n"
             "print('heavy:', bad)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)

@@ -34,14 +34,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.actor.ckpt_index import (  # noqa: F401 - re-export
+    LATEST,
+    CheckpointError,
+    latest_checkpoint,
+    step_dir_name,
+)
 from megatron_rl.actor.distopt_compat import SHARDING_TYPE
 from megatron_rl.testing.chaos_hook import phase_begins
-
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read or does not fit this run."""
 
 
 class CheckpointWriteError(CheckpointError):
@@ -125,23 +125,6 @@ def read_meta(path: str) -> dict[str, Any]:
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{path} is not a megatron_rl checkpoint (no trainer.pt)")
     return safe_torch_load(meta_path)
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """Path of the newest complete checkpoint under ``root``, or None."""
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    full = os.path.join(root, name)
-    if not os.path.isdir(full):
-        raise CheckpointError(f"{path} names {name!r} but {full} does not exist")
-    return full
 
 
 def _rng_device() -> str:

@@ -138,12 +138,10 @@ def local_spawn_env(backend: str, world: int) -> dict[str, str]:
     visible GPUs for NCCL before any process starts. gloo ranks get ``CUDA_VISIBLE_DEVICES=""``."""
     import os
 
-    import torch
-
-    from megatron_rl.parallel.runtime import BACKEND_ENV, resolve_backend
+    from megatron_rl.parallel.backend import BACKEND_ENV, resolve_backend, visible_gpu_count
 
     req = backend if backend != "auto" else os.environ.get(BACKEND_ENV) or "auto"
-    cuda = 0 if req == "gloo" else torch.cuda.device_count()
+    cuda = 0 if req == "gloo" else visible_gpu_count()
     return {"CUDA_VISIBLE_DEVICES": ""} if resolve_backend(req, world, cuda) == "gloo" else {}
 
 

@@ -156,13 +156,13 @@ ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "actor.recompute": ("megatron_rl.actor.precision", "RECOMPUTE"),
     "optim.lr_decay_style": ("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": ("megatron_rl.loss.config", "PRESETS"),
-    "loss.rollout_correction": ("megatron_rl.loss.rollout_correction", "ROLLOUT_CORRECTIONS"),
+    "loss.rollout_correction": ("megatron_rl.loss.params", "ROLLOUT_CORRECTIONS"),
     "env.name": ("megatron_rl.envs", "ENVS"),
     "loss.overrides.policy_loss": ("megatron_rl.loss.registry", "_REGISTRY"),
     "loss.overrides.loss_agg_mode": ("megatron_rl.loss.config", "AGG_MODES"),
     "loss.overrides.kl_loss_type": ("megatron_rl.loss.config", "KL_TYPES"),
     "loss.overrides.cov_stat_source": ("megatron_rl.loss.config", "COV_STAT_SOURCES"),
-    "loss.overrides.rollout_correction": ("megatron_rl.loss.rollout_correction",
+    "loss.overrides.rollout_correction": ("megatron_rl.loss.params",
                                           "ROLLOUT_CORRECTIONS"),
 }
 _SPLIT_BY = ("prompt", "row")  # validate_run_config's data.split_by values

@@ -124,7 +124,7 @@ def _choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:
 # closest known name, by megatron_rl.config.checks: model.preset, data.task, loss.algorithm).
 CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "model.preset": lambda: tuple(sorted(_choices("megatron_rl.models.config", "PRESETS")())),
-    "parallel.backend": _choices("megatron_rl.parallel.launch", "BACKENDS"),
+    "parallel.backend": _choices("megatron_rl.parallel.backend", "BACKENDS"),
     "data.split_by": lambda: ("prompt", "row"),
     "rollout.sglang.serve_rules": _choices("megatron_rl.rollout.serve_rules", "RULES"),
     "rollout.engine": lambda: ("embedded", "sglang"),
@@ -135,7 +135,7 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "actor.recompute": _choices("megatron_rl.actor.actor_config", "RECOMPUTE"),
     "optim.lr_decay_style": _choices("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
-    "loss.rollout_correction": _choices("megatron_rl.loss.rollout_correction",
+    "loss.rollout_correction": _choices("megatron_rl.loss.params",
                                         "ROLLOUT_CORRECTIONS"),
     "trainer.advantage": lambda: ADVANTAGES,
     "env.name": _choices("megatron_rl.envs", "ENVS"),

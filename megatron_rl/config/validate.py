@@ -11,7 +11,7 @@ from megatron_rl.config.sections import ParallelSection, RunConfig, SGLangSectio
 from megatron_rl.convert.model_source import ModelSourceError, validate_model_section
 from megatron_rl.envs import ENVS
 from megatron_rl.models.config import ModelConfigError
-from megatron_rl.parallel.launch import BACKENDS
+from megatron_rl.parallel.backend import BACKENDS
 from megatron_rl.rollout.fleet import LAUNCHERS, WEIGHT_SYNCS
 
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from megatron_rl.models.config import ModelConfig
+
+if TYPE_CHECKING:  # config validation reads the mappings here and stays torch-free
+    import torch
 
 COPY, QKV, FC1 = "copy", "qkv", "fc1"
 
@@ -52,6 +53,8 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Works for weights (``* = H``) and biases (no trailing dim).
     """
+    import torch
+
     ng, hpg, d = _qkv_dims(cfg)
     rest = tuple(q.shape[1:])
     parts = (q.reshape(ng, hpg * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest))
@@ -61,6 +64,8 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor,
                                                               torch.Tensor]:
     """Inverse of :func:`merge_qkv`: interleaved ``[(nh+2ng)*d, *]`` -> contiguous q, k, v."""
+    import torch
+
     ng, hpg, d = _qkv_dims(cfg)
     rest = tuple(qkv.shape[1:])
     grouped = qkv.reshape(ng, (hpg + 2) * d, *rest)
@@ -71,6 +76,8 @@ def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.
 
 def merge_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """HF ``gate_proj, up_proj [ffn, H]`` -> megatron ``linear_fc1 [2*ffn, H]`` (``[gate; up]``)."""
+    import torch
+
     return torch.cat([gate, up], dim=0)
 
 

@@ -12,34 +12,36 @@ Typical use, once per mini-batch::
     metrics = {**acc.reduce(ctx), **sel.stats}     # 2 collectives
 """
 
-from megatron_rl.loss.aggregation import aggregate
-from megatron_rl.loss.aspo import aspo_per_token, entropy_quantile_clip_width
-from megatron_rl.loss.compute import compute_loss
-from megatron_rl.loss.config import AGG_MODES, KL_TYPES, PRESETS, LossConfig, LossConfigError
-from megatron_rl.loss.context import ReductionContext, default_dp_group
-from megatron_rl.loss.cov import (
-    CovSelection,
-    cov_stat_logp,
-    entropy_dynamics_diagnostic,
-    select_cov_tokens,
-    token_covariance,
-)
-from megatron_rl.loss.entropy import AdaptiveEntropyController, measured_entropy
-from megatron_rl.loss.erc import entropy_ratio, erc_gate, erc_keep_mask
-from megatron_rl.loss.gppo import gradient_preserving_clip, positive_token_mask
-from megatron_rl.loss.kl import kl_penalty, kl_reward
-from megatron_rl.loss.metrics import MetricAccumulator, TokenStat
-from megatron_rl.loss.ppo import dcpo_bounds
-from megatron_rl.loss.registry import (
-    PolicyLossSpec,
-    UnknownLossError,
-    get_policy_loss,
-    policy_loss_names,
-    register_policy_loss,
-)
-from megatron_rl.loss.select import global_topk_mask, token_hash32
-from megatron_rl.loss.types import LossInputs, LossOutput, TokenLoss
-from megatron_rl.loss.validation import assert_finite, check_shapes, nonfinite_fields
+_WHERE = {  # public name -> its module in this package (imported on first use)
+    "AGG_MODES": "config", "AdaptiveEntropyController": "entropy", "CovSelection": "cov",
+    "KL_TYPES": "config", "LossConfig": "config", "LossConfigError": "config",
+    "LossInputs": "types", "LossOutput": "types", "MetricAccumulator": "metrics",
+    "PRESETS": "config", "PolicyLossSpec": "registry", "ReductionContext": "context",
+    "TokenLoss": "types", "TokenStat": "metrics", "UnknownLossError": "registry",
+    "aggregate": "aggregation", "aspo_per_token": "aspo", "assert_finite": "validation",
+    "check_shapes": "validation", "compute_loss": "compute", "cov_stat_logp": "cov",
+    "dcpo_bounds": "ppo", "default_dp_group": "context", "entropy_dynamics_diagnostic": "cov",
+    "entropy_quantile_clip_width": "aspo", "entropy_ratio": "erc", "erc_gate": "erc",
+    "erc_keep_mask": "erc", "get_policy_loss": "registry", "global_topk_mask": "select",
+    "gradient_preserving_clip": "gppo", "kl_penalty": "kl", "kl_reward": "kl",
+    "measured_entropy": "entropy", "nonfinite_fields": "validation",
+    "policy_loss_names": "registry", "positive_token_mask": "gppo",
+    "register_policy_loss": "registry", "select_cov_tokens": "cov", "token_covariance": "cov",
+    "token_hash32": "select",
+}
+
+
+def __getattr__(name: str):
+    """Import the module that defines ``name`` on first access: importing the package (as config
+    loading does, for :class:`LossConfig`) costs no torch import."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AGG_MODES", "KL_TYPES", "PRESETS", "AdaptiveEntropyController", "CovSelection", "LossConfig",

@@ -11,11 +11,11 @@ from megatron_rl.loss.params import (
     AGG_MODES,
     COV_STAT_SOURCES,
     KL_TYPES,
+    ROLLOUT_CORRECTIONS,
     LossConfigError,
     LossParams,
 )
 from megatron_rl.loss.registry import get_policy_loss
-from megatron_rl.loss.rollout_correction import ROLLOUT_CORRECTIONS
 
 
 @dataclass(frozen=True)

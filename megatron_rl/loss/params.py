@@ -19,6 +19,7 @@ AGG_MODES = (
 KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
             "k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+")
 COV_STAT_SOURCES = ("prepass", "old_logp")
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_mask_tis")  # loss/rollout_correction.py
 
 
 class LossConfigError(ValueError):

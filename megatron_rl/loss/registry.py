@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
-
-from megatron_rl.loss.aspo import aspo_token_loss
-from megatron_rl.loss.cispo import cispo_token_loss
-from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
-from megatron_rl.loss.dppo import dppo_kl_token_loss, dppo_tv_token_loss
-from megatron_rl.loss.gmpo import gmpo_token_loss
-from megatron_rl.loss.gppo import gppo_token_loss
-from megatron_rl.loss.gspo import gspo_token_level_loss, gspo_token_loss
-from megatron_rl.loss.nll import nll_token_loss
-from megatron_rl.loss.ppo import dcpo_token_loss, ppo_token_loss
-from megatron_rl.loss.sapo import sapo_token_loss
 
 
 class UnknownLossError(KeyError, ValueError):
@@ -30,11 +20,20 @@ class PolicyLossSpec:
     aggregation the algorithm defines (overrides ``loss_agg_mode``). ``needs``: extra inputs."""
 
     name: str
-    fn: Callable
+    impl: Callable | str  # the function, or "module:function" (in megatron_rl.loss) imported on use
     section: str
     token_level: bool = True
     forced_agg: str | None = None
     needs: tuple[str, ...] = ()
+
+    @property
+    def fn(self) -> Callable:
+        """The loss function (imported on first use: reading the registry, as config validation
+        does, imports no torch)."""
+        if callable(self.impl):
+            return self.impl
+        module, attr = self.impl.split(":")
+        return getattr(importlib.import_module(f"megatron_rl.loss.{module}"), attr)
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
@@ -62,21 +61,23 @@ def get_policy_loss(name: str) -> PolicyLossSpec:
 
 
 for _spec in (
-    PolicyLossSpec("ppo", ppo_token_loss, "§1"),
-    PolicyLossSpec("dapo", ppo_token_loss, "§2.1 (= ppo; set clip_ratio_high=0.28)"),
-    PolicyLossSpec("gspo", gspo_token_loss, "§5", token_level=False,
+    PolicyLossSpec("ppo", "ppo:ppo_token_loss", "§1"),
+    PolicyLossSpec("dapo", "ppo:ppo_token_loss", "§2.1 (= ppo; set clip_ratio_high=0.28)"),
+    PolicyLossSpec("gspo", "gspo:gspo_token_loss", "§5", token_level=False,
                    forced_agg="seq-mean-token-mean"),
-    PolicyLossSpec("gspo_token", gspo_token_level_loss, "§5", forced_agg="seq-mean-token-mean"),
-    PolicyLossSpec("cispo", cispo_token_loss, "§6"),
-    PolicyLossSpec("gppo", gppo_token_loss, "§7"),
-    PolicyLossSpec("aspo", aspo_token_loss, "§8", needs=("entropy",)),
-    PolicyLossSpec("clip_cov", clip_cov_token_loss, "§4", needs=("cov_selected",)),
-    PolicyLossSpec("kl_cov", kl_cov_token_loss, "§4", needs=("cov_selected",)),
-    PolicyLossSpec("dcpo", dcpo_token_loss, "§10.2"),
-    PolicyLossSpec("gmpo", gmpo_token_loss, "GMPO (docs/losses-2025.md)", token_level=False),
-    PolicyLossSpec("sapo", sapo_token_loss, "SAPO (docs/losses-2025.md)"),
-    PolicyLossSpec("dppo_tv", dppo_tv_token_loss, "DPPO Binary-TV (docs/losses-2025.md)"),
-    PolicyLossSpec("dppo_kl", dppo_kl_token_loss, "DPPO Binary-KL (docs/losses-2025.md)"),
-    PolicyLossSpec("nll", nll_token_loss, "supervised warm start (not in ALGORITHMS.md)"),
+    PolicyLossSpec("gspo_token", "gspo:gspo_token_level_loss", "§5",
+                   forced_agg="seq-mean-token-mean"),
+    PolicyLossSpec("cispo", "cispo:cispo_token_loss", "§6"),
+    PolicyLossSpec("gppo", "gppo:gppo_token_loss", "§7"),
+    PolicyLossSpec("aspo", "aspo:aspo_token_loss", "§8", needs=("entropy",)),
+    PolicyLossSpec("clip_cov", "cov:clip_cov_token_loss", "§4", needs=("cov_selected",)),
+    PolicyLossSpec("kl_cov", "cov:kl_cov_token_loss", "§4", needs=("cov_selected",)),
+    PolicyLossSpec("dcpo", "ppo:dcpo_token_loss", "§10.2"),
+    PolicyLossSpec("gmpo", "gmpo:gmpo_token_loss", "GMPO (docs/losses-2025.md)",
+                   token_level=False),
+    PolicyLossSpec("sapo", "sapo:sapo_token_loss", "SAPO (docs/losses-2025.md)"),
+    PolicyLossSpec("dppo_tv", "dppo:dppo_tv_token_loss", "DPPO Binary-TV (docs/losses-2025.md)"),
+    PolicyLossSpec("dppo_kl", "dppo:dppo_kl_token_loss", "DPPO Binary-KL (docs/losses-2025.md)"),
+    PolicyLossSpec("nll", "nll:nll_token_loss", "supervised warm start (not in ALGORITHMS.md)"),
 ):
     register_policy_loss(_spec)

@@ -62,9 +62,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.loss.metrics import TokenStat, mean_stat
+from megatron_rl.loss.params import ROLLOUT_CORRECTIONS  # noqa: F401 - re-export
 
 Tensor = torch.Tensor
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_mask_tis")
 LOG_RATIO_CLAMP = 20.0  # exp(+-20): verl's SAFETY_BOUND
 
 

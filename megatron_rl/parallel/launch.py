@@ -29,14 +29,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from megatron_rl.parallel.backend import BACKENDS  # noqa: F401 - re-export
 from megatron_rl.parallel.hostlist import expand_hostlist, tasks_per_node
 
 
 class WorkerError(RuntimeError):
     """A worker process raised; the message holds its rank and traceback."""
-
-
-BACKENDS = ("auto", "nccl", "gloo")  # parallel.backend (torch.distributed); launch imports no torch
 
 
 def free_port() -> int:

@@ -24,9 +24,12 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-
-class ParallelConfigError(ValueError):
-    """The requested parallel layout cannot run on this world."""
+from megatron_rl.parallel.backend import (  # noqa: F401 - re-export
+    BACKEND_ENV,
+    BACKENDS,
+    ParallelConfigError,
+    resolve_backend,
+)
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,6 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
                    master_port=int(env.get("MASTER_PORT", "29500")), source="single")
 
 
-from megatron_rl.parallel.launch import BACKENDS  # noqa: E402 - defined torch-free there
-
-BACKEND_ENV = "MRL_PARALLEL_BACKEND"  # used when the caller passes None or "auto"
 
 
 def default_backend() -> str:
@@ -121,30 +121,6 @@ def local_world_size(denv: DistEnv, environ: Mapping[str, str] | None = None) ->
     return max(n or denv.world_size, denv.local_rank + 1)
 
 
-def resolve_backend(requested: str, local_world: int, cuda_count: int) -> str:
-    """The backend to run: ``"nccl"`` or ``"gloo"`` (pure: no CUDA or environment access).
-
-    ``requested`` is ``parallel.backend``: ``gloo`` always runs (CPU ranks); ``auto`` is NCCL when
-    any GPU is visible and gloo otherwise; NCCL needs one visible GPU per rank of this node, so
-    ``local_world > cuda_count`` is refused with the two ways out (gloo, or fewer ranks).
-    """
-    if requested not in BACKENDS:
-        raise ParallelConfigError(f"parallel.backend={requested!r} is not one of {BACKENDS}")
-    if requested == "gloo":
-        return "gloo"
-    if cuda_count == 0:
-        if requested == "nccl":
-            raise ParallelConfigError(
-                "parallel.backend=nccl needs CUDA GPUs but none is visible; use "
-                "parallel.backend: gloo (or auto) to run the ranks on the CPU")
-        return "gloo"
-    if local_world > cuda_count:
-        raise ParallelConfigError(
-            f"{local_world} ranks on this node but only {cuda_count} visible GPU(s): NCCL needs "
-            f"one GPU per rank. Use parallel.backend: gloo (CPU ranks; {BACKEND_ENV}=gloo for "
-            f"`check`, `convert` and the tests) or start at most {cuda_count} rank(s) per node "
-            "(smaller parallel.tp x pp x dp, or more nodes)")
-    return "nccl"
 
 
 def hide_cuda() -> None:

@@ -70,7 +70,7 @@ def early_stopped(ckpt_path: str) -> tuple[int, str] | None:
 def preflight(cfg, log=print) -> str | None:
     """Check a resume before any work. Returns a message when the run is already finished by an
     early stop (nothing to do), else None. Raises ``ConfigError`` for breaking changes."""
-    from megatron_rl.actor.checkpoint import latest_checkpoint
+    from megatron_rl.actor.ckpt_index import latest_checkpoint
     from megatron_rl.config.errors import ConfigError
 
     t = cfg.trainer
