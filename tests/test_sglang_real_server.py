@@ -209,9 +209,10 @@ def test_server_killed_mid_rollout_loses_no_sample(fleet):
         backup.wait(30)
 
 
-def test_rl_steps_against_real_sglang(sglang_python, tmp_path):
-    from test_sglang_fleet import free_port_block
-
+def test_rl_steps_against_real_sglang(fleet, sglang_python, tmp_path):
+    """Two RL steps of the CLI against the module's running SGLang server, attached through its
+    router (``rollout.sglang.servers`` / ``router_url``: the run starts no server of its own)."""
+    f, ftmp = fleet
     out = tmp_path / "run"
     args = "[" + ",".join(CPU_ARGS) + "]"
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
@@ -221,16 +222,16 @@ def test_rl_steps_against_real_sglang(sglang_python, tmp_path):
            "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
            "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=2", "data.val_size=8",
            "rollout.engine=sglang", "rollout.sglang.launcher=sglang",
-           f"rollout.sglang.python={sglang_python}", "rollout.sglang.num_servers=1",
+           f"rollout.sglang.python={sglang_python}",
+           f"rollout.sglang.servers=[{','.join(f.urls)}]",
+           f"rollout.sglang.router_url={f.router_url}",
            "rollout.sglang.mem_fraction_static=0.2",
-           f"rollout.sglang.router_port={free_port_block(2)}",
            f"rollout.sglang.extra_args={args}", "rollout.sglang.weight_sync=from_distributed",
            f"rollout.sglang.probe_tolerance={TOL}"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env)
-    logs = out / "sglang" / "logs"
-    tail = "".join(open(logs / n).read()[-2000:] for n in os.listdir(logs)) if logs.exists() \
-        else ""
+    tail = "".join(open(d / n).read()[-2000:] for d in (out / "sglang" / "logs", ftmp / "logs")
+                   if d.exists() for n in os.listdir(d))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + tail
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     trained = [r for r in rows if any(k.startswith("rollout/logp_mismatch") for k in r)]
