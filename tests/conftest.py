@@ -43,3 +43,38 @@ def server():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{state.port}", state
     srv.shutdown()
+
+
+# ---- one short RL run through a real sglang-router fleet, shared by two test modules ------------
+def tiny_train(out, *overrides: str, timeout: int = 800) -> tuple[list[dict], str]:
+    """Three RL steps of the tiny recipe at TP1 x PP2 (per-request seeds: the samples do not
+    depend on which server or batch served a request): ``(metrics rows, stdout)``."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
+           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
+           "trainer.plots=false", "trainer.test_freq=3", "trainer.save_freq=3",
+           "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
+           "rollout.dynamic_sampling=false", "rollout.val_n=1", "actor.micro_batch_size=8",
+           "sft.steps=10", "data.val_size=8", "rollout.per_request_seed=true",
+           "rollout.temperature=0.9", *overrides]
+    env = {**os.environ, "PYTHONPATH": root}
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], res.stdout
+
+
+@pytest.fixture(scope="session")
+def fleet_run(tmp_path_factory):
+    """:func:`tiny_train` through two of our ``serve`` servers behind the real router, weights
+    synced from tensors: ``(metrics rows, output dir)``."""
+    from megatron_rl.testing.procs import free_port_block
+
+    out = tmp_path_factory.mktemp("fleet_run")
+    rows, _ = tiny_train(out, "rollout.engine=sglang", "rollout.sglang.num_servers=2",
+                         f"rollout.sglang.router_port={free_port_block(3)}",
+                         "rollout.sglang.weight_sync=from_tensor")
+    return rows, out

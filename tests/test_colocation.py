@@ -248,38 +248,24 @@ def test_serve_weight_sync_after_resume_restores_exact_weights(server, tmp_path)
 
 
 # ---- the colocated loop through our serve fleet and the real router --------------------------
-def _run(out, *overrides: str) -> tuple[list[dict], str]:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=2",
-           "trainer.plots=false",
-           "trainer.test_freq=2", "trainer.save_freq=1", "trainer.train_batch_size=4",
-           "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
-           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
-           "rollout.temperature=0.9", "rollout.engine=sglang", "rollout.sglang.num_servers=1",
-           "rollout.sglang.weight_sync=from_tensor", *overrides]
-    env = {**os.environ, "PYTHONPATH": root}
-    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=800, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], res.stdout
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_colocated_run_equals_separate_run(tmp_path):
-    from test_sglang_fleet import free_port_block
+def test_colocated_run_equals_separate_run(fleet_run, tmp_path):
+    """One colocated server (the actor offloaded around each rollout, checkpoints in between)
+    against the shared run on two separate servers: the same run, bit for bit (per-request
+    seeds make the samples independent of the server that made them)."""
+    from conftest import tiny_train
 
-    sep, _ = _run(tmp_path / "sep", f"rollout.sglang.router_port={free_port_block(2)}")
-    colo, log = _run(tmp_path / "colo", f"rollout.sglang.router_port={free_port_block(2)}",
-                     "rollout.sglang.colocate=true")
+    from megatron_rl.testing.procs import free_port_block
+
+    sep, _ = fleet_run
+    colo, log = tiny_train(tmp_path / "colo", "rollout.engine=sglang",
+                           "rollout.sglang.num_servers=1", "rollout.sglang.weight_sync=from_tensor",
+                           f"rollout.sglang.router_port={free_port_block(2)}",
+                           "rollout.sglang.colocate=true", "trainer.save_freq=1")
     assert "[colocation] rank 0 actor offloaded to the host: params" in log
-    assert len(sep) == len(colo) == 3  # the start's validation + 2 steps
-    assert all(r["actor/grad_norm"] > 0 for r in colo[1:])  # real updates to carry over
+    assert len(sep) == len(colo) == 4  # the start's validation + 3 steps
+    assert any(r["actor/grad_norm"] > 0 for r in colo[1:])  # real updates to carry over
     for a, b in zip(sep, colo):
         volatile = ("time", "gpu/", "sys/", "rollout/weight_sync_")  # sys/: RSS, open fds
         keys = {k for k in a if not k.startswith(volatile) and k != "wall_s"}

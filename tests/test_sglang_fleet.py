@@ -2,11 +2,8 @@
 on loopback: a dead server costs no sample, and a short RL run through the fleet (weights pushed
 and verified every step) gives the embedded engine's metrics for the same seed."""
 
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import psutil
 import pytest
@@ -154,31 +151,17 @@ def test_multi_turn_episodes_through_router_match_embedded(tmp_path):
         fleet.stop()
 
 
-def _train(out, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
-           "trainer.plots=false",
-           "trainer.test_freq=3", "trainer.save_freq=3", "trainer.train_batch_size=4",
-           "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
-           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
-           "rollout.per_request_seed=true", "rollout.temperature=0.9", *overrides]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
 FLEET_ONLY = ("rollout/offpolicy_lag", "rollout/offpolicy_lag_max", "rollout/weight_sync",
               "rollout/request_retries", "rollout/aborted_requests", "time/", "gpu/", "sys/")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_rl_run_through_router_matches_embedded(tmp_path):
-    emb = _train(tmp_path / "emb")
-    fl = _train(tmp_path / "fleet", "rollout.engine=sglang", "rollout.sglang.num_servers=2",
-                f"rollout.sglang.router_port={free_port_block(3)}",
-                "rollout.sglang.weight_sync=from_tensor")
+def test_rl_run_through_router_matches_embedded(fleet_run, tmp_path):
+    from conftest import tiny_train
+
+    emb, _ = tiny_train(tmp_path / "emb")
+    fl, fleet_out = fleet_run
     assert len(emb) == len(fl) >= 3
     for a, b in zip(emb, fl):
         keys = {k for k in a if not k.startswith(FLEET_ONLY) and k not in ("time", "wall_s")}
@@ -196,7 +179,7 @@ def test_rl_run_through_router_matches_embedded(tmp_path):
     synced = [r for r in fl if "rollout/weight_sync_probe_max_diff" in r]
     assert len(synced) >= 2 and all(r["rollout/weight_sync_probe_max_diff"] <= 1e-4
                                     for r in synced)
-    logs = os.listdir(tmp_path / "fleet" / "sglang" / "logs")
+    logs = os.listdir(fleet_out / "sglang" / "logs")
     assert sorted(logs) == ["router.log", "server0.log", "server1.log"]
 
 

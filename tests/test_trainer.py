@@ -6,10 +6,8 @@ tools/chaos.py.)"""
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
