@@ -10,6 +10,8 @@ import pytest
 import torch
 
 REQUIRE_GPU_VAR = "MRL_REQUIRE_GPU"
+# The tests' process groups fork from one server that has the actor imported (parallel/launch.py)
+os.environ.setdefault("MRL_FORKSERVER_PRELOAD", "megatron_rl.actor.actor")
 
 
 def gpu_missing_action(environ=None) -> str:

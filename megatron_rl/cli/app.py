@@ -118,7 +118,7 @@ def _launch_local(cfg, command: str, world: int) -> int:
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
     try:
         spawn(_train_worker, world, (cfg, command), timeout_s=7 * 24 * 3600, env=env,
-              handle_signals=True)
+              handle_signals=True, preload=("megatron_rl.actor.actor", "megatron_rl.run.trainer"))
     except WorkerError as exc:
         remove_partial_checkpoints(cfg.trainer.output_dir)
         print(f"[{command}] failed: {exc}", file=sys.stderr)

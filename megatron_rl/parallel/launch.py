@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple,
-            out: Any, launcher: int | None = None) -> None:
+            out: Any, launcher: int | None = None, forked: bool = False) -> None:
     # Own process group, so the parent can kill anything this rank starts (e.g. the
     # multiprocessing manager of dist_checkpointing) when the group fails or hangs; and the
     # group dies with the launcher, however the launcher ends.
@@ -55,7 +55,9 @@ def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args
     if launcher is not None:
         from megatron_rl.parallel.lifecycle import watch_parent
 
-        watch_parent(launcher)
+        # spawn: the launcher is the parent. forkserver: the server is, and it exits with the
+        # launcher (EOF on its pipe), which re-parents this rank just the same.
+        watch_parent(os.getppid() if forked else launcher)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -78,7 +80,8 @@ def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args
 
 
 def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float = 600.0,
-          env: dict | None = None, handle_signals: bool = False) -> list[Any]:
+          env: dict | None = None, handle_signals: bool = False,
+          preload: Sequence[str] = ()) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh processes; return the per-rank results.
 
     ``fn`` must be importable (module level). It should call
@@ -87,6 +90,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
     group does not finish in ``timeout_s`` seconds; in both cases every worker is terminated.
     ``handle_signals`` (the CLI launcher, main thread): SIGTERM/SIGINT/SIGHUP raise
     :class:`~megatron_rl.parallel.lifecycle.StopSignal` after every rank has been stopped.
+    ``preload``: modules the rank forkserver imports once (:func:`start_context`).
     """
     import contextlib
 
@@ -95,16 +99,47 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     with stop_signals() if handle_signals else contextlib.nullcontext():
-        return _spawn(fn, world_size, args, timeout_s, env)
+        return _spawn(fn, world_size, args, timeout_s, env, preload)
+
+
+START_METHOD_ENV = "MRL_START_METHOD"  # forkserver (default) | spawn
+# What the forkserver imports once, so that its ranks start without importing them again.
+# (Third-party modules only; importing forkserver_init first imports megatron_rl, whose hook keeps
+# megatron-core from importing TorchInductor.)
+FORKSERVER_PRELOAD = ("megatron_rl.parallel.forkserver_init", "torch", "torch.distributed",
+                      "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+                      "megatron.core.distributed")
+
+
+PRELOAD_ENV = "MRL_FORKSERVER_PRELOAD"  # comma-separated modules the forkserver imports as well
+
+
+def start_context(preload: Sequence[str] = ()):
+    """The multiprocessing context ranks start from: by default a fork of one server process per
+    launcher that imported torch and megatron-core once (``forkserver``: N ranks pay one import,
+    and a process that runs many groups, like the test suite, pays it once); with
+    ``MRL_START_METHOD=spawn`` a fresh interpreter per rank. Neither forks a process that has
+    touched CUDA (the server only imports). ``preload`` (and ``MRL_FORKSERVER_PRELOAD``) names
+    more modules for the server to import; only the first group started by a process sets them."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r} is not one of ('spawn', 'forkserver')")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        extra = [m for m in os.environ.get(PRELOAD_ENV, "").split(",") if m]
+        ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, *preload, *extra])
+    return ctx
 
 
 def _spawn(fn: Callable, world_size: int, args: Sequence, timeout_s: float,
-           env: dict | None) -> list[Any]:
-    ctx = mp.get_context("spawn")
+           env: dict | None, preload: Sequence[str]) -> list[Any]:
+    ctx = start_context(preload)
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, dict(env or {}), fn,
-                                                tuple(args), out, os.getpid()), daemon=False)
+                                                tuple(args), out, os.getpid(),
+                                                ctx.get_start_method() == "forkserver"),
+                         daemon=False)
              for r in range(world_size)]
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
