@@ -432,3 +432,20 @@ def test_embedded_generate_makes_tensors_on_purpose():
     assert [len(g) for g in out] == [2, 2]
     mine = [v for v in spy.violations if "embedded.py" in v.where]
     assert mine == [], spy.report()
+
+
+def test_ranks_fork_from_a_server_only_without_a_gpu_driver(monkeypatch):
+    """A fork of a process whose imports initialised CUDA cannot use CUDA: where a GPU driver is
+    present the ranks are spawned; elsewhere they fork from a server that imported torch once."""
+    from megatron_rl.parallel import backend, launch
+
+    monkeypatch.delenv(launch.START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(backend, "gpu_driver_present", lambda: True)
+    assert launch.start_context().get_start_method() == "spawn"
+    monkeypatch.setattr(backend, "gpu_driver_present", lambda: False)
+    assert launch.start_context().get_start_method() == "forkserver"
+    monkeypatch.setenv(launch.START_METHOD_ENV, "spawn")
+    assert launch.start_context().get_start_method() == "spawn"
+    monkeypatch.setenv(launch.START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="not one of"):
+        launch.start_context()

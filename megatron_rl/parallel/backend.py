@@ -39,12 +39,16 @@ def resolve_backend(requested: str, local_world: int, cuda_count: int) -> str:
     return "nccl"
 
 
+def gpu_driver_present() -> bool:
+    """Whether this machine has an NVIDIA or ROCm GPU driver loaded (no torch import)."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd"))
+
+
 def visible_gpu_count() -> int:
-    """``torch.cuda.device_count()``; on a machine without a GPU driver (no ``/dev/nvidiactl``,
-    ``/proc/driver/nvidia`` or ROCm's ``/dev/kfd``), or with ``CUDA_VISIBLE_DEVICES`` empty, 0
-    without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not any(
-            os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
+    """``torch.cuda.device_count()``; on a machine without a GPU driver
+    (:func:`gpu_driver_present`), or with ``CUDA_VISIBLE_DEVICES`` empty, 0 without importing
+    torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not gpu_driver_present():
         return 0
     import torch
 

@@ -102,7 +102,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), timeout_s: float =
         return _spawn(fn, world_size, args, timeout_s, env, preload)
 
 
-START_METHOD_ENV = "MRL_START_METHOD"  # forkserver (default) | spawn
+START_METHOD_ENV = "MRL_START_METHOD"  # forkserver | spawn (default: see start_context)
 # What the forkserver imports once, so that its ranks start without importing them again.
 # (Third-party modules only; importing forkserver_init first imports megatron_rl, whose hook keeps
 # megatron-core from importing TorchInductor.)
@@ -115,13 +115,21 @@ PRELOAD_ENV = "MRL_FORKSERVER_PRELOAD"  # comma-separated modules the forkserver
 
 
 def start_context(preload: Sequence[str] = ()):
-    """The multiprocessing context ranks start from: by default a fork of one server process per
-    launcher that imported torch and megatron-core once (``forkserver``: N ranks pay one import,
-    and a process that runs many groups, like the test suite, pays it once); with
-    ``MRL_START_METHOD=spawn`` a fresh interpreter per rank. Neither forks a process that has
-    touched CUDA (the server only imports). ``preload`` (and ``MRL_FORKSERVER_PRELOAD``) names
-    more modules for the server to import; only the first group started by a process sets them."""
-    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    """The multiprocessing context ranks start from (``MRL_START_METHOD`` overrides the default).
+
+    * ``forkserver``, the default on machines without a GPU driver: every rank is a fork of one
+      server process per launcher that imported torch and megatron-core once (N ranks pay one
+      import; a process that starts many groups, like the test suite, pays it once).
+    * ``spawn``, the default where a GPU driver is present: a fresh interpreter per rank. A
+      module that queries CUDA at import (megatron-core and Transformer Engine may) would leave
+      the driver initialised in a forkserver, and CUDA cannot be used in a fork of that.
+
+    ``preload`` (and ``MRL_FORKSERVER_PRELOAD``, comma-separated) names more modules for the
+    server to import; only the first group a process starts sets them."""
+    from megatron_rl.parallel.backend import gpu_driver_present
+
+    method = os.environ.get(START_METHOD_ENV) or ("spawn" if gpu_driver_present()
+                                                  else "forkserver")
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"{START_METHOD_ENV}={method!r} is not one of ('spawn', 'forkserver')")
     ctx = mp.get_context(method)
