@@ -178,12 +178,13 @@ def validate_for_layout(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> None
         raise ModelConfigError(
             f"model.num_experts={cfg.num_experts} is not divisible by expert_parallel_size={ep}; "
             "choose an expert_parallel_size that divides it")
-    if tp != 1:
+    if tp > 1 and ep == 1:
         raise ModelConfigError(
-            f"tensor_parallel_size={tp} with a mixture-of-experts model: megatron-core trains MoE "
-            "layers under tensor parallelism only with sequence parallelism, which this actor "
-            "does not use (allowed: tensor_parallel_size=1; split the experts with "
-            "parallel.ep instead, docs/moe.md)")
+            f"tensor_parallel_size={tp} with a mixture-of-experts model needs "
+            f"expert_parallel_size >= 2 (got {ep}): each TP rank routes its slice of the "
+            "sequence, and at EP 1 megatron-core would reduce the experts' gradients over DP "
+            "only (allowed: tensor_parallel_size=1, or an expert_parallel_size >= 2 that "
+            "divides num_experts and tp x dp, docs/moe.md)")
 
 
 PRESETS: dict[str, ModelConfig] = {

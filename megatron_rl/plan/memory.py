@@ -149,7 +149,8 @@ def layer_activation_elems(x: PlanInputs) -> tuple[float, float]:
     (each rank's experts receive ``k`` rows per local token on average; imbalance not modelled):
     the permuted expert input and the expert output kept for the probability-weighted combine
     (``2H`` each), the experts' SwiGLU (as dense, with ``F = moe_intermediate_size``), plus the
-    router's fp32 logits and probabilities (``2E``). Experts are not split by TP."""
+    router's fp32 logits and probabilities (``2E``). Experts are not split by TP; at TP > 1 each
+    TP rank runs the MoE layer on its ``1 / tp`` of the tokens."""
     m, tp = x.model, x.tp
     h, f, d = m.hidden_size, m.intermediate_size, m.kv_channels
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
@@ -162,7 +163,8 @@ def layer_activation_elems(x: PlanInputs) -> tuple[float, float]:
         swiglu = 4  # fc1 output (2f), silu output (f), product (f)
     if m.is_moe:
         router = 2 * m.num_experts * 4 / _dtype_bytes(x.precision)  # fp32, in activation elems
-        mlp = m.num_experts_per_tok * (2 * h + swiglu * m.moe_intermediate_size) + router
+        # at TP > 1 each TP rank routes its 1 / tp slice of the sequence (models/moe_tp.py)
+        mlp = (m.num_experts_per_tok * (2 * h + swiglu * m.moe_intermediate_size) + router) / tp
     else:
         mlp = swiglu * f / tp
     return norms + attn + mlp, 0.0

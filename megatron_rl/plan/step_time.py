@@ -55,7 +55,7 @@ def alltoall_bytes(x: PlanInputs, cost: PaddingCost | None = None) -> float:
     come back (combine), ``(ep - 1) / ep`` of them to other ranks (uniform routing). Directions:
     the old-policy (and reference) forward, the update's forward and backward, and the
     recomputed forward under full recomputation. Tokens: this rank's share of the step's rows
-    (``/ dp``; ``/ tp`` too, as megatron needs sequence parallelism for TP > 1 MoE), padded to
+    (``/ dp``; ``/ tp`` too: each TP rank dispatches its slice, models/moe_tp.py), padded to
     the cap or at ``cost``'s tokens per row. 0 for a dense model or ``ep == 1``."""
     m = x.model
     if not m.is_moe or x.ep == 1:
