@@ -18,9 +18,9 @@
 # max response 8192, temperature 0.8; lr 1e-6 constant, weight decay 0.1, Adam betas 0.9 / 0.98;
 # eps-clip 0.2 / 0.28, no KL, TIS; colocated with SGLang (8 GPUs per engine) on one node with
 # Megatron's CPU Adam. Where ours differs:
-#   - placement: 16 actor GPUs (TP1, since the actor trains MoE without sequence parallelism;
-#     EP8 per node; distributed optimizer, no CPU offload) and 16 rollout GPUs (SGLang TP4), the
-#     weights pushed from the actor to the fleet after every step;
+#   - placement: 16 actor GPUs (TP1 x DP16, EP8 per node; distributed optimizer, no CPU
+#     offload; slime's TP4 x EP8 also fits: TP 4 and DP 4 below and in the YAML) and 16 rollout
+#     GPUs (SGLang TP4), the weights pushed from the actor to the fleet after every step;
 #   - batch: 64 prompts x 8 samples = 512 responses per step, 4 optimizer steps, DAPO dynamic
 #     sampling and overlong shaping; fixed micro-batches of one sequence instead of dynamic
 #     token batches (--max-tokens-per-gpu 20480);
