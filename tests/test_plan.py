@@ -138,6 +138,15 @@ def test_moe_memory_shrinks_with_ep_by_hand():
         assert activation_bytes(x) == activation_bytes(base)
         plain = actor_state_bytes(dataclasses.replace(x, distributed_optimizer=False), 0)
         assert plain["expert Adam moments (fp32)"] == experts * 8 / ep
+    # per token and layer (bf16, GPU kernels): norms, attention / TP, and the MoE layer's top-8
+    # copies (expert in + out, SwiGLU) + fp32 router scores, / TP (each TP rank routes 1 / tp)
+    from megatron_rl.plan.memory import layer_activation_elems
+
+    moe = 8 * (2 * 2048 + 3 * 768) + 2 * 128 * 4 / 2
+    for tp in (1, 2):
+        x = dataclasses.replace(base, tp=tp, dp=16 // tp, ep=8)
+        attn = (4096 + 2 * 512 + 4096) / tp
+        assert layer_activation_elems(x) == (4 * 2048 + attn + moe / tp, 0.0)
     totals = [make_plan(dataclasses.replace(base, ep=ep)).actor_total for ep in (1, 2, 4, 8)]
     assert totals == sorted(totals, reverse=True) and totals[0] - totals[-1] > 20 * GIB
     with pytest.raises(PlanError, match="num_experts=128 is not divisible by expert_parallel"):
