@@ -4,7 +4,7 @@ tensors.
 
 Two spawned jobs: a 2-rank EP2 job loads a tiny random ``transformers`` Qwen3-MoE straight from
 its safetensors, streams it back out and converts it through a ``dist_checkpointing`` checkpoint;
-a 4-rank job runs one actor update at EP1, EP2, EP4 and PP2xDP2xEP2 in sequence.
+a 4-rank job runs one actor update at EP1, EP2, PP2xDP2xEP2 and TP2xDP2xEP2 in sequence.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def test_layout_errors_name_the_sizes():
     with pytest.raises(ModelConfigError, match=r"num_experts=8 is not divisible by "
                                                r"expert_parallel_size=3"):
         validate_for_layout(moe, 1, 1, 3)
-    with pytest.raises(ModelConfigError, match=r"tensor_parallel_size=2 with a mixture-of-experts"):
+    with pytest.raises(ModelConfigError, match=r"tensor_parallel_size=2 with a mixture-of-experts "
+                                               r"model needs expert_parallel_size >= 2"):
         validate_for_layout(moe, 2, 1, 1)
+    validate_for_layout(moe, 2, 1, 2)
     with pytest.raises(ModelConfigError, match=r"expert_parallel_size=2 needs a mixture-of-expe"):
         validate_for_layout(get_preset("tiny"), 1, 1, 2)
     with pytest.raises(ModelConfigError, match=r"num_experts_per_tok=9 must be <= "):
@@ -53,8 +55,8 @@ def test_parallel_ep_is_checked_at_load(tmp_path):
             (["model.preset=tiny-qwen3-moe", "parallel.ep=3"], r"num_experts=8 is not divisible"),
             (["model.preset=tiny-qwen3-moe", "parallel.dp=2", "parallel.ep=4"],
              r"parallel.ep=4 must divide"),
-            (["model.preset=tiny-qwen3-moe", "parallel.dp=2", "parallel.ep=2",
-              "parallel.tp=2"], r"tensor_parallel_size=2 with a mixture-of-experts"),
+            (["model.preset=tiny-qwen3-moe", "parallel.dp=2", "parallel.tp=2"],
+             r"tensor_parallel_size=2 with a mixture-of-experts model needs expert_parallel"),
             (["parallel.dp=2", "parallel.ep=2"], r"expert_parallel_size=2 needs a mixture"),
             (["model.moe_aux_loss_coeff=0.01"], r"model.moe_aux_loss_coeff=0.01 needs a mixture"),
             (["model.preset=tiny-qwen3-moe", "model.moe_z_loss_coeff=-1"],
@@ -201,7 +203,7 @@ def test_hf_moe_logits_stream_and_roundtrip(converted, tmp_path):
 
 
 # --- layout invariance of one update (4 ranks, layouts in sequence) -------------------------------
-LAYOUTS = ((1, 1), (1, 2), (2, 2))  # (pp, ep) on 4 ranks: DP = 4 / pp
+LAYOUTS = ((1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2))  # (tp, pp, ep) on 4 ranks: DP = 4/tp/pp
 
 
 def make_batch() -> dict:
@@ -216,7 +218,8 @@ def make_batch() -> dict:
 
 
 def _routing_hooks(model, record: dict) -> list:
-    """Record each router call's top-k expert ids ``[tokens, k]`` per global layer."""
+    """Record each router call's top-k expert ids ``[tokens, k]`` per global layer (at TP > 1:
+    this TP rank's slice of the tokens)."""
     hooks = []
     for layer in model.decoder.layers:
         def hook(_mod, _inp, out, lid=int(layer.layer_number) - 1):
@@ -238,8 +241,8 @@ def _layout_worker() -> list[dict]:
     from megatron_rl.parallel import runtime
 
     results = []
-    for pp, ep in LAYOUTS:
-        runtime.init_parallel(pp=pp, ep=ep, timeout_s=120)
+    for tp, pp, ep in LAYOUTS:
+        runtime.init_parallel(tp=tp, pp=pp, ep=ep, timeout_s=120)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per = SEQS // dp
         full = make_batch()
@@ -254,7 +257,8 @@ def _layout_worker() -> list[dict]:
         actor.add_old_logprobs(batch)  # forward only: one router call per layer and row
         for h in hooks:
             h.remove()
-        routing = {(dp_rank * per + i, lid): ids for lid, calls in record.items()
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        routing = {(dp_rank * per + i, lid, tp_rank): ids for lid, calls in record.items()
                    for i, ids in enumerate(calls)}
         if "old_logp" in batch:
             batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
@@ -263,9 +267,12 @@ def _layout_worker() -> list[dict]:
         routes: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(routes, routing)
         last = ps.is_pipeline_last_stage() and dp_rank == 0
-        results.append({"pp": pp, "ep": ep, "history": history if last else None, "init": init,
-                        "state": state if torch.distributed.get_rank() == 0 else None,
-                        "routing": {k: v for r in routes for k, v in r.items()}})
+        slices = {k: v for r in routes for k, v in r.items()}  # (row, layer, TP rank): ids
+        merged = {(row, lid): torch.cat([slices[(row, lid, t)] for t in range(tp)])
+                  for row, lid, t in slices if t == 0}
+        results.append({"pp": pp, "ep": ep, "tp": tp, "history": history if last else None,
+                        "init": init, "state": state if torch.distributed.get_rank() == 0 else None,
+                        "routing": merged})
         del actor
     runtime.shutdown()
     return results
@@ -274,14 +281,14 @@ def _layout_worker() -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_update_is_expert_layout_invariant():
-    """EP1 (DP4) is the reference for EP2 (DP4, expert-DP 2) and PP2xDP2xEP2: same routing for
-    every token and layer, same loss and metrics, same updated weights (docs/moe.md: why ~1e-7
-    and not bit-exact)."""
+    """EP1 (DP4) is the reference for EP2 (DP4, expert-DP 2), PP2xDP2xEP2 and TP2xDP2xEP2 (each
+    TP rank routes half of each sequence): same routing for every token and layer, same loss and
+    metrics, same updated weights (docs/moe.md: why ~1e-7 and not bit-exact)."""
     from megatron_rl.parallel.launch import spawn
 
     ranks = spawn(_layout_worker, 4, (), timeout_s=540)
-    by_layout = [dict(pp=pp, ep=ep, state=None, history=None, routing={})
-                 for pp, ep in LAYOUTS]
+    by_layout = [dict(tp=tp, pp=pp, ep=ep, state=None, history=None, routing={})
+                 for tp, pp, ep in LAYOUTS]
     for r in ranks:
         for i, res in enumerate(r):
             by_layout[i]["routing"].update(res["routing"])
@@ -295,11 +302,11 @@ def test_update_is_expert_layout_invariant():
     for got in by_layout[1:]:
         assert got["routing"].keys() == ref["routing"].keys()
         for key, ids in ref["routing"].items():
-            assert torch.equal(got["routing"][key], ids), (got["pp"], got["ep"], key)
+            assert torch.equal(got["routing"][key], ids), (got["tp"], got["pp"], got["ep"], key)
         rel = _max_rel(got["state"], ref["state"])
-        print(f"pp={got['pp']} ep={got['ep']}: weights rel {rel:.2e}, loss "
+        print(f"tp={got['tp']} pp={got['pp']} ep={got['ep']}: weights rel {rel:.2e}, loss "
               f"{got['history'][0]['actor/loss']!r} vs {ref['history'][0]['actor/loss']!r}")
-        assert rel < 1e-6, (got["pp"], got["ep"])
+        assert rel < 1e-6, (got["tp"], got["pp"], got["ep"])
         assert ref["history"][0]["actor/skipped"] == 0.0
         for k, v in ref["history"][0].items():
             assert got["history"][0][k] == pytest.approx(v, rel=1e-6, abs=1e-7), k

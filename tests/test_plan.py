@@ -1,5 +1,7 @@
 """The planner: parameter counts vs the real megatron model, memory vs hand-computed numbers,
-fit flags, the layout search and the CLI on examples/dapo_32b.yaml."""
+fit flags, the layout search and the CLI on examples/dapo_32b.yaml; mixture-of-experts models
+(total vs active parameters, expert state over EP / expert-DP, the all-to-all, EP in the search,
+examples/dapo_qwen3_30b_a3b.yaml)."""
 
 from __future__ import annotations
 
@@ -16,16 +18,24 @@ from megatron_rl.plan.inputs import GIB, PlanError, PlanInputs, inputs_from_conf
 from megatron_rl.plan.layout_search import search
 from megatron_rl.plan.memory import (
     activation_bytes,
+    active_params,
+    actor_state_bytes,
     checkpoint_host_bytes,
+    expert_layer_params,
     optimizer_state_bytes,
+    stage_expert_params,
     stage_params,
     total_params,
 )
 from megatron_rl.plan.report import make_plan
+from megatron_rl.plan.step_time import ALLTOALL, alltoall_bytes, alltoall_seconds, step_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAPO_32B = os.path.join(ROOT, "examples", "dapo_32b.yaml")
+DAPO_MOE = os.path.join(ROOT, "examples", "dapo_qwen3_30b_a3b.yaml")
 TINY = get_preset("tiny")  # h 128, f 256, 4 layers, 8 heads, 4 KV heads, head dim 16, V 256
+# h 64, 4 layers, 4 heads x 16, 2 KV heads, V 256 untied; 8 experts, top-2, expert FFN 32
+TINY_MOE = get_preset("tiny-qwen3-moe")
 
 
 def test_tiny_param_count_by_hand():
@@ -38,24 +48,151 @@ def test_tiny_param_count_by_hand():
     assert stage_params(TINY, 2, 2, 1) == 2 * (split // 2 + 256) + 128 + 128 * 128
 
 
-def _count_worker(tp: int, pp: int) -> dict:
+def _count_worker(layouts: tuple) -> list[dict]:
+    """Parameters of the real megatron model on this rank, per (preset, tp, pp, ep) layout, and
+    those of its routed experts (the builder tags them ``mrl_expert``; at EP > 1 megatron-core
+    keeps the same ones out of the dense DP buffer, ``allreduce=False``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.parallel import runtime
 
-    runtime.init_parallel(tp=tp, pp=pp, timeout_s=120)
-    model = build_gpt_model(get_preset("tiny"), seed=1)
-    n = sum(p.numel() for p in model.parameters())
-    stage = ps.get_pipeline_model_parallel_rank()
+    out = []
+    for preset, tp, pp, ep in layouts:
+        runtime.init_parallel(tp=tp, pp=pp, ep=ep, timeout_s=120)
+        params = list(build_gpt_model(get_preset(preset), seed=1).parameters())
+        expert = [p for p in params if getattr(p, "mrl_expert", False)]
+        if ep > 1:
+            assert {id(p) for p in expert} == {id(p) for p in params
+                                               if not getattr(p, "allreduce", True)}
+        out.append({"stage": ps.get_pipeline_model_parallel_rank(),
+                    "numel": sum(p.numel() for p in params),
+                    "expert": sum(p.numel() for p in expert)})
     runtime.shutdown()
-    return {"stage": stage, "numel": n}
+    return out
 
 
 @pytest.mark.slow
 def test_stage_params_match_real_model_tp2_pp2():
-    for r in spawn(_count_worker, 4, (2, 2), timeout_s=300):
-        assert r["numel"] == stage_params(TINY, 2, 2, r["stage"]), r
+    """Dense TP2 x PP2 and MoE PP2 x DP2 x EP2 on 4 ranks: the planner's per-GPU counts."""
+    for r in spawn(_count_worker, 4, ((("tiny", 2, 2, 1), ("tiny-qwen3-moe", 1, 2, 2)),),
+                   timeout_s=300):
+        dense, moe = r
+        assert dense["numel"] == stage_params(TINY, 2, 2, dense["stage"]), dense
+        assert moe["numel"] == stage_params(TINY_MOE, 1, 2, moe["stage"], 2), moe
+        assert moe["expert"] == stage_expert_params(TINY_MOE, 2, 2) == 2 * 4 * 3 * 64 * 32
+
+
+def test_moe_param_counts_by_hand_and_vs_the_real_model():
+    """tiny-qwen3-moe by hand, and the real megatron model built at EP1 (one process):
+    total, expert and active parameters."""
+    attn = 64 * (64 + 2 * 32) + 64 * 64  # QKV + output projection, no bias
+    rep = 2 * 64 + 2 * 16 + 8 * 64  # two RMSNorms, q/k norms, router [8, 64]
+    expert = 3 * 64 * 32  # SwiGLU fc1 [64, 64] + fc2 [64, 32]
+    outer = 64 + 2 * 256 * 64  # final norm, embedding, output layer
+    assert expert_layer_params(TINY_MOE) == 8 * expert
+    assert total_params(TINY_MOE) == 4 * (attn + rep + 8 * expert) + outer == 281280
+    assert active_params(TINY_MOE) == 4 * (attn + rep + 2 * expert) + outer
+    assert active_params(TINY) == total_params(TINY)
+    (real,), = spawn(_count_worker, 1, ((("tiny-qwen3-moe", 1, 1, 1),),), timeout_s=300)
+    assert real["numel"] == total_params(TINY_MOE) == stage_params(TINY_MOE, 1, 1, 0, 1)
+    assert real["expert"] == 4 * 8 * expert == stage_expert_params(TINY_MOE, 1, 1)
+    # FLOPs follow the active parameters: a forward is 2 x active body per token
+    x = PlanInputs(model=TINY_MOE, precision="fp32", prompt_len=24, response_len=8,
+                   responses_per_step=4)
+    attn_flops = 4 * 32 * 2 * 4 * 4 * 16 * 32  # tokens x 2 L heads d x seq (causal)
+    fwd = 4 * 32 * 2 * 4 * (attn + rep + 2 * expert) + attn_flops + 4 * 8 * 2 * 256 * 64
+    assert step_flops(x)["old-policy log-probs"] == fwd
+
+
+def test_qwen3_30b_a3b_preset_matches_the_model_card():
+    """30.5B parameters in total, 29.9B without embeddings, 3.3B active (Qwen's model card)."""
+    m = get_preset("qwen3-30b-a3b")
+    emb = 2 * 151936 * 2048
+    assert round(total_params(m) / 1e9, 1) == 30.5
+    assert round((total_params(m) - emb) / 1e9, 1) == 29.9
+    assert round(active_params(m) / 1e9, 2) == 3.35
+
+
+def test_moe_memory_shrinks_with_ep_by_hand():
+    """Qwen3-30B-A3B, TP1 x PP1 x DP16: the experts' weights and gradients shrink as 1/EP; their
+    distributed-optimizer state is sharded over expert-DP = 16 / EP, so per GPU it stays the same
+    (megatron-core shards each buffer over its own group); the dense parts do not move."""
+    m = get_preset("qwen3-30b-a3b")
+    experts = 48 * 128 * 3 * 2048 * 768
+    base = PlanInputs(model=m, dp=16, precision="bf16", recompute="full",
+                      distributed_optimizer=True, prompt_len=2048, response_len=8192,
+                      n_micro=8, responses_per_step=512)
+    ref = actor_state_bytes(base, 0)
+    dense = {k: v for k, v in ref.items() if k.startswith("dense ")}
+    assert dense == optimizer_state_bytes(total_params(m) - experts, base, prefix="dense ")
+    for ep in (1, 2, 4, 8, 16):
+        x = dataclasses.replace(base, ep=ep)
+        assert x.expert_dp == 16 // ep
+        got = actor_state_bytes(x, 0)
+        assert got["expert weights"] == experts * 2 / ep
+        assert got["expert gradients (fp32)"] == experts * 4 / ep
+        assert got["expert main weights (fp32)"] == experts * 4 / ep / (16 // ep)
+        assert got["expert Adam moments (fp32)"] == experts * 8 / 16
+        assert {k: v for k, v in got.items() if k.startswith("dense ")} == dense
+        assert activation_bytes(x) == activation_bytes(base)
+        plain = actor_state_bytes(dataclasses.replace(x, distributed_optimizer=False), 0)
+        assert plain["expert Adam moments (fp32)"] == experts * 8 / ep
+    # per token and layer (bf16, GPU kernels): norms, attention / TP, and the MoE layer's top-8
+    # copies (expert in + out, SwiGLU) + fp32 router scores, / TP (each TP rank routes 1 / tp)
+    from megatron_rl.plan.memory import layer_activation_elems
+
+    moe = 8 * (2 * 2048 + 3 * 768) + 2 * 128 * 4 / 2
+    for tp in (1, 2):
+        x = dataclasses.replace(base, tp=tp, dp=16 // tp, ep=8)
+        attn = (4096 + 2 * 512 + 4096) / tp
+        assert layer_activation_elems(x) == (4 * 2048 + attn + moe / tp, 0.0)
+    totals = [make_plan(dataclasses.replace(base, ep=ep)).actor_total for ep in (1, 2, 4, 8)]
+    assert totals == sorted(totals, reverse=True) and totals[0] - totals[-1] > 20 * GIB
+    with pytest.raises(PlanError, match="num_experts=128 is not divisible by expert_parallel"):
+        make_plan(dataclasses.replace(base, ep=3))
+    with pytest.raises(PlanError, match=r"ep=32 must divide the ranks of a pipeline stage"):
+        make_plan(dataclasses.replace(base, ep=32))
+
+
+def test_moe_all_to_all_by_hand():
+    """Dispatch + combine per layer per pass direction, (EP-1)/EP leaving the rank, NVLink inside
+    a node and the NIC across nodes; none for a dense model or at EP1."""
+    x = PlanInputs(model=TINY_MOE, dp=4, ep=4, precision="bf16", prompt_len=24, response_len=8,
+                   responses_per_step=8, n_micro=2)
+    one = 8 * 32 / 4 * 2 * 64 * 2  # this rank's tokens x top-2 x hidden x bf16
+    # old-policy forward + update forward and backward, each a dispatch and a combine
+    assert alltoall_bytes(x) == 2 * 3 * 4 * one * 3 / 4
+    full = dataclasses.replace(x, recompute="full", use_ref=True)  # + recompute + reference
+    assert alltoall_bytes(full) == 2 * 5 * 4 * one * 3 / 4
+    assert alltoall_seconds(x) == pytest.approx(alltoall_bytes(x) / 200e9)  # one node
+    wide = dataclasses.replace(x, dp=16, ep=8, gpus_per_node=4)  # 3 peers local, 4 remote
+    assert alltoall_seconds(wide) == pytest.approx(alltoall_bytes(wide) * 4 / 7 / 40e9)
+    assert make_plan(x).seconds[ALLTOALL] == pytest.approx(alltoall_seconds(x))
+    assert alltoall_bytes(dataclasses.replace(x, ep=1)) == 0
+    assert ALLTOALL not in make_plan(dataclasses.replace(x, ep=1)).seconds
+    assert ALLTOALL not in make_plan(PlanInputs(model=TINY)).seconds
+
+
+def test_search_includes_expert_parallelism():
+    """MoE layouts take every EP that divides num_experts and TP x DP; a dense model EP1 only."""
+    m = get_preset("qwen3-30b-a3b")
+    x = PlanInputs(model=m, dp=16, precision="bf16", distributed_optimizer=True,
+                   prompt_len=2048, response_len=8192, n_micro=8, responses_per_step=512)
+    plans = search(x, 16, recompute=("full",))
+    eps = {p.inputs.ep for p in plans}
+    assert eps == {1, 2, 4, 8, 16}
+    for p in plans:
+        i = p.inputs
+        assert (i.tp * i.dp) % i.ep == 0 and i.actor_gpus == 16
+        assert i.tp == 1 or i.ep > 1  # TP > 1 MoE layers need EP > 1 (models/moe_tp.py)
+        assert p.layout == f"TP{i.tp}xPP{i.pp}xDP{i.dp}xEP{i.ep}"
+    assert {p.inputs.tp for p in plans} == {1, 2, 4}  # 4 KV heads
+    assert plans[0].fits
+    assert not any(p.fits for p in plans if p.inputs.pp == 1 and p.inputs.ep == 1)
+    dense = search(dataclasses.replace(x, model=get_preset("qwen2.5-7b")), 16,
+                   recompute=("full",))
+    assert {p.inputs.ep for p in dense} == {1} and "EP" not in dense[0].layout
 
 
 def test_optimizer_state_by_hand():
@@ -142,6 +279,7 @@ def test_dapo_32b_yaml_loads_and_plans(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "verdict: TP8xPP1xDP8 FITS" in out
     assert "rollout: 16 servers x TP4 = 64 GPUs" in out
+    assert "no communication:" in out and "expert" not in out  # a dense plan: no MoE lines
     # without recomputation the same layout is flagged and the command says so
     rc = main(["plan", DAPO_32B, "--recompute", "none"])
     assert rc == 1 and "DOES NOT FIT" in capsys.readouterr().out
@@ -257,3 +395,25 @@ def test_length_histogram_written_by_runs_is_read_by_plan(tmp_path, capsys):
     assert rows["packed"].rstrip().endswith("x") and "0.0%" in rows["packed"]
     assert main(["plan", DAPO_32B, "--lengths-file", str(tmp_path / "missing.json")]) == 2
     assert "not a response-length histogram" in capsys.readouterr().err
+
+
+def test_dapo_qwen3_30b_a3b_yaml_cites_slime_and_fits(capsys):
+    """The MoE recipe: slime's settings it keeps, its layout with EP, and the plan's verdict."""
+    cfg = load_config(DAPO_MOE)
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.dp, p.ep) == (1, 1, 16, 8)
+    assert cfg.rollout.max_new_tokens == 8192 and cfg.rollout.temperature == 0.8
+    assert (cfg.optim.lr, cfg.optim.adam_beta2, cfg.optim.weight_decay) == (1e-6, 0.98, 0.1)
+    loss = cfg.loss.build()
+    assert (loss.clip_ratio_low, loss.clip_ratio_high) == (0.2, 0.28)
+    assert "scripts/run-qwen3-30B-A3B.sh" in open(DAPO_MOE).read()
+    rc = main(["plan", DAPO_MOE])
+    out = capsys.readouterr().out
+    assert rc == 0 and "verdict: TP1xPP1xDP16xEP8 FITS" in out
+    assert "3.35B active params per token (8 of 128 experts" in out
+    assert "16 experts x 48 layers (EP 8; optimizer state sharded over expert-DP 2" in out
+    assert f"{ALLTOALL} " in out and "the MoE all-to-all only" in out
+    assert main(["plan", DAPO_MOE, "--ep", "3"]) == 2
+    assert "num_experts=128 is not divisible by expert_parallel_size=3" in \
+        capsys.readouterr().err
+    assert main(["plan", DAPO_MOE, "--gpus", "8", "--pp", "1"]) == 1  # one node: no fit

@@ -1,5 +1,6 @@
-"""The sbatch scripts without a cluster: ``bash -n`` and ``examples/dapo_32b.sh``'s dry run
-(``MRL_DRY_RUN=1`` prints its srun commands) under a made-up heterogeneous allocation."""
+"""The sbatch scripts without a cluster: ``bash -n`` and the dry runs of ``examples/dapo_32b.sh``
+and ``examples/dapo_qwen3_30b_a3b.sh`` (``MRL_DRY_RUN=1`` prints their srun commands) under a
+made-up heterogeneous allocation."""
 
 from __future__ import annotations
 
@@ -15,28 +16,30 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DAPO_SH = REPO / "examples" / "dapo_32b.sh"
+MOE_SH = REPO / "examples" / "dapo_qwen3_30b_a3b.sh"
 TINY_SH = REPO / "examples" / "tiny_slurm.sh"
 
 
-@pytest.mark.parametrize("script", [DAPO_SH, TINY_SH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [DAPO_SH, MOE_SH, TINY_SH], ids=lambda p: p.name)
 def test_bash_syntax(script):
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("script", [DAPO_SH, TINY_SH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [DAPO_SH, MOE_SH, TINY_SH], ids=lambda p: p.name)
 def test_requeue_and_resume(script):
     text = script.read_text()
     assert "#SBATCH --requeue" in text and "#SBATCH --open-mode=append" in text
     assert "trainer.resume=true" in text
 
 
-def _dry_run(tmp_path, actor: str, fleet: str, *args: str) -> subprocess.CompletedProcess:
+def _dry_run(tmp_path, actor: str, fleet: str, *args: str,
+             script: Path = DAPO_SH) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
     env.update(MRL_DRY_RUN="1", SLURM_JOB_ID="77", SLURM_JOB_NODELIST_HET_GROUP_0=actor,
                SLURM_JOB_NODELIST_HET_GROUP_1=fleet, SLURM_SUBMIT_DIR=str(REPO),
                MRL_RUN_DIR=str(tmp_path / "run"), PYTHONPATH=str(REPO))
-    return subprocess.run(["bash", str(DAPO_SH), *args], capture_output=True, text=True,
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
                           env=env, timeout=60)
 
 
@@ -107,6 +110,34 @@ def test_dapo_32b_overrides_are_valid_config(tmp_path):
     assert cfg.rollout.engine == "sglang" and len(cfg.rollout.sglang.servers) == 16
     assert cfg.rollout.sglang.router_url == "http://gpu101:30080"
     assert cfg.rollout.sglang.weight_sync == "from_distributed"
+
+
+def test_qwen3_moe_script_runs_its_config_layout(tmp_path):
+    """``dapo_qwen3_30b_a3b.sh``: the actor layout (with EP) is its config's, one node per EP
+    group; 4 SGLang servers x TP4 on the fleet; what it passes to ``train`` loads."""
+    from megatron_rl.config.load import load_config
+
+    par = yaml.safe_load((REPO / "examples" / "dapo_qwen3_30b_a3b.yaml").read_text())["parallel"]
+    m = re.search(r"^ACTOR_TP=(\d+) ACTOR_PP=(\d+) ACTOR_DP=(\d+) ACTOR_EP=(\d+)",
+                  MOE_SH.read_text(), re.M)
+    assert m and tuple(map(int, m.groups())) == (par["tp"], par["pp"], par["dp"], par["ep"])
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)", MOE_SH.read_text(), re.M)
+    assert int(nodes.group(1)) * 8 == par["tp"] * par["pp"] * par["dp"]
+    r = _dry_run(tmp_path, "gpu[001-002]", "gpu[101-102]", "trainer.total_steps=3",
+                 script=MOE_SH)
+    assert r.returncode == 0, r.stderr
+    servers, router, actor = _commands(r.stdout)
+    assert servers[:4] == ["srun", "--het-group=1", "--ntasks-per-node=2", "--gpus-per-task=4"]
+    assert len(router[router.index("--worker-urls") + 1:]) == 4
+    train = actor[actor.index("train") + 1:]
+    assert train[0] == str(REPO / "examples" / "dapo_qwen3_30b_a3b.yaml")
+    assert {"parallel.tp=1", "parallel.pp=1", "parallel.dp=16", "parallel.ep=8"} <= set(train)
+    overrides = [a for a in train[1:] if not a.startswith(("model.", "data.path="))]
+    cfg = load_config(train[0], overrides)
+    assert (cfg.parallel.dp, cfg.parallel.ep, cfg.trainer.total_steps) == (16, 8, 3)
+    assert len(cfg.rollout.sglang.servers) == 4
+    r = _dry_run(tmp_path, "gpu[001-003]", "gpu[101-102]", script=MOE_SH)
+    assert r.returncode == 2 and "3 nodes x 8 GPUs = 24 ranks but TP1 x PP1 x DP16" in r.stderr
 
 
 # ---- examples/tiny_slurm.sh fits the node ------------------------------------------------------

@@ -11,7 +11,10 @@ One fresh process per preset (TP1 x PP1 x DP1, fp32, gloo): build the :class:`Ac
 The planner gets the same shape with ``device=cpu`` (SDPA attention, torch's composite RMSNorm
 and plain SwiGLU), ``precision=fp32`` and the unfused head.
 
-    python tools/bench_plan_check.py --presets tiny qwen2.5-0.5b
+    python tools/bench_plan_check.py --presets tiny qwen2.5-0.5b moe-check
+
+``moe-check`` is a mixture-of-experts shape small enough for a CPU box (Qwen3-MoE family, hidden
+1024, 4 layers, 32 experts, top-8, expert FFN 384, vocab 32768: 229M parameters, 115M active).
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
+
+
+def _config(preset: str):
+    """A registry preset, or ``moe-check`` (see the module docstring)."""
+    from megatron_rl.models.config import ModelConfig, get_preset
+
+    if preset == "moe-check":
+        return ModelConfig(family="qwen3_moe", vocab_size=32768, hidden_size=1024,
+                           intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                           num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                           num_experts=32, num_experts_per_tok=8, moe_intermediate_size=384)
+    return get_preset(preset)
 
 
 def _batch(rows: int, prompt: int, response: int, vocab: int, seed: int) -> dict:
@@ -74,7 +89,7 @@ def _worker(preset: str, rows: int, micro: int, prompt: int, response: int,
 
     torch.set_num_threads(1)
     runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=600)
-    cfg = get_preset(preset)
+    cfg = _config(preset)
     warm = rss_kib("VmRSS")
     _warm_up(Actor, ActorConfig, OptimConfig, LossConfig, get_preset)
     _trim()
@@ -102,12 +117,11 @@ def _worker(preset: str, rows: int, micro: int, prompt: int, response: int,
 def plan_for(preset: str, rows: int, micro: int, prompt: int, response: int,
              chunk: int | None):
     """The planner's estimate for the same shape."""
-    from megatron_rl.models.config import get_preset
     from megatron_rl.plan.inputs import PlanInputs
     from megatron_rl.plan.memory import optimizer_state_bytes, stage_params
     from megatron_rl.plan.report import make_plan
 
-    x = PlanInputs(model=get_preset(preset), precision="fp32", device="cpu",
+    x = PlanInputs(model=_config(preset), precision="fp32", device="cpu",
                    micro_batch_size=micro, prompt_len=prompt, response_len=response,
                    n_micro=rows // micro, responses_per_step=rows, fused_head=False,
                    head_chunk=chunk)

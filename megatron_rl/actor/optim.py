@@ -70,8 +70,24 @@ def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=False)
     ddp = DistributedDataParallel(model.config, ddp_cfg, model)
-    model.config.finalize_model_grads_func = finalize_model_grads
+    from megatron_rl.models.moe_tp import TP_PARTIAL_GRAD
+
+    if any(getattr(p, TP_PARTIAL_GRAD, False) for p in model.parameters()):
+        model.config.finalize_model_grads_func = _finalize_with_tp_partial_grads
+    else:
+        model.config.finalize_model_grads_func = finalize_model_grads
     return ddp
+
+
+def _finalize_with_tp_partial_grads(model_chunks, *args, **kwargs):
+    """megatron's gradient finalisation, then the TP sum of the MoE layers' partial gradients
+    (:mod:`megatron_rl.models.moe_tp`)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_rl.models.moe_tp import allreduce_tp_partial_grads
+
+    finalize_model_grads(model_chunks, *args, **kwargs)
+    allreduce_tp_partial_grads(model_chunks)
 
 
 def build_optimizer(ddp_model, cfg: OptimConfig, total_steps: int):

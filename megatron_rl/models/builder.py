@@ -165,6 +165,10 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         from megatron_rl.models.attention import use_sdpa_core_attention
 
         use_sdpa_core_attention(spec)  # O(S) attention memory, no fused-softmax extension
+    if cfg.is_moe and ps.get_tensor_model_parallel_world_size() > 1:
+        from megatron_rl.models.moe_tp import sequence_chunk_moe_layer
+
+        spec.submodules.mlp.module = sequence_chunk_moe_layer()  # TP ranks split the sequence
     model = _actor_class()(
         config=tcfg, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,

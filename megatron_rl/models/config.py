@@ -178,12 +178,13 @@ def validate_for_layout(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> None
         raise ModelConfigError(
             f"model.num_experts={cfg.num_experts} is not divisible by expert_parallel_size={ep}; "
             "choose an expert_parallel_size that divides it")
-    if tp != 1:
+    if tp > 1 and ep == 1:
         raise ModelConfigError(
-            f"tensor_parallel_size={tp} with a mixture-of-experts model: megatron-core trains MoE "
-            "layers under tensor parallelism only with sequence parallelism, which this actor "
-            "does not use (allowed: tensor_parallel_size=1; split the experts with "
-            "parallel.ep instead, docs/moe.md)")
+            f"tensor_parallel_size={tp} with a mixture-of-experts model needs "
+            f"expert_parallel_size >= 2 (got {ep}): each TP rank routes its slice of the "
+            "sequence, and at EP 1 megatron-core would reduce the experts' gradients over DP "
+            "only (allowed: tensor_parallel_size=1, or an expert_parallel_size >= 2 that "
+            "divides num_experts and tp x dp, docs/moe.md)")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -226,6 +227,14 @@ PRESETS: dict[str, ModelConfig] = {
                                num_attention_heads=40, num_key_value_heads=8,
                                max_position_embeddings=32768, rope_theta=1000000.0,
                                rms_norm_eps=1e-5),
+    # Qwen/Qwen3-30B-A3B's config.json (Qwen3MoeForCausalLM, transformers 4.51): 30.5B parameters,
+    # 3.3B active per token (the model card's numbers; `plan` prints both).
+    "qwen3-30b-a3b": ModelConfig(family="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                                 intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                 max_position_embeddings=40960, rope_theta=1000000.0,
+                                 rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 

@@ -266,9 +266,9 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        # expert tensor parallelism keeps megatron's default (= tp), which is 1 for MoE models
-        # (models/config.py: validate_for_layout)
-        expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_s / 60.0)
+        # experts are never split inside (expert TP 1; megatron's default would be tp)
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        distributed_timeout_minutes=timeout_s / 60.0)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout(backend)
 

@@ -21,9 +21,10 @@ def _cmd_plan(args) -> int:
                     distributed_optimizer=args.distributed_optimizer, device=args.device,
                     prompt_len=args.prompt_len, response_len=args.response_len, mfu=args.mfu,
                     rollout_mfu=args.rollout_mfu, peak_tflops=args.peak_tflops,
-                    tp=args.tp, pp=args.pp, dp=args.dp, colocate=args.colocate,
+                    tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, colocate=args.colocate,
                     response_mean=args.response_mean, response_p95=args.response_p95,
-                    lengths_file=args.lengths_file)
+                    lengths_file=args.lengths_file, gpus_per_node=args.gpus_per_node,
+                    intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
         if args.gpus is not None and not args.search:
             tp = args.tp or cfg.parallel.tp
             pp = args.pp or cfg.parallel.pp
@@ -35,8 +36,8 @@ def _cmd_plan(args) -> int:
             gpus = args.gpus or x.actor_gpus
             plans = search(x, gpus, max_tp=args.max_tp)
             if not plans:
-                raise PlanError(f"no TP x PP x DP layout of {gpus} GPUs splits this model and "
-                                f"batch")
+                raise PlanError(f"no TP x PP x DP{' x EP' if x.model.is_moe else ''} layout of "
+                                f"{gpus} GPUs splits this model and batch")
             print(f"search: {gpus} actor GPUs, {len(plans)} layouts x recompute settings; ranked "
                   f"by fit, then estimated step time, then memory per GPU\n")
             print(format_search(plans, args.top))
@@ -56,18 +57,27 @@ def add_plan_subcommand(sub) -> None:
     import argparse
 
     p = sub.add_parser("plan", help="per-GPU memory and step-time estimate of a config's layout "
-                                    "(--search: rank all TPxPPxDP layouts)")
+                                    "(--search: rank all TPxPPxDP(xEP) layouts)")
     p.add_argument("config", help="YAML run config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--gpus", type=int, default=None,
                    help="actor GPUs (sets DP; with --search: the GPUs to lay out)")
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU in GiB")
-    p.add_argument("--search", action="store_true", help="enumerate and rank TPxPPxDP layouts")
+    p.add_argument("--search", action="store_true",
+                   help="enumerate and rank TPxPPxDP layouts (xEP for MoE models)")
     p.add_argument("--max-tp", type=int, default=8, help="largest TP in --search (one node)")
     p.add_argument("--top", type=int, default=15, help="rows of the --search table")
     p.add_argument("--tp", type=int, default=None, help="actor TP (default: parallel.tp)")
     p.add_argument("--pp", type=int, default=None, help="actor PP (default: parallel.pp)")
     p.add_argument("--dp", type=int, default=None, help="actor DP (default: parallel.dp)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="actor expert parallelism, MoE models (default: parallel.ep)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node: where the EP all-to-all leaves the node (default 8)")
+    p.add_argument("--intra-node-gbps", type=float, default=None,
+                   help="all-to-all GB/s per GPU inside a node (default 200, NVLink)")
+    p.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="all-to-all GB/s per GPU between nodes (default 40, 400 Gb/s NIC)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="default: actor.precision, else bf16")
     p.add_argument("--recompute", choices=RECOMPUTE, default=None,

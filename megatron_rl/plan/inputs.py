@@ -32,6 +32,18 @@ SERVER_RESERVE_GIB = 1.0  # a released SGLang server: CUDA context and what it d
 HOST_LINK_GBPS = 25.0  # pinned host<->device copies (PCIe Gen4 x16 class), for the swap time
 
 
+# Effective all-to-all bandwidth per GPU and direction, for the MoE token exchange: NVLink inside a
+# node (H100 SXM: 450 GB/s per direction raw; NCCL all-to-all reaches well under that), one
+# 400 Gb/s NIC per GPU between nodes (50 GB/s raw).
+INTRA_NODE_GBPS = 200.0
+
+
+INTER_NODE_GBPS = 40.0
+
+
+GPUS_PER_NODE = 8
+
+
 class PlanError(ValueError):
     """A planner input is invalid; the message names the field or flag."""
 
@@ -44,6 +56,7 @@ class PlanInputs:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism (MoE models): experts split over ep ranks of a stage
     precision: str = "bf16"
     recompute: str = "none"
     distributed_optimizer: bool = False
@@ -73,6 +86,9 @@ class PlanInputs:
     response_mean: float = 0.0  # response-length distribution (0: assumed, see plan/lengths.py)
     response_p95: float = 0.0
     lengths_file: str | None = None  # a run's response_lengths.json (wins over mean/p95)
+    gpus_per_node: int = GPUS_PER_NODE  # where the expert-parallel group crosses nodes
+    intra_node_gbps: float = INTRA_NODE_GBPS
+    inter_node_gbps: float = INTER_NODE_GBPS
 
     @property
     def seq_len(self) -> int:
@@ -86,6 +102,12 @@ class PlanInputs:
     def actor_gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def expert_dp(self) -> int:
+        """Expert data parallelism: megatron-core's ``world / (expert TP x EP x PP)`` with expert
+        TP 1, the ranks that hold the same experts (and shard their optimizer state)."""
+        return self.tp * self.dp // self.ep
+
     def validate(self) -> PlanInputs:
         """Raise :class:`PlanError` naming the bad field."""
         if self.precision not in PRECISIONS:
@@ -94,7 +116,8 @@ class PlanInputs:
             raise PlanError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
         if self.device not in DEVICES:
             raise PlanError(f"device={self.device!r} is not one of {DEVICES}")
-        for name in ("tp", "pp", "dp", "micro_batch_size", "n_micro", "server_tp"):
+        for name in ("tp", "pp", "dp", "ep", "micro_batch_size", "n_micro", "server_tp",
+                     "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.colocate and self.servers * self.server_tp > self.actor_gpus:
@@ -104,10 +127,17 @@ class PlanInputs:
         if not 0 < self.server_mem_fraction <= 1:
             raise PlanError(f"server_mem_fraction must be in (0, 1], got "
                             f"{self.server_mem_fraction}")
+        if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
+            raise PlanError(f"intra_node_gbps={self.intra_node_gbps} and inter_node_gbps="
+                            f"{self.inter_node_gbps} must be > 0")
         try:
-            validate_for_layout(self.model, self.tp, self.pp)
+            validate_for_layout(self.model, self.tp, self.pp, self.ep)
         except ModelConfigError as exc:
             raise PlanError(str(exc)) from exc
+        if (self.tp * self.dp) % self.ep:
+            raise PlanError(f"ep={self.ep} must divide the ranks of a pipeline stage, tp x dp = "
+                            f"{self.tp} x {self.dp} = {self.tp * self.dp} (megatron-core carves "
+                            f"the expert-parallel group out of them)")
         return self
 
 
@@ -134,7 +164,7 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
     fused = a.fused_logprob_entropy
     recompute = getattr(a, "recompute", "none")
     vals: dict[str, Any] = dict(
-        model=m, tp=p.tp, pp=p.pp, dp=p.dp,
+        model=m, tp=p.tp, pp=p.pp, dp=p.dp, ep=getattr(p, "ep", 1),
         precision=getattr(a, "precision", None) or "bf16",
         recompute=recompute if recompute in RECOMPUTE else ("full" if recompute else "none"),
         distributed_optimizer=cfg.optim.use_distributed_optimizer,

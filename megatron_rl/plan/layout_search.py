@@ -1,5 +1,5 @@
-"""The layout search: every TP x PP x DP split of N GPUs (x recompute settings), ranked by fit,
-then estimated step time, then memory per GPU."""
+"""The layout search: every TP x PP x DP (x EP for MoE models) split of N GPUs (x recompute
+settings), ranked by fit, then estimated step time, then memory per GPU."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ def _divisors(n: int) -> list[int]:
 
 def search(x: PlanInputs, gpus: int, max_tp: int = 8,
            recompute: tuple[str, ...] = RECOMPUTE) -> list[Plan]:
-    """Every TP x PP x DP (x recompute) layout of ``gpus`` actor GPUs the model can split into,
-    fitting ones first, then by estimated step time, then by memory."""
+    """Every TP x PP x DP (x EP for an MoE model) x recompute layout of ``gpus`` actor GPUs the
+    model can split into, fitting ones first, then by estimated step time, then by memory. EP
+    takes megatron-core's rules: it divides ``num_experts`` and the ``tp x dp`` ranks of a
+    stage."""
     global_mini = x.n_micro * x.micro_batch_size * x.dp  # sequences per optimizer step
     layouts = [(tp, pp, gpus // (tp * pp)) for tp in _divisors(gpus)
                for pp in _divisors(gpus // tp)]
@@ -28,22 +30,26 @@ def search(x: PlanInputs, gpus: int, max_tp: int = 8,
         local = global_mini // dp
         if local % x.micro_batch_size:
             continue
-        for rc in recompute:
-            cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, recompute=rc,
-                                       n_micro=local // x.micro_batch_size)
-            try:
-                plans.append(make_plan(cand))
-            except PlanError:
-                continue
+        eps = [e for e in _divisors(tp * dp) if x.model.num_experts % e == 0] \
+            if x.model.is_moe else [1]
+        for ep in eps:
+            for rc in recompute:
+                cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, ep=ep, recompute=rc,
+                                           n_micro=local // x.micro_batch_size)
+                try:
+                    plans.append(make_plan(cand))
+                except PlanError:
+                    continue
     return sorted(plans, key=lambda p: (not p.fits, sum(p.seconds.values()), p.actor_total))
 
 
 def format_search(plans: list[Plan], top: int = 15) -> str:
     """A ranked table of layouts."""
-    lines = [f"{'rank':>4} {'layout':<16} {'recompute':<10} {'actor GiB/GPU':>14} "
+    w = max([16] + [len(p.layout) + 1 for p in plans[:top]])
+    lines = [f"{'rank':>4} {'layout':<{w}} {'recompute':<10} {'actor GiB/GPU':>14} "
              f"{'fits':>5} {'step time':>10}"]
     for i, p in enumerate(plans[:top], 1):
-        lines.append(f"{i:>4} {p.layout:<16} {p.inputs.recompute:<10} "
+        lines.append(f"{i:>4} {p.layout:<{w}} {p.inputs.recompute:<10} "
                      f"{p.actor_total / GIB:>14.2f} {'yes' if p.fits else 'no':>5} "
                      f"{_fmt_s(sum(p.seconds.values())):>10}")
     if len(plans) > top:

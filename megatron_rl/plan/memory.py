@@ -43,26 +43,58 @@ from megatron_rl.plan.inputs import (
 
 
 def layer_params(m: ModelConfig) -> tuple[int, int]:
-    """(tensor-parallel-split, replicated) parameters of one transformer layer."""
+    """(tensor-parallel-split, replicated) parameters of one transformer layer, experts excluded
+    (:func:`expert_layer_params`): a dense layer's SwiGLU MLP is split; an MoE layer's router
+    ``[E, H]`` is replicated."""
     d, h, f = m.kv_channels, m.hidden_size, m.intermediate_size
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
-    split = h * (q + 2 * kv) + q * h + 3 * h * f  # QKV, output proj, SwiGLU fc1 (2f) + fc2
+    split = h * (q + 2 * kv) + q * h  # QKV, output projection
     split += (q + 2 * kv) if m.qkv_bias else 0
     replicated = 2 * h + (2 * d if m.qk_layernorm else 0)  # two RMSNorms (+ q/k norms)
+    if m.is_moe:
+        replicated += m.num_experts * h  # router
+    else:
+        split += 3 * h * f  # SwiGLU fc1 (2f) + fc2
     return split, replicated
 
 
-def total_params(m: ModelConfig) -> int:
-    """All parameters of the model (tied embeddings counted once)."""
-    split, rep = layer_params(m)
+def expert_layer_params(m: ModelConfig) -> int:
+    """Parameters of all routed experts of one layer (SwiGLU fc1 ``[2F, H]`` + fc2 ``[H, F]``
+    each); 0 for a dense model."""
+    return m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+
+
+def _non_layer_params(m: ModelConfig) -> int:
     emb = m.vocab_size * m.hidden_size
-    return m.num_hidden_layers * (split + rep) + m.hidden_size + emb * (
-        1 if m.tie_word_embeddings else 2)
+    return m.hidden_size + emb * (1 if m.tie_word_embeddings else 2)  # final norm, emb, head
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
-    """Parameters one GPU of pipeline ``stage`` holds (its TP shard; megatron keeps a copy of
-    the tied embedding on the last stage when ``pp > 1``)."""
+def total_params(m: ModelConfig) -> int:
+    """All parameters of the model (tied embeddings counted once; every expert)."""
+    split, rep = layer_params(m)
+    return m.num_hidden_layers * (split + rep + expert_layer_params(m)) + _non_layer_params(m)
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token runs through: the dense parts and ``num_experts_per_tok`` experts
+    per layer (= :func:`total_params` for a dense model)."""
+    if not m.is_moe:
+        return total_params(m)
+    split, rep = layer_params(m)
+    experts = expert_layer_params(m) * m.num_experts_per_tok // m.num_experts
+    return m.num_hidden_layers * (split + rep + experts) + _non_layer_params(m)
+
+
+def stage_expert_params(m: ModelConfig, pp: int, ep: int = 1) -> int:
+    """Expert parameters one GPU of a pipeline stage holds: its ``num_experts / ep`` experts of
+    each of its layers (expert tensor parallelism is 1: experts are never split inside)."""
+    return (m.num_hidden_layers // pp) * expert_layer_params(m) // ep
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Parameters one GPU of pipeline ``stage`` holds (its TP shard of the dense parts, its EP
+    shard of the experts; megatron keeps a copy of the tied embedding on the last stage when
+    ``pp > 1``)."""
     split, rep = layer_params(m)
     n = (m.num_hidden_layers // pp) * (split // tp + rep)
     emb = m.vocab_size // tp * m.hidden_size
@@ -72,40 +104,69 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> int:
         n += m.hidden_size  # final norm
         if not m.tie_word_embeddings or pp > 1:
             n += emb
-    return n
+    return n + stage_expert_params(m, pp, ep)
 
 
 def _dtype_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def optimizer_state_bytes(params: int, x: PlanInputs) -> dict[str, float]:
-    """Weights, fp32 main weights, fp32 gradients and Adam moments of ``params`` parameters."""
-    shard = x.dp if x.distributed_optimizer else 1
+def optimizer_state_bytes(params: int, x: PlanInputs, shard: int | None = None,
+                          prefix: str = "") -> dict[str, float]:
+    """Weights, fp32 main weights, fp32 gradients and Adam moments of ``params`` parameters; with
+    the distributed optimizer the main weights and moments are sharded ``shard`` ways (default:
+    DP; expert parameters: expert DP, :attr:`PlanInputs.expert_dp`). ``prefix`` names the item
+    (``"expert "``)."""
+    shard = (shard or x.dp) if x.distributed_optimizer else 1
     w = _dtype_bytes(x.precision)
     return {
-        "weights": params * w,
-        "main weights (fp32)": 0.0 if x.precision == "fp32" else params * 4 / shard,
-        "gradients (fp32)": params * 4.0,
-        "Adam moments (fp32)": params * 8 / shard,
+        f"{prefix}weights": params * w,
+        f"{prefix}main weights (fp32)": 0.0 if x.precision == "fp32" else params * 4 / shard,
+        f"{prefix}gradients (fp32)": params * 4.0,
+        f"{prefix}Adam moments (fp32)": params * 8 / shard,
     }
+
+
+def actor_state_bytes(x: PlanInputs, stage: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of one GPU of ``stage``: the dense parts sharded
+    over DP, an MoE model's experts (its EP shard) over the expert-data-parallel group, as
+    megatron-core's distributed optimizer does (one buffer per group)."""
+    experts = stage_expert_params(x.model, x.pp, x.ep)
+    dense = stage_params(x.model, x.tp, x.pp, stage, x.ep) - experts
+    items = optimizer_state_bytes(dense, x, prefix="dense " if x.model.is_moe else "")
+    if x.model.is_moe:
+        items.update(optimizer_state_bytes(experts, x, shard=x.expert_dp, prefix="expert "))
+    return items
 
 
 def layer_activation_elems(x: PlanInputs) -> tuple[float, float]:
     """Saved-for-backward elements of one layer, without recomputation:
     (per token, per sequence). Attention is SDPA on both devices (models/attention.py: flash /
     fused kernels keep q, k, v, the output and log-sum-exp, no ``[S, S]`` scores), so the
-    per-sequence term is zero; the devices differ in the norm and SwiGLU kernels."""
+    per-sequence term is zero; the devices differ in the norm and SwiGLU kernels.
+
+    An MoE layer's MLP term, per token, is that of its ``k = num_experts_per_tok`` routed copies
+    (each rank's experts receive ``k`` rows per local token on average; imbalance not modelled):
+    the permuted expert input and the expert output kept for the probability-weighted combine
+    (``2H`` each), the experts' SwiGLU (as dense, with ``F = moe_intermediate_size``), plus the
+    router's fp32 logits and probabilities (``2E``). Experts are not split by TP; at TP > 1 each
+    TP rank runs the MoE layer on its ``1 / tp`` of the tokens."""
     m, tp = x.model, x.tp
     h, f, d = m.hidden_size, m.intermediate_size, m.kv_channels
     q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
     attn = (q + 2 * kv + q) / tp  # q, k, v + output (+ log-sum-exp, negligible)
     if x.device == "gpu":  # fused RMSNorm (input + output), fused SwiGLU
         norms = 2 * 2 * h
-        mlp = 3 * f / tp  # fc1 output (2f) + SwiGLU output (f)
+        swiglu = 3  # fc1 output (2f) + SwiGLU output (f)
     else:  # torch's composite RMSNorm (input, normalised, output), plain SwiGLU
         norms = 2 * 3 * h
-        mlp = 4 * f / tp  # fc1 output (2f), silu output (f), product (f)
+        swiglu = 4  # fc1 output (2f), silu output (f), product (f)
+    if m.is_moe:
+        router = 2 * m.num_experts * 4 / _dtype_bytes(x.precision)  # fp32, in activation elems
+        # at TP > 1 each TP rank routes its 1 / tp slice of the sequence (models/moe_tp.py)
+        mlp = (m.num_experts_per_tok * (2 * h + swiglu * m.moe_intermediate_size) + router) / tp
+    else:
+        mlp = swiglu * f / tp
     return norms + attn + mlp, 0.0
 
 
@@ -148,7 +209,7 @@ def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
     """(worst stage, bytes per item) of one actor GPU."""
     best: tuple[int, dict[str, float]] | None = None
     for stage in sorted({0, x.pp - 1}):
-        items = optimizer_state_bytes(stage_params(x.model, x.tp, x.pp, stage), x)
+        items = actor_state_bytes(x, stage)
         if stage == 0:
             items.update(activation_bytes(x))
         if stage == x.pp - 1:
@@ -156,7 +217,7 @@ def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
                 items.update(activation_bytes(dataclasses.replace(x, n_micro=1, pp=x.pp)))
             items.update(head_bytes(x))
         if x.use_ref:
-            p = stage_params(x.model, x.tp, x.pp, stage) * _dtype_bytes(x.precision)
+            p = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
             items["reference model" + (" (offloaded to CPU)" if x.offload_ref else "")] = (
                 0.0 if x.offload_ref else p)
         if x.device == "gpu":
@@ -177,7 +238,7 @@ def checkpoint_host_bytes(x: PlanInputs) -> float:
     if not x.distributed_optimizer:
         return 0.0
     per_param = 12.0 if x.precision == "fp32" else 16.0
-    return max(stage_params(x.model, x.tp, x.pp, s) for s in {0, x.pp - 1}) * per_param
+    return max(stage_params(x.model, x.tp, x.pp, s, x.ep) for s in {0, x.pp - 1}) * per_param
 
 
 def kv_bytes_per_token(m: ModelConfig, server_tp: int) -> float:
@@ -211,7 +272,7 @@ def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
     bucket (grads and optimizer state are already on the host)."""
     budget = server["weights (bf16)"] + server["kv_pool"]
     reserve = RUNTIME_RESERVE_GIB * GIB if x.device == "gpu" else 0.0
-    params = stage_params(x.model, x.tp, x.pp, stage) * _dtype_bytes(x.precision)
+    params = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
     return {"rollout (server budget + trainer runtime)": budget + reserve,
             "update (actor + released server)": sum(actor.values()) + SERVER_RESERVE_GIB * GIB,
             "weight sync (actor params + server + bucket)": params + budget + reserve

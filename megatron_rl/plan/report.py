@@ -16,13 +16,16 @@ from megatron_rl.plan.lengths import (
     sample_for,
 )
 from megatron_rl.plan.memory import (
+    active_params,
     actor_breakdown,
     checkpoint_host_bytes,
     colocated_phases,
     server_breakdown,
+    stage_expert_params,
+    stage_params,
     total_params,
 )
-from megatron_rl.plan.step_time import step_seconds, swap_seconds
+from megatron_rl.plan.step_time import ALLTOALL, alltoall_bytes, step_seconds, swap_seconds
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Plan:
     @property
     def layout(self) -> str:
         x = self.inputs
-        return f"TP{x.tp}xPP{x.pp}xDP{x.dp}"
+        return f"TP{x.tp}xPP{x.pp}xDP{x.dp}" + (f"xEP{x.ep}" if x.model.is_moe else "")
 
 
 def make_plan(x: PlanInputs) -> Plan:
@@ -113,12 +116,30 @@ def _format_batching(p: Plan) -> list[str]:
     return lines
 
 
+def _moe_lines(p: Plan) -> list[str]:
+    """An MoE model's active parameters and one GPU's dense / expert split (empty if dense)."""
+    x, m = p.inputs, p.inputs.model
+    if not m.is_moe:
+        return []
+    experts = stage_expert_params(m, x.pp, x.ep)
+    dense = stage_params(m, x.tp, x.pp, p.stage, x.ep) - experts
+    shard = "sharded" if x.distributed_optimizer else "not sharded (distributed optimizer off)"
+    return [f"  mixture of experts: {active_params(m) / 1e9:.2f}B active params per token "
+            f"({m.num_experts_per_tok} of {m.num_experts} experts, FFN "
+            f"{m.moe_intermediate_size}); total {total_params(m) / 1e9:.2f}B",
+            f"  per actor GPU (stage {p.stage}): {dense / 1e9:.3f}B dense params (optimizer "
+            f"state {shard} over DP {x.dp}), {experts / 1e9:.3f}B expert params = "
+            f"{m.num_experts // x.ep} experts x {m.num_hidden_layers // x.pp} layers (EP "
+            f"{x.ep}; optimizer state {shard} over expert-DP {x.expert_dp} = TP x DP / EP)"]
+
+
 def format_plan(p: Plan, alternatives: bool = True) -> str:
     """The human-readable report of one plan."""
     x, m = p.inputs, p.inputs.model
     lines = [
         f"model: {m.family} {total_params(m) / 1e9:.2f}B params, {m.num_hidden_layers} layers, "
         f"hidden {m.hidden_size}, vocab {m.vocab_size}",
+        *_moe_lines(p),
         f"actor: {p.layout} = {x.actor_gpus} GPUs ({x.gpu_mem_gb:g} GiB each), {x.precision}, "
         f"recompute {x.recompute}, distributed optimizer "
         f"{'on' if x.distributed_optimizer else 'off'}, device {x.device}",
@@ -169,9 +190,13 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
                      f"{_gib(p.colocated_peak)}  / {x.gpu_mem_gb:g} GiB -> "
                      f"{'fits' if p.colocated_peak <= gpu else 'DOES NOT FIT'}")
     total = sum(p.seconds.values())
+    comm = "no communication" if ALLTOALL not in p.seconds else (
+        f"communication: the MoE all-to-all only ({alltoall_bytes(x) / GIB:.1f} GiB per GPU per "
+        f"step leave the rank, {x.intra_node_gbps:g} GB/s in a node, {x.inter_node_gbps:g} GB/s "
+        f"between nodes of {x.gpus_per_node} GPUs)")
     lines += ["", f"step time at MFU {x.mfu:.0%} (actor), {x.rollout_mfu:.0%} (rollout), "
-                  f"{x.peak_tflops:g} TFLOP/s peak, padded max lengths (upper bound), no "
-                  f"communication:"]
+                  f"{x.peak_tflops:g} TFLOP/s peak, padded max lengths (upper bound), "
+                  f"{comm}:"]
     lines += [f"  {k:<32} {_fmt_s(v)}" for k, v in p.seconds.items()]
     lines.append(f"  {'total (phases sequential)':<32} {_fmt_s(total)}")
     lines += _format_batching(p)

@@ -1,19 +1,18 @@
-"""The planner's step time: FLOPs of generation, old/ref passes and the update at a stated MFU,
-and the host<->device swap time of a colocated step (communication is not modelled)."""
+"""The planner's step time: FLOPs of generation, old/ref passes and the update at a stated MFU
+(an MoE model's FLOPs from its active parameters), an MoE actor's expert-parallel all-to-all,
+and the host<->device swap time of a colocated step (other communication is not modelled)."""
 
 from __future__ import annotations
 
 from megatron_rl.plan.inputs import HOST_LINK_GBPS, PlanInputs
 from megatron_rl.plan.lengths import PaddingCost
-from megatron_rl.plan.memory import layer_params, optimizer_state_bytes, stage_params
+from megatron_rl.plan.memory import actor_state_bytes, expert_layer_params, layer_params
 
 
 def swap_seconds(x: PlanInputs, stage: int) -> float:
     """Host<->device copy time of one colocated step: the actor's parameters, fp32 gradients
     and optimizer state leave and come back once (each way at ``HOST_LINK_GBPS``)."""
-    n = stage_params(x.model, x.tp, x.pp, stage)
-    state = optimizer_state_bytes(n, x)
-    return 2 * sum(state.values()) / (HOST_LINK_GBPS * 1e9)
+    return 2 * sum(actor_state_bytes(x, stage).values()) / (HOST_LINK_GBPS * 1e9)
 
 
 def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, float]:
@@ -23,7 +22,9 @@ def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, floa
     padding_costs`; the response tokens the head scores are then the sample's, not the cap)."""
     m = x.model
     split, rep = layer_params(m)
-    body = m.num_hidden_layers * (split + rep)
+    active_experts = expert_layer_params(m) * m.num_experts_per_tok // m.num_experts \
+        if m.is_moe else 0
+    body = m.num_hidden_layers * (split + rep + active_experts)  # active parameters
     attn_coef = 2 * m.num_hidden_layers * m.num_attention_heads * m.kv_channels  # causal
     head = 2 * m.vocab_size * m.hidden_size
     n = x.responses_per_step
@@ -44,14 +45,52 @@ def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, floa
     return out
 
 
+ALLTOALL = "MoE all-to-all (EP)"  # dispatch + combine of every pass
+
+
+def alltoall_bytes(x: PlanInputs, cost: PaddingCost | None = None) -> float:
+    """Bytes one actor GPU sends to the other ranks of its expert-parallel group in one step
+    (megatron's ``alltoall`` token dispatcher): per layer of its stage and per pass direction,
+    its tokens' ``num_experts_per_tok`` routed copies of the hidden state go out (dispatch) and
+    come back (combine), ``(ep - 1) / ep`` of them to other ranks (uniform routing). Directions:
+    the old-policy (and reference) forward, the update's forward and backward, and the
+    recomputed forward under full recomputation. Tokens: this rank's share of the step's rows
+    (``/ dp``; ``/ tp`` too: each TP rank dispatches its slice, models/moe_tp.py), padded to
+    the cap or at ``cost``'s tokens per row. 0 for a dense model or ``ep == 1``."""
+    m = x.model
+    if not m.is_moe or x.ep == 1:
+        return 0.0
+    per_row = cost.tokens if cost is not None else x.seq_len
+    tokens = x.responses_per_step * per_row / (x.dp * x.tp)
+    one = tokens * m.num_experts_per_tok * m.hidden_size * (4 if x.precision == "fp32" else 2)
+    directions = 1 + int(x.use_ref) + 2 + int(x.recompute == "full")
+    return 2 * directions * (m.num_hidden_layers // x.pp) * one * (x.ep - 1) / x.ep
+
+
+def alltoall_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> float:
+    """:func:`alltoall_bytes` over the links: the expert-parallel group is ``ep`` consecutive
+    ranks (megatron-core's expert rank order with expert TP 1), so ``min(ep, gpus_per_node) - 1``
+    peers share the node (NVLink, ``intra_node_gbps``) and the rest are on other nodes
+    (``inter_node_gbps``); both links run at once, the slower share sets the time."""
+    b = alltoall_bytes(x, cost)
+    if not b:
+        return 0.0
+    local = min(x.ep, x.gpus_per_node) - 1
+    remote = x.ep - 1 - local
+    return max(b * local / (x.ep - 1) / (x.intra_node_gbps * 1e9),
+               b * remote / (x.ep - 1) / (x.inter_node_gbps * 1e9))
+
+
 def step_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, float]:
-    """Seconds per phase at the stated MFUs (actor phases include the pipeline bubble);
-    ``cost``: see :func:`step_flops`."""
+    """Seconds per phase at the stated MFUs (actor phases include the pipeline bubble; an MoE
+    actor's all-to-all is not overlapped with compute); ``cost``: see :func:`step_flops`."""
     fl = step_flops(x, cost)
     actor = x.actor_gpus * x.peak_tflops * 1e12 * x.mfu
     bubble = 1 + (x.pp - 1) / x.n_micro
     roll = "rollout (one generation round)"
     out = {k: v / actor * bubble for k, v in fl.items() if k != roll}
+    if a2a := alltoall_seconds(x, cost):
+        out[ALLTOALL] = a2a * bubble
     if x.servers:
         out[roll] = fl[roll] / (x.servers * x.server_tp * x.peak_tflops * 1e12
                                           * x.rollout_mfu)
