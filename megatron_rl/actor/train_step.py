@@ -74,6 +74,7 @@ class ActorConfig:
     offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
     max_tokens_per_micro_batch: int = 0
     pack_sequences: bool = False  # one packed (THD) row per micro-batch (docs/packing.md)
+    routing_replay: str = "none"  # none | r2 | r3: MoE expert routing replay (docs/moe.md)
 
     @property
     def use_fused_head(self) -> bool:
@@ -92,6 +93,22 @@ class ActorConfig:
         if self.mini_batch_size < 0:
             raise ActorConfigError(f"actor.mini_batch_size must be >= 0 (0 = whole batch), got "
                                    f"{self.mini_batch_size}")
+        from megatron_rl.actor.routing_replay import MODES
+
+        if self.routing_replay not in MODES:
+            raise ActorConfigError(f"actor.routing_replay={self.routing_replay!r} is not one of "
+                                   f"{MODES}")
+        if self.routing_replay != "none":
+            for name, bad in (("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch),
+                              ("pack_sequences", self.pack_sequences),
+                              ("recompute", self.recompute == "full")):
+                if bad:
+                    raise ActorConfigError(
+                        f"actor.routing_replay={self.routing_replay!r} works with padded "
+                        f"row micro-batches without full recomputation; actor.{name}="
+                        f"{getattr(self, name)!r} is not supported with it (set "
+                        "actor.max_tokens_per_micro_batch=0, actor.pack_sequences=false, "
+                        "actor.recompute none|selective, or actor.routing_replay=none)")
         if not self.temperature > 0:
             raise ActorConfigError(f"actor.temperature must be > 0, got {self.temperature}")
         from megatron_rl.actor.precision import validate_memory_fields
@@ -171,8 +188,9 @@ class PolicyUpdater:
     """Runs the mini-batch/micro-batch update of one RL step on a DDP-wrapped model chunk."""
 
     def __init__(self, ddp_model, optimizer, scheduler, actor_cfg: ActorConfig,
-                 loss_cfg: LossConfig, entropy_controller=None) -> None:
+                 loss_cfg: LossConfig, entropy_controller=None, routing=None) -> None:
         self.model = ddp_model
+        self.routing = routing  # RoutingReplay (actor.routing_replay r2/r3) or None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.cfg = actor_cfg
@@ -199,7 +217,7 @@ class PolicyUpdater:
                                        compute_entropy=False,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head,
-                                       pack=self.cfg.pack_sequences)
+                                       pack=self.cfg.pack_sequences, routing=self.routing)
 
     def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None,
                        step: int, salt: int = 0):
@@ -271,6 +289,8 @@ class PolicyUpdater:
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
             tokens, mask = mb["tokens"], mb["mask"]
+            if self.routing is not None:  # the old pass's (r2) or the engine's (r3) expert ids
+                self.routing.before_forward(mb, False)
             if packed is not None:
                 hidden = packed.model_forward(model_chunk, i, **half_kwargs)
             else:
@@ -299,12 +319,16 @@ class PolicyUpdater:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
-            model=[self.model], num_microbatches=n_micro,
-            seq_length=seq if packed is None else packed.seq_length,
-            micro_batch_size=bsz if packed is None else packed.micro_batch_size,
-            forward_only=False)
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
+                model=[self.model], num_microbatches=n_micro,
+                seq_length=seq if packed is None else packed.seq_length,
+                micro_batch_size=bsz if packed is None else packed.micro_batch_size,
+                forward_only=False)
+        finally:
+            if self.routing is not None:
+                self.routing.off()
 
         metrics: dict[str, float] = {}
         dev = mbs[0]["tokens"].device

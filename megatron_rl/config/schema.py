@@ -133,6 +133,7 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "rollout.filter_metric": lambda: FILTER_METRICS,
     "actor.precision": _choices("megatron_rl.actor.precision", "PRECISIONS"),
     "actor.recompute": _choices("megatron_rl.actor.precision", "RECOMPUTE"),
+    "actor.routing_replay": _choices("megatron_rl.actor.routing_replay", "MODES"),
     "optim.lr_decay_style": _choices("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
     "loss.rollout_correction": _choices("megatron_rl.loss.rollout_correction",
