@@ -112,7 +112,7 @@ def test_routing_replay_config_errors():
                        ).actor.routing_replay == "r3"
 
 
-# --- the actor (one single-rank spawn) --------------------------------------------------------------
+# --- the actor (one single-rank spawn) ----------------------------------------------------------
 def _router_hooks(model, calls: list) -> list:
     """Each router call appends ``{global layer: [B*S, k] sorted ids}`` entries to ``calls``."""
     hooks = []

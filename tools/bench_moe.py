@@ -15,6 +15,8 @@ does not touch the old-logp pass (its mismatch is none's); what it changes is th
 one optimizer step the update's forward routes some tokens elsewhere than the old pass did
 (``r2_flips``: fraction of token x layer top-k sets that changed), and ``update_gap_free`` /
 ``update_gap_r2`` are mean |logp - old logp| of that forward without / with replay.
+``mismatch_dense`` is the same measurement on the dense twin (no routing at all): the bf16
+rounding floor that replaying expert ids cannot remove.
 
 The last line is ``bench_moe: moe_over_dense=<ratio> ep2_over_ep1=<ratio> mismatch_none=<x>
 mismatch_r2=<x> mismatch_r3=<x>``.
@@ -28,6 +30,13 @@ import time
 import torch
 
 from megatron_rl.parallel.launch import spawn
+
+
+def _dense_twin(moe):
+    """A dense Qwen3 with ``moe``'s active parameters per token (FFN = top_k x expert FFN)."""
+    return moe.replace(family="qwen3", num_experts=0, num_experts_per_tok=0,
+                       moe_intermediate_size=0,
+                       intermediate_size=moe.num_experts_per_tok * moe.moe_intermediate_size)
 
 
 def _worker(kind: str, ep: int, seqs: int, seq_len: int, steps: int) -> float:
@@ -44,9 +53,7 @@ def _worker(kind: str, ep: int, seqs: int, seq_len: int, steps: int) -> float:
 
     runtime.init_parallel(ep=ep, timeout_s=300)
     moe = get_preset("tiny-qwen3-moe")
-    cfg = moe if kind == "moe" else moe.replace(
-        family="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
-        intermediate_size=moe.num_experts_per_tok * moe.moe_intermediate_size)
+    cfg = moe if kind == "moe" else _dense_twin(moe)
     dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     local = seqs // dp
     actor = Actor(cfg, ActorConfig(micro_batch_size=local), OptimConfig(lr=1e-4),
@@ -68,7 +75,7 @@ def _worker(kind: str, ep: int, seqs: int, seq_len: int, steps: int) -> float:
     return sum(times) / len(times)
 
 
-def _mismatch_worker(seqs: int, new_tokens: int) -> dict:
+def _mismatch_worker(seqs: int, new_tokens: int, lr: float) -> dict:
     """The mismatch table on one process (see the module docstring)."""
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
@@ -89,12 +96,13 @@ def _mismatch_worker(seqs: int, new_tokens: int) -> dict:
     prompts = [torch.randint(2, cfg.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(4, 12, (seqs,), generator=g)]
     out: dict[str, float] = {}
-    for mode in ("none", "r2", "r3"):
-        actor = Actor(cfg, ActorConfig(micro_batch_size=seqs // 2, routing_replay=mode,
-                                       mini_batch_size=seqs // 2),
-                      OptimConfig(lr=3e-3), LossConfig.for_algorithm("dapo"), total_steps=2,
+    for mode in ("none", "r2", "r3", "dense"):
+        model = cfg if mode != "dense" else _dense_twin(cfg)  # the bf16 floor without routing
+        actor = Actor(model, ActorConfig(micro_batch_size=seqs // 2, mini_batch_size=seqs // 2,
+                                         routing_replay=mode if mode != "dense" else "none"),
+                      OptimConfig(lr=lr), LossConfig.for_algorithm("dapo"), total_steps=2,
                       seed=1)
-        engine = EmbeddedEngine(cfg, eos_id=1, pad_id=0, return_routed_experts=True)
+        engine = EmbeddedEngine(model, eos_id=1, pad_id=0, return_routed_experts=mode != "dense")
         sync_weights(actor, engine, 64, version=0)  # fp32, verified; then the engine in bf16
         engine.model.to(torch.bfloat16)
         comps = [c for grp in engine.generate(prompts, SamplingParams(
@@ -132,9 +140,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mismatch-seqs", type=int, default=8)
     ap.add_argument("--mismatch-tokens", type=int, default=24)
+    ap.add_argument("--mismatch-lr", type=float, default=1e-4, help="the R2 update's lr")
     ap.add_argument("--mismatch-only", action="store_true", help="only the routing-replay table")
     a = ap.parse_args()
-    mm = spawn(_mismatch_worker, 1, (a.mismatch_seqs, a.mismatch_tokens))[0]
+    mm = spawn(_mismatch_worker, 1, (a.mismatch_seqs, a.mismatch_tokens,
+                                             a.mismatch_lr))[0]
     print("routing replay, bf16 engine vs fp32 actor (tiny-qwen3-moe): " +
           " ".join(f"{k}={v:.4g}" for k, v in mm.items()))
     if a.mismatch_only:
