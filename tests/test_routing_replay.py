@@ -3,7 +3,8 @@
 ``actor.routing_replay`` r2 / r3 over megatron-core's ``RouterReplay``.
 
 One spawned single-rank job checks the actor (R3 routes like the engine, R2's update routes like
-the old pass, and without replay both differ); the rest runs in-process.
+the old pass, and without replay both differ); a slow two-rank job checks R3's layer and row
+mapping under PP2 and DP2xEP2; the rest runs in-process.
 """
 
 from __future__ import annotations
@@ -220,3 +221,63 @@ def test_actor_replays_engine_and_old_pass_routing():
     (res,) = spawn(_actor_worker, 1, (), timeout_s=300)
     assert res == {"r3_replay": True, "r3_free": False, "r2_same": True, "r2_recorded": True,
                    "none_same": False}, res
+
+
+def _layout_worker() -> dict:
+    """R3 under PP2 and DP2xEP2: every stage replays its own (global) layers, every DP rank its
+    own rows, in the old-logp pass and in the update (two micro-batches each)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.routing_replay import KEY
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.loss import LossConfig
+    from megatron_rl.parallel import runtime
+
+    cfg = get_preset(PRESET)
+    n, seq, k = 4, 12, cfg.num_experts_per_tok
+    g = torch.Generator().manual_seed(0)
+    full = {"tokens": torch.randint(2, cfg.vocab_size, (n, seq), generator=g),
+            "mask": torch.zeros(n, seq, dtype=torch.bool),
+            KEY: torch.stack([torch.randperm(cfg.num_experts, generator=g)[:k] for _ in
+                              range(n * seq * cfg.num_hidden_layers)]).view(
+                n, seq, cfg.num_hidden_layers, k).int()}
+    full["mask"][:, 4:] = True
+    full["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * full["mask"]
+    out = {}
+    for pp, ep in ((2, 1), (1, 2)):
+        runtime.init_parallel(pp=pp, ep=ep, timeout_s=120)
+        dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per = n // dp
+        batch = {key: v[r * per:(r + 1) * per].clone() for key, v in full.items()}
+        actor = Actor(cfg, ActorConfig(micro_batch_size=1, routing_replay="r3"),
+                      OptimConfig(lr=1e-3), LossConfig.for_algorithm("dapo"), total_steps=1,
+                      seed=3)
+        calls: list = []
+        hooks = _router_hooks(actor.model, calls)
+        actor.add_old_logprobs(batch)
+        actor.update(batch, 0)
+        for h in hooks:
+            h.remove()
+        layers = sorted({lid for lid, _ in calls})
+        ok = len(calls) == 2 * per * len(layers)  # (old pass + update) x micro-batches x layers
+        for c, (lid, ids) in enumerate(calls):
+            row = (c // len(layers)) % per
+            ok = ok and torch.equal(ids, _as_tokens(batch[KEY][row:row + 1], lid))
+        out[f"pp{pp}_ep{ep}_rank{torch.distributed.get_rank()}"] = (ok, layers)
+        del actor
+    runtime.shutdown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_r3_replays_global_layers_under_pp_and_ep():
+    """Two ranks, two layouts in sequence (~25 s on the shared 2-core box: slow tier)."""
+    from megatron_rl.parallel.launch import spawn
+
+    res = {k: v for r in spawn(_layout_worker, 2, (), timeout_s=300) for k, v in r.items()}
+    assert res == {"pp2_ep1_rank0": (True, [0, 1]), "pp2_ep1_rank1": (True, [2, 3]),
+                   "pp1_ep2_rank0": (True, [0, 1, 2, 3]),
+                   "pp1_ep2_rank1": (True, [0, 1, 2, 3])}, res
