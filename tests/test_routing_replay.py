@@ -56,6 +56,24 @@ def test_engine_returns_the_routing_of_every_token(per_request):
     assert c.routed_experts is None
 
 
+def test_capture_records_only_its_own_thread():
+    """A server runs several requests' forwards on one model: a capture ignores other threads."""
+    import threading
+
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.routed_experts import RoutingCapture
+
+    model = build_hf_model(get_preset(PRESET))
+    cap = RoutingCapture(model)
+    with cap.active(), torch.no_grad():
+        t = threading.Thread(target=lambda: model(input_ids=torch.tensor([[4, 5, 6]])))
+        t.start()
+        t.join()
+        assert cap.calls == []
+        model(input_ids=torch.tensor([[4, 5]]))
+    assert [tuple(c.shape) for c in cap.calls] == [(2, 4, 2)]
+
+
 def test_serve_returns_routed_experts_as_sglang_does():
     """``return_routed_experts`` is honoured only on a server started with
     ``--enable-return-routed-experts`` (else silently ignored, as SGLang does); the reply's

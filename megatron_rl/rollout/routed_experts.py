@@ -10,6 +10,7 @@ little-endian int32 bytes.
 from __future__ import annotations
 
 import base64
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -28,7 +29,8 @@ def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
 class RoutingCapture:
     """Top-k expert ids of every forward call of a ``transformers`` MoE model (forward hooks on
     the routers). ``calls[i]`` is ``[tokens_i, num_layers, top_k]`` int32 on the CPU, tokens in the
-    model's ``[batch, seq]`` row-major order."""
+    model's ``[batch, seq]`` row-major order. Only forwards run by the thread that opened
+    :meth:`active` are recorded (a server runs other requests' forwards on the same model)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.gates = moe_gates(model)
@@ -38,8 +40,11 @@ class RoutingCapture:
         self.top_k = int(model.config.num_experts_per_tok)
         self.calls: list[torch.Tensor] = []
         self._layer: list[torch.Tensor] = []
+        self._thread: int | None = None
 
     def _hook(self, module: torch.nn.Module, args, out) -> None:
+        if threading.get_ident() != self._thread:
+            return
         if isinstance(out, tuple):  # transformers 5: (logits, top-k weights, top-k ids)
             ids = out[2]
         else:  # transformers 4: the gate is a Linear giving the router logits
@@ -52,6 +57,7 @@ class RoutingCapture:
     @contextmanager
     def active(self) -> Iterator[RoutingCapture]:
         """Hooks installed for the ``with`` block only."""
+        self._thread = threading.get_ident()
         handles = [g.register_forward_hook(self._hook) for g in self.gates]
         try:
             yield self
