@@ -176,9 +176,8 @@ class EmbeddedEngine:
         logp = torch.stack([torch.log_softmax(lg.float() / temp, dim=-1) for lg in out.logits], 1)
         tok_logp = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1).cpu()  # [R, new], one copy
         gen = gen.cpu()
-        routed = None
-        if cap is not None:  # [R, width + new - 1, layers, k]: every forward call's tokens
-            routed = torch.cat([c.view(len(rows), -1, *c.shape[1:]) for c in cap.calls], 1)
+        # [R, width + new - 1, layers, k]: every forward call's tokens
+        routed = cap.result(len(rows)) if cap is not None else None
         results: list[list[Completion]] = [[] for _ in prompts]
         for i, p in enumerate(rows):
             resp = gen[i].tolist()

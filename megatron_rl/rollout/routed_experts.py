@@ -28,8 +28,9 @@ def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class RoutingCapture:
     """Top-k expert ids of every forward call of a ``transformers`` MoE model (forward hooks on
-    the routers). ``calls[i]`` is ``[tokens_i, num_layers, top_k]`` int32 on the CPU, tokens in the
-    model's ``[batch, seq]`` row-major order. Only forwards run by the thread that opened
+    the routers). ``calls[i]`` is ``[tokens_i, num_layers, top_k]`` int32 on the model's device
+    (no host sync per forward; :meth:`result` copies once), tokens in the model's ``[batch, seq]``
+    row-major order. Only forwards run by the thread that opened
     :meth:`active` are recorded (a server runs other requests' forwards on the same model)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -49,10 +50,17 @@ class RoutingCapture:
             ids = out[2]
         else:  # transformers 4: the gate is a Linear giving the router logits
             ids = torch.topk(out.float(), self.top_k, dim=-1).indices
-        self._layer.append(ids.reshape(-1, self.top_k).to("cpu", torch.int32))
+        self._layer.append(ids.reshape(-1, self.top_k).to(torch.int32))
         if len(self._layer) == len(self.gates):
             self.calls.append(torch.stack(self._layer, dim=1))
             self._layer = []
+
+    def result(self, rows: int = 1) -> torch.Tensor | None:
+        """Every call's ids on the host, ``[rows, total tokens / rows, layers, k]`` (one copy;
+        ``rows``: the batch size of the forwards); None when nothing ran."""
+        if not self.calls:
+            return None
+        return torch.cat([c.view(rows, -1, *c.shape[1:]) for c in self.calls], 1).cpu()
 
     @contextmanager
     def active(self) -> Iterator[RoutingCapture]:

@@ -80,7 +80,8 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
         with cap.active():
             res = _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy,
                           stop_ids, seed, lock, abort, running, res)
-        res.routed_experts = torch.cat(cap.calls) if cap.calls else None
+        got = cap.result()
+        res.routed_experts = None if got is None else got[0]
         return res
     return _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy, stop_ids,
                    seed, lock, abort, running, res)
