@@ -86,13 +86,18 @@ class Actor:
             from megatron_rl.actor.packing import check_packing_backend
 
             check_packing_backend(self.model)
+        self.routing = None  # MoE routing replay (actor.routing_replay r2/r3): this stage's routers
+        if actor_cfg.routing_replay != "none":
+            from megatron_rl.actor.routing_replay import RoutingReplay
+
+            self.routing = RoutingReplay(self.model, actor_cfg.routing_replay)
         self.ddp = wrap_ddp(self.net, optim_cfg.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, optim_cfg, total_steps)
         # megatron's schedule multiplies each loss by this before backward (the fp16 loss scale;
         # 1 for bf16/fp32), as Megatron-LM's training loop does.
         self.model.config.grad_scale_func = getattr(self.optimizer, "scale_loss", None)
         self.updater = PolicyUpdater(self.ddp, self.optimizer, self.scheduler, actor_cfg,
-                                     self.loss_cfg, entropy_controller)
+                                     self.loss_cfg, entropy_controller, routing=self.routing)
 
     def micro_batches(self, batch: Mapping[str, Any]) -> list[dict]:
         """Cut this rank's rows into micro-batches of ``actor.micro_batch_size`` sequences."""
@@ -102,10 +107,12 @@ class Actor:
                                     f"actor.micro_batch_size={self.cfg.micro_batch_size}")]
 
     def logprobs(self, batch: Mapping[str, Any], compute_entropy: bool = True,
-                 model: torch.nn.Module | None = None, temperature: float | None = None
-                 ) -> dict[str, torch.Tensor] | None:
+                 model: torch.nn.Module | None = None, temperature: float | None = None,
+                 routing: str = "free") -> dict[str, torch.Tensor] | None:
         """Forward-only ``logp``/``entropy`` ``[N, S]`` of ``batch`` (last stage; else None), at
-        ``temperature`` (default: the actor's sampling temperature)."""
+        ``temperature`` (default: the actor's sampling temperature). ``routing`` (MoE with
+        ``actor.routing_replay``): ``free`` routes normally, ``record`` writes each layer's expert
+        ids into ``batch["routed_experts"]``, ``replay`` routes by them."""
         temp = self.cfg.temperature if temperature is None else temperature
         groups = None
         if self.cfg.max_tokens_per_micro_batch:
@@ -118,7 +125,9 @@ class Actor:
                                        compute_entropy=compute_entropy,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head,
-                                       pack=self.cfg.pack_sequences)
+                                       pack=self.cfg.pack_sequences,
+                                       routing=None if routing == "free" else self.routing,
+                                       record_routing=routing == "record")
         if not outs:
             return None
         keys = ("logp", "entropy") if compute_entropy else ("logp",)
@@ -128,8 +137,19 @@ class Actor:
         return {k: torch.cat([o[k] for o in outs]) for k in keys}
 
     def add_old_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The old-policy pass: adds ``old_logp`` and ``old_entropy`` (current weights)."""
-        out = self.logprobs(batch)
+        """The old-policy pass: adds ``old_logp`` and ``old_entropy`` (current weights). With
+        ``actor.routing_replay``: r2 records this pass's expert ids into ``routed_experts``
+        (replacing any from the engine), r3 routes by the engine's."""
+        routing = "free"
+        if self.routing is not None and self.cfg.routing_replay == "r2":
+            from megatron_rl.actor.routing_replay import KEY, new_record_buffer
+
+            batch[KEY] = new_record_buffer(batch, self.model_cfg.num_hidden_layers,
+                                           self.model_cfg.num_experts_per_tok)
+            routing = "record"
+        elif self.routing is not None:
+            routing = "replay"
+        out = self.logprobs(batch, routing=routing)
         if out is not None:
             batch["old_logp"], batch["old_entropy"] = out["logp"], out["entropy"]
         return batch

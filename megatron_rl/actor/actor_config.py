@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
+ROUTING_REPLAY_MODES = ("none", "r2", "r3")  # megatron_rl/actor/routing_replay.py
 
 
 def validate_memory_fields(precision: str | None, recompute: str, offload_ref: bool | None,
@@ -41,6 +42,7 @@ class ActorConfig:
     offload_ref: bool | None = None  # ref weights in pinned host RAM between passes; None: CUDA
     max_tokens_per_micro_batch: int = 0
     pack_sequences: bool = False  # one packed (THD) row per micro-batch (docs/packing.md)
+    routing_replay: str = "none"  # none | r2 | r3: MoE expert routing replay (docs/moe.md)
 
     @property
     def use_fused_head(self) -> bool:
@@ -61,6 +63,20 @@ class ActorConfig:
         if self.mini_batch_size < 0:
             raise ActorConfigError(f"actor.mini_batch_size must be >= 0 (0 = whole batch), got "
                                    f"{self.mini_batch_size}")
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ActorConfigError(f"actor.routing_replay={self.routing_replay!r} is not one of "
+                                   f"{ROUTING_REPLAY_MODES}")
+        if self.routing_replay != "none":
+            for name, bad in (("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch),
+                              ("pack_sequences", self.pack_sequences),
+                              ("recompute", self.recompute == "full")):
+                if bad:
+                    raise ActorConfigError(
+                        f"actor.routing_replay={self.routing_replay!r} works with padded "
+                        f"row micro-batches without full recomputation; actor.{name}="
+                        f"{getattr(self, name)!r} is not supported with it (set "
+                        "actor.max_tokens_per_micro_batch=0, actor.pack_sequences=false, "
+                        "actor.recompute none|selective, or actor.routing_replay=none)")
         if not self.temperature > 0:
             raise ActorConfigError(f"actor.temperature must be > 0, got {self.temperature}")
         validate_memory_fields(self.precision, self.recompute, self.offload_ref, ActorConfigError)

@@ -49,11 +49,14 @@ def variable_lengths(model: torch.nn.Module) -> bool:
 def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict], *,
                             temperature: float = 1.0, compute_entropy: bool = True,
                             chunk_size: int | None = None, fused: bool = False,
-                            pack: bool = False) -> list[dict]:
+                            pack: bool = False, routing=None, record_routing: bool = False
+                            ) -> list[dict]:
     """Run ``micro_batches`` (dicts with ``tokens`` and ``mask``, ``[B, S]``) through the pipeline.
 
     ``pack``: run each micro-batch as one packed row (:mod:`megatron_rl.actor.packing`); same
-    values.
+    values. ``routing``: a :class:`~megatron_rl.actor.routing_replay.RoutingReplay`; each
+    micro-batch's forward records its expert ids into ``mb["routed_experts"]`` (a view into the
+    batch) when ``record_routing``, else replays them.
 
     Returns, on the last pipeline stage, one dict per micro-batch with ``logp`` and ``entropy``
     (``[B, S]`` fp32, zero outside the mask); an empty list on the other stages.
@@ -84,10 +87,14 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
         i, mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
         mask = mb["mask"].to(device)
+        if routing is not None:
+            routing.before_forward(mb, record_routing)
         if packed is not None:
             hidden = packed.model_forward(model_chunk, i, **call_kwargs)
         else:
             hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs)
+        if routing is not None:
+            routing.after_forward()
 
         def collect(hidden_states, non_loss_data=True):
             kw = dict(temperature=temperature, compute_entropy=compute_entropy,
@@ -112,4 +119,6 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
             forward_only=True, collect_non_loss_data=True)
     finally:
         model.train(was_training)
+        if routing is not None:
+            routing.off()
     return list(out)

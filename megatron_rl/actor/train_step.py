@@ -127,8 +127,9 @@ class PolicyUpdater:
     """Runs the mini-batch/micro-batch update of one RL step on a DDP-wrapped model chunk."""
 
     def __init__(self, ddp_model, optimizer, scheduler, actor_cfg: ActorConfig,
-                 loss_cfg: LossConfig, entropy_controller=None) -> None:
+                 loss_cfg: LossConfig, entropy_controller=None, routing=None) -> None:
         self.model = ddp_model
+        self.routing = routing  # RoutingReplay (actor.routing_replay r2/r3) or None
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.cfg = actor_cfg
@@ -155,7 +156,7 @@ class PolicyUpdater:
                                        compute_entropy=False,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head,
-                                       pack=self.cfg.pack_sequences)
+                                       pack=self.cfg.pack_sequences, routing=self.routing)
 
     def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None,
                        step: int, salt: int = 0):
@@ -227,6 +228,8 @@ class PolicyUpdater:
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
             tokens, mask = mb["tokens"], mb["mask"]
+            if self.routing is not None:  # the old pass's (r2) or the engine's (r3) expert ids
+                self.routing.before_forward(mb, False)
             if packed is not None:
                 hidden = packed.model_forward(model_chunk, i, **half_kwargs)
             else:
@@ -255,12 +258,16 @@ class PolicyUpdater:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
-            model=[self.model], num_microbatches=n_micro,
-            seq_length=seq if packed is None else packed.seq_length,
-            micro_batch_size=bsz if packed is None else packed.micro_batch_size,
-            forward_only=False)
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
+                model=[self.model], num_microbatches=n_micro,
+                seq_length=seq if packed is None else packed.seq_length,
+                micro_batch_size=bsz if packed is None else packed.micro_batch_size,
+                forward_only=False)
+        finally:
+            if self.routing is not None:
+                self.routing.off()
 
         metrics: dict[str, float] = {}
         dev = mbs[0]["tokens"].device

@@ -18,9 +18,11 @@ from megatron_rl.rollout.fleet import LAUNCHERS, WEIGHT_SYNCS
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the field and the allowed values."""
     try:
-        validate_model_section(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+        model = validate_model_section(cfg.model, cfg.parallel.tp, cfg.parallel.pp,
+                                       cfg.parallel.ep)
     except (ModelSourceError, ModelConfigError) as exc:
         raise ConfigError(str(exc)) from exc
+    validate_routing_replay(cfg, model.is_moe)
     for old, new in (("prompt_field", "prompt_key"), ("answer_field", "answer_key")):
         if getattr(cfg.data, old) is not None:
             raise ConfigError(f"data.{old} was renamed data.{new}; use data.{new}="
@@ -54,6 +56,25 @@ def validate_run_config(cfg: RunConfig) -> None:
     if rows % cfg.parallel.dp:
         raise ConfigError(f"trainer.train_batch_size x rollout.n = {rows} responses must be "
                           f"divisible by parallel.dp={cfg.parallel.dp}")
+
+
+def validate_routing_replay(cfg: RunConfig, moe: bool) -> None:
+    """``actor.routing_replay`` r2/r3 need an MoE model; r3 needs routed experts from the rollout
+    (not multi-turn episodes, whose turns are stitched from several requests)."""
+    mode = cfg.actor.routing_replay
+    if mode == "none":
+        return
+    if not moe:
+        raise ConfigError(f"actor.routing_replay={mode!r} needs a mixture-of-experts model "
+                          "(model.preset tiny-qwen3-moe or a Qwen3-MoE model.hf_path); this "
+                          "model is dense: set actor.routing_replay=none")
+    if mode == "r3" and cfg.env.name:
+        raise ConfigError(f"actor.routing_replay='r3' is not supported with multi-turn "
+                          f"env.name={cfg.env.name!r} (allowed there: 'none', 'r2')")
+    if cfg.parallel.tp > 1:  # each TP rank routes a slice of the sequence (models/moe_tp.py)
+        raise ConfigError(f"actor.routing_replay={mode!r} is not supported with "
+                          f"parallel.tp={cfg.parallel.tp} (MoE at TP > 1 routes per sequence "
+                          "slice); use parallel.tp=1 or actor.routing_replay=none")
 
 
 def validate_parallel_section(p: ParallelSection) -> None:

@@ -66,6 +66,8 @@ def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingPa
                             "response_length": len(c.response_ids), "score": s,
                             "acc": float(s >= 1.0), "reward": s, "text": text,
                             "weight_version": c.weight_version,
+                            **({"routed_experts": c.routed_experts}
+                               if c.routed_experts is not None else {}),
                             **({"token_versions": c.token_versions} if c.token_versions
                                else {})})
     return records
@@ -163,7 +165,9 @@ def pad_records(records: list[dict], pad_id: int, rows_multiple: int) -> dict[st
     """``tokens/mask/rollout_logp [N, S]`` (right-padded), ``reward/positive [N]`` on the CPU; N is
     padded with empty rows to a multiple of ``rows_multiple``. ``mask`` is a record's
     ``response_mask`` when it has one (multi-turn: the model's own tokens), else its whole response
-    unless it was overlong-filtered."""
+    unless it was overlong-filtered. Records with ``routed_experts`` (an MoE engine's routing,
+    ``[len - 1, layers, k]``) add ``routed_experts [N, S, layers, k]`` int32, -1 where there is
+    none (each row's last token, padding)."""
     n = len(records)
     n_pad = -(-n // rows_multiple) * rows_multiple
     seq = max(len(x["prompt_ids"]) + len(x["response_ids"]) for x in records)
@@ -183,8 +187,21 @@ def pad_records(records: list[dict], pad_id: int, rows_multiple: int) -> dict[st
     reward[:n] = torch.tensor([x["reward"] for x in records])
     positive = torch.zeros(n_pad, dtype=torch.bool)  # correct responses (GPPO's NLL term)
     positive[:n] = torch.tensor([x["acc"] >= 1.0 for x in records])
-    return {"tokens": tokens, "mask": mask, "rollout_logp": roll_lp, "reward": reward,
-            "positive": positive}
+    out = {"tokens": tokens, "mask": mask, "rollout_logp": roll_lp, "reward": reward,
+           "positive": positive}
+    routed = [x.get("routed_experts") for x in records]
+    if any(r is not None for r in routed):
+        if any(r is None for r in routed):
+            raise ValueError("some rollout records carry routed_experts and some do not")
+        shape = routed[0].shape[1:]
+        out["routed_experts"] = torch.full((n_pad, seq, *shape), -1, dtype=torch.int32)
+        for i, (x, r) in enumerate(zip(records, routed)):
+            want = len(x["prompt_ids"]) + len(x["response_ids"]) - 1
+            if tuple(r.shape) != (want, *shape):
+                raise ValueError(f"record {i}: routed_experts has shape {tuple(r.shape)}, "
+                                 f"expected {(want, *shape)} (prompt + response - 1 tokens)")
+            out["routed_experts"][i, :want] = r
+    return out
 
 
 def records_to_batch(records: list[dict], estimator: str, pad_id: int, rows_multiple: int,

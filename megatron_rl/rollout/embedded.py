@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from contextlib import nullcontext
 from typing import Iterable
 
 import torch
@@ -62,8 +63,10 @@ class EmbeddedEngine:
 
     def __init__(self, cfg: ModelConfig, eos_id: int, pad_id: int,
                  per_request_seed: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, return_routed_experts: bool = False) -> None:
         self.cfg = cfg
+        # MoE: each completion carries the experts every token was routed to (routing replay R3)
+        self.return_routed_experts = return_routed_experts
         self.model = build_hf_model(cfg).to(device=device or "cpu", dtype=dtype or torch.float32)
         self.device = next(self.model.parameters()).device
         self.eos_id, self.pad_id = eos_id, pad_id
@@ -161,17 +164,20 @@ class EmbeddedEngine:
             attn[i, width - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         sample = not params.greedy and params.temperature > 0
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=sample,
-            temperature=params.temperature if sample else None,
-            top_p=params.top_p if sample else None, top_k=0 if sample else None,
-            max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
+        cap = None
+        if self.return_routed_experts:
+            from megatron_rl.rollout.routed_experts import RoutingCapture
+
+            cap = RoutingCapture(self.model)
+        with cap.active() if cap is not None else nullcontext():
+            out = self._hf_generate(ids, attn, params, sample)
         gen = out.sequences[:, width:]
         temp = params.temperature if sample else 1.0
         logp = torch.stack([torch.log_softmax(lg.float() / temp, dim=-1) for lg in out.logits], 1)
         tok_logp = logp.gather(-1, gen.unsqueeze(-1)).squeeze(-1).cpu()  # [R, new], one copy
         gen = gen.cpu()
+        # [R, width + new - 1, layers, k]: every forward call's tokens
+        routed = cap.result(len(rows)) if cap is not None else None
         results: list[list[Completion]] = [[] for _ in prompts]
         for i, p in enumerate(rows):
             resp = gen[i].tolist()
@@ -179,8 +185,19 @@ class EmbeddedEngine:
             end = resp.index(self.eos_id) + 1 if finished else len(resp)
             results[i // params.n].append(Completion(
                 prompt_ids=list(p), response_ids=resp[:end],
-                logprobs=tok_logp[i, :end].tolist(), finished=finished))
+                logprobs=tok_logp[i, :end].tolist(), finished=finished,
+                routed_experts=None if routed is None else  # left padding dropped
+                routed[i, width - len(p):width + end - 1].clone()))
         return results
+
+    def _hf_generate(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
+                     sample: bool):
+        return self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None, top_k=0 if sample else None,
+            max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
 
     def _generate_per_request(self, prompts: list[list[int]], params: SamplingParams,
                               seed: int) -> list[list[Completion]]:
@@ -194,8 +211,10 @@ class EmbeddedEngine:
             for j in range(params.n):
                 r = sample_completion(self.model, p, params.max_new_tokens,
                                       0.0 if greedy else params.temperature, params.top_p,
-                                      greedy, {self.eos_id}, request_seed(seed, i, j))
+                                      greedy, {self.eos_id}, request_seed(seed, i, j),
+                                      routed_experts=self.return_routed_experts)
                 group.append(Completion(prompt_ids=list(p), response_ids=r.ids,
-                                        logprobs=r.logprobs, finished=r.finish == "stop"))
+                                        logprobs=r.logprobs, finished=r.finish == "stop",
+                                        routed_experts=r.routed_experts))
             out.append(group)
         return out

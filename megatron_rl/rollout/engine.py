@@ -37,6 +37,9 @@ class Completion:
     finished: bool = True  # False: stopped at max_new_tokens (truncated)
     weight_version: int = -1  # the policy version that produced it (-1: unknown)
     token_versions: list[int] | None = None  # per response token, when versions changed mid-way
+    # MoE routing replay (R3): top-k expert ids of every token the engine ran through the model,
+    # [len(prompt_ids) + len(response_ids) - 1, moe_layers, top_k] int32 (rollout/routed_experts.py)
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

@@ -34,6 +34,7 @@ class SampleResult:
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"
     matched: int | None = None
+    routed_experts: torch.Tensor | None = None  # [len(prompt)+len(ids)-1, layers, top_k] int32
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool,
@@ -61,14 +62,35 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
                       seed: int, lock: threading.Lock | None = None,
                       abort: threading.Event | None = None,
                       running: threading.Event | None = None,
-                      res: SampleResult | None = None) -> SampleResult:
+                      res: SampleResult | None = None,
+                      routed_experts: bool = False) -> SampleResult:
     """Generate one completion with a KV cache, on the model's device.
 
     ``lock`` is held around each forward (a weight update waits between tokens); ``abort`` set
     by another thread ends the request with ``finish="abort"``; while ``running`` is cleared
     (a server paused in place) no token is generated. ``res`` (filled in as tokens come) lets
-    another thread see how many tokens exist when the weights change.
+    another thread see how many tokens exist when the weights change. ``routed_experts`` (an
+    MoE model): ``res.routed_experts`` gets the top-k expert ids of every token run through the
+    model (:mod:`megatron_rl.rollout.routed_experts`).
     """
+    if routed_experts:
+        from megatron_rl.rollout.routed_experts import RoutingCapture
+
+        cap = RoutingCapture(model)
+        with cap.active():
+            res = _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy,
+                          stop_ids, seed, lock, abort, running, res)
+        got = cap.result()
+        res.routed_experts = None if got is None else got[0]
+        return res
+    return _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy, stop_ids,
+                   seed, lock, abort, running, res)
+
+
+def _sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
+            temperature: float, top_p: float, greedy: bool, stop_ids: set[int], seed: int,
+            lock: threading.Lock | None, abort: threading.Event | None,
+            running: threading.Event | None, res: SampleResult | None) -> SampleResult:
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed & _MASK64)
     res = SampleResult() if res is None else res

@@ -262,8 +262,12 @@ class ServeState:
     """Model, weight version, pause state and in-flight requests of one server."""
 
     def __init__(self, model: torch.nn.Module, model_path: str, eos_id: int | None,
-                 port: int, rules: str = NEW_RULES) -> None:
+                 port: int, rules: str = NEW_RULES, enable_return_routed_experts: bool = False
+                 ) -> None:
         self.model, self.model_path, self.eos_id, self.port = model, model_path, eos_id, port
+        # as SGLang's --enable-return-routed-experts: without it a request's
+        # return_routed_experts is ignored (no meta_info.routed_experts)
+        self.enable_return_routed_experts = enable_return_routed_experts
         if rules not in RULES:
             raise ValueError(f"serve rules {rules!r} is not one of {RULES}")
         self.rules = rules  # which SGLang release's rules this server imitates
@@ -284,8 +288,18 @@ class ServeState:
 
     # ---- generation -----------------------------------------------------------------------------
     def generate_one(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
-                     logprob_start_len: int) -> dict:
-        """One SGLang-shaped response dict for one prompt."""
+                     logprob_start_len: int, routed: tuple[bool, int] = (False, 0)) -> dict:
+        """One SGLang-shaped response dict for one prompt. ``routed``: the request's
+        ``(return_routed_experts, routed_experts_start_len)``."""
+        want_routed, start_len = routed
+        if want_routed and not 0 <= start_len <= len(ids):  # scheduler.py handle_generate_request
+            msg = (f"routed_experts_start_len={start_len} must be in [0, {len(ids)}] (the number "
+                   "of input tokens)")
+            return {"text": "", "output_ids": [], "meta_info": {
+                "id": rid, "finish_reason": {"type": "abort", "message": msg},
+                "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
+                "weight_version": self.weight_version}}
+        capture = want_routed and self.enable_return_routed_experts
         self.running.wait()
         abort = threading.Event()
         live: tuple[SampleResult, list[tuple[str, int]]] = (SampleResult(), [])
@@ -303,7 +317,7 @@ class ServeState:
             res = sample_completion(self.model, ids, int(sp.get("max_new_tokens", 128)), temp,
                                     float(sp.get("top_p", 1.0)), temp == 0.0, stop, seed,
                                     lock=self.lock, abort=abort, running=self.running,
-                                    res=live[0])
+                                    res=live[0], routed_experts=capture)
         finally:
             with self.inflight_lock:
                 self.inflight.pop(rid, None)
@@ -331,6 +345,10 @@ class ServeState:
                 start = min(logprob_start_len, len(ids) - 1)
                 meta["input_token_logprobs"] = [
                     [None if i == 0 else lps[i - 1], ids[i], None] for i in range(start, len(ids))]
+        if capture and res.routed_experts is not None:  # [seqlen - 1 - start, layers, k] int32
+            from megatron_rl.rollout.routed_experts import encode
+
+            meta["routed_experts"] = encode(res.routed_experts[start_len:])
         return {"text": "", "output_ids": res.ids, "meta_info": meta}
 
     def generate(self, req: dict) -> Any:
@@ -344,8 +362,10 @@ class ServeState:
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
         rids = req.get("rid") or [uuid.uuid4().hex for _ in batch]
         rids = [rids] if isinstance(rids, str) else rids
+        routed = (bool(req.get("return_routed_experts")),
+                  int(req.get("routed_experts_start_len", 0)))
         out = [self.generate_one(list(map(int, b)), sp, r, bool(req.get("return_logprob")),
-                                 int(req.get("logprob_start_len", -1)))
+                                 int(req.get("logprob_start_len", -1)), routed)
                for b, sp, r in zip(batch, sps, rids)]
         return out[0] if single else out
 
@@ -633,7 +653,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run ``serve`` until interrupted (the CLI subcommand)."""
     torch.set_num_threads(args.threads)
     model, path = build_model(args.preset, args.model_path)
-    state = ServeState(model, path, args.eos_id, args.port, args.sglang_rules)
+    state = ServeState(model, path, args.eos_id, args.port, args.sglang_rules,
+                       args.enable_return_routed_experts)
     srv = make_server(state, args.host, args.port)
     print(f"[serve] {path} on http://{args.host}:{state.port}", flush=True)
     try:

@@ -21,6 +21,8 @@ def add_serve_subcommand(sub) -> None:
     p.add_argument("--sglang-rules", default=NEW_RULES, choices=RULES,
                    help="imitate SGLang >= 0.5.21 (weight-update sessions, /weights_checker, "
                    "/flush_cache?timeout) or <= 0.5.20")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="as SGLang: honour requests' return_routed_experts (MoE routing replay)")
     p.set_defaults(func=_cmd_serve)
 
 

@@ -45,11 +45,15 @@ def sampling_params_json(params: SamplingParams, stop_ids: list[int], seed: int)
 
 
 def generate_request(prompt: list[int], params: SamplingParams, stop_ids: list[int], seed: int,
-                     rid: str) -> dict:
-    """The ``/generate`` body of one sample (SGLang ``GenerateReqInput`` fields)."""
-    return {"input_ids": list(prompt), "sampling_params": sampling_params_json(params, stop_ids,
-                                                                               seed),
-            "return_logprob": True, "rid": rid, "stream": False}
+                     rid: str, routed_experts: bool = False) -> dict:
+    """The ``/generate`` body of one sample (SGLang ``GenerateReqInput`` fields);
+    ``routed_experts``: ask for every token's MoE routing (``return_routed_experts``)."""
+    req = {"input_ids": list(prompt), "sampling_params": sampling_params_json(params, stop_ids,
+                                                                              seed),
+           "return_logprob": True, "rid": rid, "stream": False}
+    if routed_experts:
+        req["return_routed_experts"] = True
+    return req
 
 
 def token_versions(meta: dict, n: int) -> list[int] | None:
@@ -66,18 +70,31 @@ def token_versions(meta: dict, n: int) -> list[int] | None:
     return out
 
 
-def completion_from_response(prompt: list[int], resp: dict) -> tuple[Completion, int]:
+def completion_from_response(prompt: list[int], resp: dict,
+                             routed_shape: tuple[int, int] | None = None
+                             ) -> tuple[Completion, int]:
     """``(Completion, weight_version)`` of one ``/generate`` reply; the completion carries the
     version (SGLang: the one serving when the request finished) and per-token versions when the
-    weights changed while it ran (partial rollout)."""
+    weights changed while it ran (partial rollout). ``routed_shape`` ``(layers, top_k)``: decode
+    ``meta_info.routed_experts`` (an error when the server sent none: SGLang drops the request
+    field unless the server runs with ``--enable-return-routed-experts``)."""
     meta = resp["meta_info"]
     lps = meta.get("output_token_logprobs") or []
     ids = [int(t) for _, t, *_ in lps] if lps else list(resp.get("output_ids") or [])
     finished = (meta.get("finish_reason") or {}).get("type") == "stop"
     version = parse_version(meta.get("weight_version"))
+    routed = None
+    if routed_shape is not None:
+        from megatron_rl.rollout.routed_experts import decode
+
+        if "routed_experts" not in meta:
+            raise ServerError("actor.routing_replay=r3 asked for routed experts and the server "
+                              "sent none: start SGLang with --enable-return-routed-experts")
+        routed = decode(meta["routed_experts"], *routed_shape)
     return (Completion(prompt_ids=list(prompt), response_ids=ids,
                        logprobs=[float(lp) for lp, *_ in lps], finished=finished,
-                       weight_version=version, token_versions=token_versions(meta, len(ids))),
+                       weight_version=version, token_versions=token_versions(meta, len(ids)),
+                       routed_experts=routed),
             version)
 
 
@@ -95,6 +112,7 @@ class SGLangEngine:
         self.max_offpolicy_lag, self.timeout = max_offpolicy_lag, request_timeout_s
         self.sync = sync  # a weight_sync strategy (set by make_sglang_engine)
         self.probe_length, self.probe_tolerance = 16, 1e-4
+        self.routed_shape: tuple[int, int] | None = None  # (layers, top_k): routing replay r3
         self.weight_version = -1
         self._lock = threading.Lock()
         self._metrics: dict[str, float] = {}
@@ -137,7 +155,8 @@ class SGLangEngine:
                 self._inflight[rid] = True
             try:
                 resp = http_json("POST", self.fleet.router_url + "/generate",
-                                 generate_request(prompt, params, [self.eos_id], seed, rid),
+                                 generate_request(prompt, params, [self.eos_id], seed, rid,
+                                                  self.routed_shape is not None),
                                  timeout=self.timeout)
             except ServerError as exc:
                 last = exc
@@ -157,7 +176,7 @@ class SGLangEngine:
                     self._count("aborted_requeued")
                     continue
                 if finish != "abort":
-                    comp, version = completion_from_response(prompt, resp)
+                    comp, version = completion_from_response(prompt, resp, self.routed_shape)
                     lag = max(0, self.weight_version - version)
                     if 0 <= self.max_offpolicy_lag < lag:
                         self._count("stale_refused")
@@ -253,6 +272,12 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
     from megatron_rl.rollout.weight_sync import make_strategy
 
     s = cfg.rollout.sglang
+    r3 = cfg.actor.routing_replay == "r3"
+    flag = "--enable-return-routed-experts"  # SGLang ignores return_routed_experts without it
+    if r3 and flag not in s.extra_args:
+        import dataclasses
+
+        s = dataclasses.replace(s, extra_args=[*s.extra_args, flag])
     root = os.path.join(cfg.trainer.output_dir, "sglang")
     model_path = cfg.model.hf_path or write_model_config(cfg, os.path.join(root, "model"))
     fleet = Fleet(s, model_path, tokenizer.eos_id, os.path.join(root, "logs")).start()
@@ -265,6 +290,11 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
     if hasattr(engine.sync, "address_override"):
         engine.sync.address_override = s.sender_address
     engine.probe_length, engine.probe_tolerance = s.probe_length, probe_tolerance_of(cfg)
+    if r3:
+        from megatron_rl.convert.model_source import model_config
+
+        m = model_config(cfg.model)
+        engine.routed_shape = (m.num_hidden_layers, m.num_experts_per_tok)
     return engine
 
 

@@ -99,7 +99,8 @@ def make_engine(cfg: RunConfig, tokenizer):
 
     dev, dtype = engine_placement(cfg.actor.precision, device())  # GPU: actor's precision
     return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
-                          per_request_seed=cfg.rollout.per_request_seed, device=dev, dtype=dtype)
+                          per_request_seed=cfg.rollout.per_request_seed, device=dev, dtype=dtype,
+                          return_routed_experts=cfg.actor.routing_replay == "r3")
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
