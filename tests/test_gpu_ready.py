@@ -444,6 +444,8 @@ def test_ranks_fork_from_a_server_only_without_a_gpu_driver(monkeypatch):
     assert launch.start_context().get_start_method() == "spawn"
     monkeypatch.setattr(backend, "gpu_driver_present", lambda: False)
     assert launch.start_context().get_start_method() == "forkserver"
+    # Triton reads TRITON_INTERPRET when it is imported: such a group starts fresh interpreters
+    assert launch.start_context(env={"TRITON_INTERPRET": "1"}).get_start_method() == "spawn"
     monkeypatch.setenv(launch.START_METHOD_ENV, "spawn")
     assert launch.start_context().get_start_method() == "spawn"
     monkeypatch.setenv(launch.START_METHOD_ENV, "fork")

@@ -112,9 +112,11 @@ FORKSERVER_PRELOAD = ("megatron_rl.parallel.forkserver_init", "torch", "torch.di
 
 
 PRELOAD_ENV = "MRL_FORKSERVER_PRELOAD"  # comma-separated modules the forkserver imports as well
+# Variables read when a library is imported: a group that sets one must start fresh interpreters.
+IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
 
-def start_context(preload: Sequence[str] = ()):
+def start_context(preload: Sequence[str] = (), env: Mapping[str, str] | None = None):
     """The multiprocessing context ranks start from (``MRL_START_METHOD`` overrides the default).
 
     * ``forkserver``, the default on machines without a GPU driver: every rank is a fork of one
@@ -125,11 +127,13 @@ def start_context(preload: Sequence[str] = ()):
       the driver initialised in a forkserver, and CUDA cannot be used in a fork of that.
 
     ``preload`` (and ``MRL_FORKSERVER_PRELOAD``, comma-separated) names more modules for the
-    server to import; only the first group a process starts sets them."""
+    server to import; only the first group a process starts sets them. A group whose ``env``
+    sets a variable that libraries read at import (:data:`IMPORT_TIME_ENV`) is spawned."""
     from megatron_rl.parallel.backend import gpu_driver_present
 
-    method = os.environ.get(START_METHOD_ENV) or ("spawn" if gpu_driver_present()
-                                                  else "forkserver")
+    method = os.environ.get(START_METHOD_ENV) or (
+        "spawn" if gpu_driver_present() or set(env or ()) & set(IMPORT_TIME_ENV)
+        else "forkserver")
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"{START_METHOD_ENV}={method!r} is not one of ('spawn', 'forkserver')")
     ctx = mp.get_context(method)
@@ -141,7 +145,7 @@ def start_context(preload: Sequence[str] = ()):
 
 def _spawn(fn: Callable, world_size: int, args: Sequence, timeout_s: float,
            env: dict | None, preload: Sequence[str]) -> list[Any]:
-    ctx = start_context(preload)
+    ctx = start_context(preload, env)
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, dict(env or {}), fn,
