@@ -294,18 +294,20 @@ def test_packed_update_matches_padded(tp, pp, dp):
 @pytest.mark.timeout(900)
 def test_packed_run_matches_padded(tmp_path):
     """The main recipe, 3 RL steps, packed vs padded: identical rewards and accuracies; the
-    packed run processes fewer tokens per micro-batch."""
-    from tests.test_trainer import metrics, run_train
+    packed run processes fewer tokens per micro-batch. Both runs in one spawned rank."""
+    from megatron_rl.run.serial_runs import train_each
+    from tests.test_trainer import metrics
 
-    short = ("parallel.tp=1", "parallel.pp=1", "sft.steps=10", "trainer.total_steps=3",
+    short = ["parallel.tp=1", "parallel.pp=1", "sft.steps=10", "trainer.total_steps=3",
              "trainer.test_freq=3", "trainer.save_freq=3", "data.val_size=16",
-             "rollout.dynamic_sampling=false")
-    runs = {}
-    for pack in (False, True):
-        out = tmp_path / str(pack)
-        run_train("examples/tiny_dapo.yaml", out, *short,
-                  f"actor.pack_sequences={str(pack).lower()}")
-        runs[pack] = metrics(out)
+             "rollout.dynamic_sampling=false", "trainer.plots=false"]
+    jobs = [(str(pack), "examples/tiny_dapo.yaml",
+             [*short, f"output_dir={tmp_path / str(pack)}",
+              f"actor.pack_sequences={str(pack).lower()}"])
+            for pack in (False, True)]
+    results = spawn(train_each, 1, (jobs,), timeout_s=850, env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    assert not [r["error"] for r in results.values() if "error" in r], results
+    runs = {pack: metrics(tmp_path / str(pack)) for pack in (False, True)}
     assert len(runs[True]) == len(runs[False]) > 0
     discrete = [k for k in runs[False][-1] if k.startswith(("reward", "val/", "acc", "rollout/"))
                 and not any(w in k for w in ("time", "logp", "mismatch"))]
