@@ -336,3 +336,21 @@ def test_embedded_engine_takes_per_expert_tensors():
         assert torch.equal(dst.model(ids).logits, src.model(ids).logits)
     with pytest.raises(Exception, match="did not send"):
         dst.update_weights([stream[0][:-3]], version=2)
+
+
+def test_serve_takes_per_expert_tensors():
+    """Our ``serve`` loads the same per-expert stream into its fused in-memory experts (the
+    shared-memory and process-memory buckets of ``from_tensor`` resolve names the same way)."""
+    from megatron_rl.convert.qwen3_moe import checkpoint_named_params, per_expert_names
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.serve import load_named
+
+    torch.manual_seed(1)
+    src, dst = build_hf_model(get_preset(PRESET)), build_hf_model(get_preset(PRESET))
+    fused = per_expert_names(dict(src.named_parameters()))
+    stream = [(n, t.detach().clone()) for n, t in checkpoint_named_params(src).items()
+              if n not in fused]
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in dict(stream)
+    assert load_named(dst, stream) == len(stream)
+    for name, p in dst.named_parameters():
+        assert torch.equal(p, dict(src.named_parameters())[name]), name

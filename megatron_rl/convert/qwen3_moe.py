@@ -97,3 +97,12 @@ def per_expert_names(params: Mapping[str, torch.Tensor]) -> dict[str, list[str]]
                 out[name] = [f"{prefix}.{e}.{proj}.weight" for e in range(p.shape[0])
                              for proj in projs]
     return out
+
+
+def checkpoint_named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An in-memory transformers model's parameters by checkpoint names: besides the others, one
+    tensor per MoE expert (a view into the fused expert tensors; writing it writes the model)."""
+    params = dict(model.named_parameters())
+    for parts in per_expert_names(params).values():
+        params.update((n, fused_expert_view(params, n)) for n in parts)
+    return params

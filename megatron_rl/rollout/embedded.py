@@ -98,12 +98,9 @@ class EmbeddedEngine:
     def _params(self) -> dict[str, torch.Tensor]:
         """Parameters by the names the weight stream sends (checkpoint names: one tensor per MoE
         expert, a view into transformers' fused expert tensors)."""
-        from megatron_rl.convert.qwen3_moe import fused_expert_view, per_expert_names
+        from megatron_rl.convert.qwen3_moe import checkpoint_named_params
 
-        params = dict(self.model.named_parameters())
-        for parts in per_expert_names(params).values():
-            params.update((n, fused_expert_view(params, n)) for n in parts)
-        return params
+        return checkpoint_named_params(self.model)
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
         """Copy every received tensor into the model, then verify; returns the checksum."""

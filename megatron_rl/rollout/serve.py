@@ -89,9 +89,17 @@ def build_model(preset: str | None, model_path: str | None) -> tuple[torch.nn.Mo
     return build_hf_model(get_preset(preset or "tiny")), f"preset:{preset or 'tiny'}"
 
 
+def served_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by the names a weight update sends (checkpoint names: one tensor
+    per MoE expert)."""
+    from megatron_rl.convert.qwen3_moe import checkpoint_named_params
+
+    return checkpoint_named_params(model)
+
+
 def load_named(model: torch.nn.Module, items) -> int:
     """Copy HF-named tensors into ``model``; unknown names or shapes raise. Returns the count."""
-    params = dict(model.named_parameters())
+    params = served_params(model)
     n = 0
     with torch.no_grad():
         for name, t in items:
@@ -169,7 +177,7 @@ def read_shm_into(model: torch.nn.Module, meta: dict, maps: ShmMaps | None = Non
     model's CPU parameters: one copy per tensor out of the file's mapping (kept in ``maps``
     between calls, since mapping a file costs page faults as large as the copy). Returns the
     count."""
-    params = dict(model.named_parameters())
+    params = served_params(model)
     flat = (maps or ShmMaps()).get(meta["path"], int(meta["nbytes"]))
     with torch.no_grad():
         for name, dt, shape, off in meta["tensors"]:
@@ -217,7 +225,7 @@ def read_vm_into(model: torch.nn.Module, meta: dict) -> int:
     pid (another PID namespace) is refused. Returns the count."""
     from megatron_rl.rollout.weight_sync.from_tensor import VM_UNAVAILABLE
 
-    params = dict(model.named_parameters())
+    params = served_params(model)
     pid = int(meta["pid"])
     addr, want = meta["token"]
     token = torch.empty(len(want), dtype=torch.uint8)
