@@ -302,3 +302,41 @@ def test_r3_replays_global_layers_under_pp_and_ep():
     assert res == {"pp2_ep1_rank0": (True, [0, 1]), "pp2_ep1_rank1": (True, [2, 3]),
                    "pp1_ep2_rank0": (True, [0, 1, 2, 3]),
                    "pp1_ep2_rank1": (True, [0, 1, 2, 3])}, res
+
+
+def test_r3_requests_reach_the_servers_past_the_router(tmp_path):
+    """sglang-router re-serialises ``/generate`` bodies and drops ``return_routed_experts``
+    (checked here on the real router: when a router version keeps it, this assertion fails and
+    the client may go through the router again), so with r3 the client sends each request to a
+    registered server itself; every sample then carries its routing."""
+    pytest.importorskip("sglang_router")
+    from transformers import AutoConfig
+
+    from megatron_rl.config.sections import SGLangSection
+    from megatron_rl.convert.registry import hf_config_dict
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.fleet import Fleet, http_json
+    from megatron_rl.rollout.sglang_client import SGLangEngine
+    from megatron_rl.testing.procs import free_port_block
+
+    cfg = get_preset(PRESET)
+    fields = hf_config_dict(cfg)
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(tmp_path / "model")
+    s = SGLangSection(num_servers=1, router_port=free_port_block(2),
+                      extra_args=["--enable-return-routed-experts"])
+    fleet = Fleet(s, str(tmp_path / "model"), 1, str(tmp_path / "logs")).start()
+    try:
+        ask = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2},
+               "return_routed_experts": True}
+        assert "routed_experts" in http_json("POST", fleet.urls[0] + "/generate", ask)["meta_info"]
+        assert "routed_experts" not in http_json("POST", fleet.router_url + "/generate",
+                                                 ask)["meta_info"]
+        eng = SGLangEngine(fleet, 1, concurrency=2)
+        eng.routed_shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+        groups = eng.generate([[3, 4, 5], [6, 7]], SamplingParams(n=2, max_new_tokens=3), seed=1)
+        for prompt, group in zip([[3, 4, 5], [6, 7]], groups):
+            for c in group:
+                assert c.routed_experts.shape == (len(prompt) + len(c.response_ids) - 1,
+                                                  *eng.routed_shape)
+    finally:
+        fleet.stop()

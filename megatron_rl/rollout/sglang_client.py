@@ -119,6 +119,7 @@ class SGLangEngine:
         self._lags: list[int] = []
         self._inflight: dict[str, bool] = {}
         self._stop = threading.Event()  # cancel_all: every request ends (rollout producer close)
+        self._next_server = 0  # round robin of direct requests (routing replay r3)
 
     # ---- metrics ---------------------------------------------------------------------------------
     def _count(self, key: str, n: float = 1.0) -> None:
@@ -154,7 +155,7 @@ class SGLangEngine:
             with self._lock:
                 self._inflight[rid] = True
             try:
-                resp = http_json("POST", self.fleet.router_url + "/generate",
+                resp = http_json("POST", self._generate_url(),
                                  generate_request(prompt, params, [self.eos_id], seed, rid,
                                                   self.routed_shape is not None),
                                  timeout=self.timeout)
@@ -192,6 +193,18 @@ class SGLangEngine:
             self._count("request_retries")
             self.fleet.check_health()
         raise ServerError(f"a rollout request failed {self.max_retries + 1} times: {last}")
+
+    def _generate_url(self) -> str:
+        """Where a ``/generate`` goes: the router; with routing replay r3 the servers themselves,
+        round robin over the registered ones. sglang-router (0.3.2, measured) re-serialises a
+        ``/generate`` body into its own request type, which has no ``return_routed_experts``, so
+        the servers would never be asked for the routing."""
+        urls = list(self.fleet.urls) if self.routed_shape is not None else []
+        if not urls:
+            return self.fleet.router_url + "/generate"
+        with self._lock:
+            self._next_server += 1
+            return urls[self._next_server % len(urls)] + "/generate"
 
     def _sync_aborted(self, epoch: int) -> bool:
         """Whether a weight sync paused the servers since a request started (its abort came
