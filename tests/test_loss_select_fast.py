@@ -190,13 +190,13 @@ def test_chunked_selection_with_dp_candidates_equals_radix():
     """The candidate exchange (per-micro-batch topk, then one topk of the candidates) selects the
     same tokens as the radix selection over all tokens, when k exceeds one micro-batch's share
     and with fewer active tokens than k."""
-    from megatron_rl.loss.select import select_top_keys_chunks
+    from megatron_rl.loss.select import INACTIVE, select_top_keys_chunks
 
     g = torch.Generator().manual_seed(5)
     for n_chunks, n, k, frac in [(4, 50, 7, 0.5), (3, 40, 100, 0.3), (5, 30, 12, 1.0)]:
         keys = torch.randperm(10 * n * n_chunks, generator=g)[:n * n_chunks] * 3 + 1
         active = torch.rand(n * n_chunks, generator=g) < frac
-        masked = torch.where(active, keys, -1)
+        masked = torch.where(active, keys, INACTIVE)
         vals = torch.randn(n * n_chunks, generator=g)
         ctx = ReductionContext.from_minibatch(torch.ones(1, n * n_chunks, dtype=torch.bool),
                                               group=None)

@@ -19,6 +19,7 @@ Per mini-batch, before any micro-batch runs backward:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -33,20 +34,20 @@ from megatron_rl.loss.masking import (
     same_bits,
     zero_where_not,
 )
-from megatron_rl.loss.metrics import as_float, mean_stat
+from megatron_rl.loss.metrics import as_float, mean_stat, ratio_stat
 from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
+    INACTIVE,
     TopK,
-    float_order_u32,
+    fmix32_i32_,
     global_token_index,
     global_topk_mask,
-    masked_composite_key,
-    mix_token_hash,
-    reversed_index,
+    reversed_index32,
     select_from_candidates,
     token_hash_parts,
     top_candidates,
     topk_bound,
+    word_key,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
@@ -156,8 +157,66 @@ def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossParams) -> Tensor:
     return na * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high) > na * ratio
 
 
-# one micro-batch's (int32 score bits read unsigned [B, T], active [B, T] bool, Cov [B, T] fp32)
-_Scorer = Callable[[int], tuple[Tensor, Tensor, Tensor]]
+# one micro-batch's (int64 word keys [N] (INACTIVE where it cannot be selected), Cov [N] fp32,
+# active count (int64 0-dim) or None when every valid token is active)
+_Scorer = Callable[[int], tuple[Tensor, Tensor, Tensor | None]]
+_I32_MIN = -(2**31)
+
+
+class _Work:
+    """Scratch buffers of one selection, reused by every micro-batch (sliced to its size): the
+    per-token steps write into them in place instead of allocating temporaries."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.f = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(3)]
+        self.i = [torch.empty(numel, dtype=torch.int32, device=device) for _ in range(2)]
+        self.b = [torch.empty(numel, dtype=torch.bool, device=device) for _ in range(2)]
+
+    def get(self, kind: str, j: int, shape: torch.Size) -> Tensor:
+        n = math.prod(shape)
+        return getattr(self, kind)[j][:n].view(shape)
+
+
+def _fp32(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _valid_bits(valid: Tensor) -> Tensor:
+    """int32 all-ones where ``valid``, 0 elsewhere (:func:`mask_bits` for fp32)."""
+    return mask_bits(valid, torch.float32)
+
+
+def _fast_means(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
+                vbits: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_cov_means` of fp32 inputs, padding zeroed by the ``vbits`` words: the same fp64
+    sums (each fp32 value and product exact in fp64), fewer passes."""
+    parts = []
+    for lp, a, vb in zip(logp, adv, vbits, strict=True):
+        x = (lp.view(torch.int32) & vb).view(torch.float32).reshape(-1).double()
+        y = (a.view(torch.int32) & vb).view(torch.float32).reshape(-1).double()
+        parts.append(torch.stack([x.sum(), y.sum(), torch.dot(x, y)]))
+        del x, y
+    sums = torch.stack(parts).sum(0)
+    ctx.all_reduce(sums)
+    n = ctx.num_tokens.clamp_min(1).double()
+    mean_lp, mean_a = sums[0] / n, sums[1] / n
+    batch_cov = sums[2] / n - mean_lp * mean_a
+    return mean_lp.float(), mean_a.float(), batch_cov
+
+
+def _cov_into(out: Tensor, tmp: Tensor, lp: Tensor, adv: Tensor, mean_lp: Tensor,
+              mean_a: Tensor) -> Tensor:
+    """:func:`_token_cov` written into ``out`` (``tmp``: scratch of the same shape)."""
+    torch.sub(_fp32(lp), mean_lp, out=out)
+    return out.mul_(torch.sub(_fp32(adv), mean_a, out=tmp))
+
+
+def _order_bits_into(out: Tensor, x: Tensor) -> Tensor:
+    """int32 whose **signed** order is the order of the fp32 ``x`` (bits ``b``:
+    ``b ^ ((b >> 31) & 0x7FFFFFFF)``; all-ones bits, a NaN, give the minimum), into ``out``."""
+    bits = x.view(torch.int32)
+    torch.bitwise_right_shift(bits, 31, out=out)
+    return out.bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
 
 
 @torch.no_grad()
@@ -170,24 +229,35 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
     Work streams micro-batch by micro-batch: one pass for the global means, then per
-    micro-batch the covariance, keys and one ``topk`` of its candidates (its temporaries freed
-    before the next one's, so their memory is reused), then one ``topk`` over the candidates.
+    micro-batch the covariance, keys and one ``topk`` of its candidates (in scratch buffers
+    shared by the micro-batches), then one ``topk`` over the candidates.
     Collectives with several DP ranks: 1 ``all_reduce`` (means) + 1 ``all_gather`` of each
     rank's candidates (keys, Cov values, active count) when ``ctx.numel_bound`` is known (one
     process, gloo, or given by the caller); else a radix selection (4 ``all_reduce``) + 1 for
     the metrics. None with one rank; no host sync. Ties in the score go to the smaller global
     token index: with one DP rank the flat position stands in for it (same order, see
-    ``context.py``).
+    ``context.py``). Log-probs and advantages enter the per-token steps in fp32.
     """
     lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
     ms = [m.bool() for m in as_list(masks)]
     device = lp[0].device
-    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
+    vbits = [_valid_bits(m) for m in ms]
+    if all(x.dtype == torch.float32 for x in lp + adv):
+        mean_lp, mean_a, batch_cov = _fast_means(ctx, lp, adv, vbits)
+    else:
+        mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
+    work = _Work(max(m.numel() for m in ms), device)
+    rev = _RevIndex(ctx, ms)
     scorer: _Scorer
     if cfg.policy_loss == "kl_cov":
-        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
-            c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-            return float_order_u32(c), ms[i], c
+        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor | None]:
+            shape = ms[i].shape
+            c = _cov_into(work.get("f", 0, shape), work.get("f", 1, shape), lp[i], adv[i],
+                          mean_lp, mean_a)
+            c.view(torch.int32).bitwise_or_(vbits[i].bitwise_not())  # padding: all-ones bits
+            high = _order_bits_into(work.get("i", 0, shape), c)
+            low = torch.bitwise_and(rev(i), vbits[i], out=work.get("i", 1, shape))
+            return word_key(high, low), c.reshape(-1), None
         ratio_k = cfg.kl_cov_ratio
     elif cfg.policy_loss == "clip_cov":
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
@@ -196,13 +266,25 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
                                         [m.shape[1] for m in ms])
         row0 = ctx.mb_seq_offsets
 
-        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
-            c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-            b, t = ms[i].shape
-            active = ms[i] & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
+        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor | None]:
+            shape = ms[i].shape
+            b, t = shape
+            f0, f1, f2 = (work.get("f", j, shape) for j in range(3))
+            c = _cov_into(f0, f1, lp[i], adv[i], mean_lp, mean_a)
+            active = torch.gt(c, cfg.clip_cov_lb, out=work.get("b", 0, shape))
+            active &= torch.lt(c, cfg.clip_cov_ub, out=work.get("b", 1, shape))
+            active &= ms[i]
             if lp[i] is not old[i]:  # the statistic's own old log-probs: ratio 1, never clipped
-                active &= ~ppo_clipped(torch.exp(log_ratio(lp[i], old[i], None)), adv[i], cfg)
-            return mix_token_hash(h_seq[row0[i]:row0[i] + b], h_pos[:t]), active, c
+                active &= _not_ppo_clipped_into(work.get("b", 1, shape), f1, f2, lp[i], old[i],
+                                                adv[i], cfg)
+            act_bits = _valid_bits(active)
+            h = torch.bitwise_xor(h_seq[row0[i]:row0[i] + b].unsqueeze(-1),
+                                  h_pos[:t].unsqueeze(0), out=work.get("i", 0, shape))
+            fmix32_i32_(h, work.get("i", 1, shape))
+            # inactive: high = INT32_MIN and low = 0, below every active key (low >= 1)
+            high = h.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
+            low = torch.bitwise_and(rev(i), act_bits, out=work.get("i", 1, shape))
+            return word_key(high, low), c.reshape(-1), active.sum()
         ratio_k = cfg.clip_cov_ratio
     else:
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
@@ -219,58 +301,81 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     return CovSelection(selected, stats)
 
 
+def _not_ppo_clipped_into(out: Tensor, f1: Tensor, f2: Tensor, lp: Tensor, old: Tensor,
+                          adv: Tensor, cfg: LossParams) -> Tensor:
+    """bool ``~ppo_clipped(exp(lp - old), adv, cfg)`` ``[B, T]`` into ``out`` (``f1``, ``f2``:
+    fp32 scratch). ``-A c > -A r`` is ``A c < A r`` exactly (negation is exact; NaN: false in
+    both)."""
+    if not all(x.dtype == torch.float32 for x in (lp, old, adv)):
+        clipped = ppo_clipped(torch.exp(log_ratio(lp, old, None)), adv, cfg)
+        return torch.logical_not(clipped, out=out)
+    r = torch.sub(lp, old, out=f1).exp_()
+    c = torch.clamp(r, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high, out=f2).mul_(adv)
+    return torch.lt(c, r.mul_(adv), out=out).logical_not_()
+
+
+class _RevIndex:
+    """Micro-batch ``i``'s int32 low key words ``2**31 - 1 - global token index`` (flat): with
+    one rank and rows in order the flat position stands in for the index (the same order)."""
+
+    def __init__(self, ctx: ReductionContext, ms: list[Tensor]) -> None:
+        self.ctx, self.ms = ctx, ms
+        self.one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
+        self.starts = [0]
+        for m in ms[:-1]:
+            self.starts.append(self.starts[-1] + m.numel())
+
+    def __call__(self, i: int) -> Tensor:
+        m = self.ms[i]
+        if self.one_rank:
+            return reversed_index32(m.numel(), m.device, self.starts[i]).view(m.shape)
+        (g,) = global_token_index(self.ctx, [m.shape], m.device, first=i)
+        return ((2**31 - 1) - g).to(torch.int32)
+
+
 def _global_top(ctx: ReductionContext, ms: list[Tensor], scorer: _Scorer, ratio: float
                 ) -> tuple[list[Tensor], TopK]:
-    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned int32 score desc,
-    global token index asc) among the active ones; ``scorer(i)`` gives micro-batch ``i``'s
-    ``(scores, active, values)`` (each ``[B_i, T_i]``, computed when needed). One ``topk`` per
-    micro-batch and one over their candidates; with several DP ranks one ``all_gather`` of
-    candidates when ``ctx.numel_bound`` is known, else the radix selection (four all-reduces).
-    Returns each micro-batch's selected mask and the totals."""
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by word key (score desc, global
+    token index asc) among the active ones; ``scorer(i)`` gives micro-batch ``i``'s keys, values
+    and active count (computed when needed). One ``topk`` per micro-batch and one over their
+    candidates; with several DP ranks one ``all_gather`` of candidates when ``ctx.numel_bound``
+    is known, else the radix selection (four all-reduces). Returns each micro-batch's selected
+    mask and the totals."""
     k = _count_k(ratio, ctx.num_tokens)
-    # one rank, rows in order: the flat position orders like the global index
     one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
     bound = sum(m.numel() for m in ms) if one_rank else ctx.numel_bound
-    counts, start = [], 0
+    counts: list[Tensor] = []
     if bound is not None:
         k_max = topk_bound(ratio, bound)
         cands = []
-        for i, m in enumerate(ms):
-            score, active, value = scorer(i)
-            key = masked_composite_key(score.reshape(-1), active.reshape(-1),
-                                       _rev_index(ctx, i, m, start, one_rank))
-            cands.append(top_candidates(key, value.reshape(-1), k_max))
-            counts.append(active.sum())
-            start += m.numel()
-            del score, active, value, key  # free before the next micro-batch's
-        sel, top = select_from_candidates(cands, [m.numel() for m in ms],
-                                          torch.stack(counts).sum(), k, k_max, ctx)
+        for i in range(len(ms)):
+            key, value, count = scorer(i)
+            cands.append(top_candidates(key, value, k_max))
+            if count is not None:
+                counts.append(count)
+            del key, value  # the scratch buffers are the next micro-batch's
+        active = torch.stack(counts).sum() if counts else _local_valid(ms)
+        sel, top = select_from_candidates(cands, [m.numel() for m in ms], active, k, k_max, ctx)
         return [s_.view(m.shape) for s_, m in zip(sel, ms, strict=True)], top
-    # radix over device counts (no host bound of the global size)
+    # radix over device counts (no host bound of the global size): non-negative keys
     keys, actives, vals = [], [], []
-    for i, m in enumerate(ms):
-        score, active, value = scorer(i)
-        keys.append(masked_composite_key(score.reshape(-1), active.reshape(-1),
-                                         _rev_index(ctx, i, m, start, one_rank)))
-        actives.append(active.reshape(-1))
-        vals.append(value.reshape(-1))
-        counts.append(active.sum())
-        start += m.numel()
+    for i in range(len(ms)):
+        key, value, count = scorer(i)
+        act = key != INACTIVE
+        keys.append(((key >> 32) + 2**31) << 31 | (key & (2**31 - 1)))
+        actives.append(act)
+        vals.append(value.clone())
+        counts.append(act.sum())
     flat_active = _flat(actives)
-    sel = global_topk_mask(_flat(keys).clamp_min(0), flat_active, k, ctx)
+    sel = global_topk_mask(_flat(keys), flat_active, k, ctx)
     value_sum = torch.where(sel, _flat(vals), 0.0).sum(dtype=torch.float64)
     sums = torch.stack([sel.sum().double(), value_sum, torch.stack(counts).sum().double()])
     ctx.all_reduce(sums)
     return _unflat(sel, ms), TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
 
 
-def _rev_index(ctx: ReductionContext, i: int, m: Tensor, start: int, one_rank: bool) -> Tensor:
-    """``2**31 - 1 -`` global token index of micro-batch ``i`` (flat, int64); with one rank the
-    flat position ``start + j`` stands in for it (the same order)."""
-    if one_rank:
-        return reversed_index(m.numel(), m.device, start)
-    (g,) = global_token_index(ctx, [m.shape], m.device, first=i)
-    return (2**31 - 1) - g.reshape(-1)
+def _local_valid(ms: list[Tensor]) -> Tensor:
+    return torch.stack([m.sum() for m in ms]).sum()
 
 
 @torch.no_grad()
@@ -283,9 +388,14 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     lp, adv = as_list(logp), as_list(advantages)
     mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
 
-    def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
+    rev = _RevIndex(ctx, ms)
+    vbits = [_valid_bits(m) for m in ms]
+
+    def scorer(i: int) -> tuple[Tensor, Tensor, Tensor | None]:
         c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-        return float_order_u32(c), ms[i], c
+        c.view(torch.int32).bitwise_or_(vbits[i].bitwise_not())  # padding: all-ones bits
+        high = _order_bits_into(torch.empty_like(vbits[i]), c)
+        return word_key(high, rev(i) & vbits[i]), c.reshape(-1), None
 
     _, top = _global_top(ctx, ms, scorer, top_frac)
     num = top.count.double()
@@ -313,25 +423,43 @@ def _bits_of(mask: Tensor, like: Tensor) -> Tensor:
     return mask_bits(mask, like.dtype)
 
 
+def _valid_sums(lr: Tensor, valid_bits: Tensor, valid: Tensor, sel: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Metric sums of one micro-batch: ``sum(old - logp)`` over the valid tokens as
+    ``mean_stat`` takes it (fp32 values summed in fp64; ``-sum(lr)``, negation being exact),
+    the valid count and the count of valid selected tokens (0-dim fp64 each)."""
+    x = lr if lr.dtype == torch.float32 else lr.float()
+    bits = valid_bits if lr.dtype == torch.float32 else _bits_of(valid, x)
+    kl = -zero_where_not(x, bits).sum(dtype=torch.float64)
+    return kl, valid.sum().double(), (sel & valid).sum().double()
+
+
 class _ClipCovLoss(torch.autograd.Function):
-    """PPO-clip per-token loss, zero outside ``keep`` (padding and the selected tokens); value and
-    gradient bit-identical to autograd through ``masked_zero(masked_zero(maximum(-A r,
-    -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the loss, then the
-    aggregation's padding mask). The backward is a few masked multiplications instead of the
-    generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU."""
+    """PPO-clip per-token loss, zero outside ``keep = valid & ~sel`` (padding and the selected
+    tokens); value and gradient bit-identical to autograd through ``masked_zero(masked_zero(
+    maximum(-A r, -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the
+    loss, then the aggregation's padding mask). The backward is a few masked multiplications
+    instead of the generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU.
+    Second output: the metric sums ``[sum(old - logp), #clipped, #selected, #valid]`` (fp64,
+    over the valid tokens), taken from the forward's own tensors."""
 
     @staticmethod
-    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, keep: Tensor, lo: float,
-                hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
+    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, sel: Tensor,
+                lo: float, hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
         ctx.set_materialize_grads(False)
-        ratio = torch.exp(logp - old_logp)
+        lr = logp - old_logp
+        ratio = torch.exp(lr)
         na = -adv
         loss1 = na * ratio
         clamped = ratio.clamp(lo, hi)
         loss2 = na * clamped
         clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
-        keep_bits = _bits_of(keep, logp)
+        valid_bits = _bits_of(valid, logp)
+        keep_bits = valid_bits & not_mask_bits(sel, logp.dtype)
         loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
+        kl, n_valid, n_sel = _valid_sums(lr, valid_bits, valid, sel)
+        n_clip = (clipped & valid).sum().double()
+        stats = torch.stack([kl, n_clip, n_sel, n_valid])
         if ctx.needs_input_grad[0]:
             # ``==`` as bit patterns: it differs from the float ``==`` only where a side is NaN
             # (both sides of a tie carry -A's sign; ratio >= +0), and there the gradient is
@@ -339,11 +467,11 @@ class _ClipCovLoss(torch.autograd.Function):
             tie = same_bits(loss1, loss2)
             in_range = same_bits(clamped, ratio)  # (ratio >= lo) & (ratio <= hi)
             ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
-        ctx.mark_non_differentiable(clipped)
-        return loss, clipped
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, _grad_clipped: Tensor | None = None):  # noqa: D102
+    def backward(ctx, grad: Tensor | None, _grad_stats: Tensor | None = None):  # noqa: D102
         """Autograd's chain, op for op: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to
         each on a tie (``g * 0.5``, the same number), nothing to the smaller; each side times
         ``-A``; ``clamp`` passes its side's share inside the bounds only; the two shares add up
@@ -351,13 +479,13 @@ class _ClipCovLoss(torch.autograd.Function):
         r``, so both sides are equal and get the same share: ``t + t``; outside, the clamped
         side's share is masked to +0: ``t + 0``. Hence no ``loss1 > loss2`` mask is needed."""
         if grad is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         ratio, na, keep_bits, tie, clipped, in_range = ctx.saved_tensors
         g = zero_where_not(grad, keep_bits)
         g = g * torch.add(1.0, as_float(tie).to(g.dtype), alpha=-0.5)  # 0.5 on ties, else 1
         t = zero_where_not(g, not_mask_bits(clipped, g.dtype)) * na
         g_ratio = t + zero_where_not(t, _bits_of(in_range, g))
-        return g_ratio * ratio, None, None, None, None, None
+        return g_ratio * ratio, None, None, None, None, None, None
 
 
 def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
@@ -368,24 +496,28 @@ def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     lo, hi = 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high
     m = inp.mask
     if _fusable(inp.logp, inp.old_logp, a) and sel.shape == m.shape == inp.logp.shape:
-        loss, clipped = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, m.bool() & ~sel, lo, hi)
-        premasked = True
-    else:
-        ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
-        loss1 = -a * ratio
-        loss2 = -a * ratio.clamp(lo, hi)
-        loss, clipped = masked_zero(torch.maximum(loss1, loss2), ~sel), loss2 > loss1
-        premasked = False
+        valid = m.bool()
+        loss, st = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, valid, sel, lo, hi)
+        stats = {"clip_cov/zeroed_frac": ratio_stat(st[2], st[3]),
+                 "policy/clip_frac": ratio_stat(st[1], st[3]),
+                 "policy/ppo_kl": ratio_stat(st[0], st[3])}
+        return TokenLoss(loss, stats, premasked=True)
+    ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
+    loss1 = -a * ratio
+    loss2 = -a * ratio.clamp(lo, hi)
+    loss, clipped = masked_zero(torch.maximum(loss1, loss2), ~sel), loss2 > loss1
     stats = {"clip_cov/zeroed_frac": mean_stat(sel, m),
              "policy/clip_frac": mean_stat(clipped, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats, premasked=premasked)
+    return TokenLoss(loss, stats, premasked=False)
 
 
 class _KLCovLoss(torch.autograd.Function):
     """``masked_zero(-A exp(lr) + masked_zero(coef * |lr|, sel), mask)`` with
     ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), value and gradient
-    bit-identical to autograd through that expression, in fewer kernels."""
+    bit-identical to autograd through that expression, in fewer kernels. Second output: the
+    metric sums ``[sum(old - logp), sum |lr|, #selected, #valid]`` (fp64, over the valid
+    tokens)."""
 
     @staticmethod
     def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, sel: Tensor, valid: Tensor,
@@ -397,14 +529,19 @@ class _KLCovLoss(torch.autograd.Function):
         abs_lr = lr.abs()
         sel_bits, valid_bits = _bits_of(sel, logp), _bits_of(valid, logp)
         loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
+        kl, n_valid, n_sel = _valid_sums(lr, valid_bits, valid, sel)
+        x = abs_lr if abs_lr.dtype == torch.float32 else abs_lr.float()
+        bits = valid_bits if abs_lr.dtype == torch.float32 else _bits_of(valid, x)
+        abs_sum = zero_where_not(x, bits).sum(dtype=torch.float64)
+        stats = torch.stack([kl, abs_sum, n_sel, n_valid])
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(lr, e, na, sel_bits, valid_bits)
         ctx.coef = coef
-        ctx.mark_non_differentiable(abs_lr)
-        return loss, abs_lr
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, _grad_abs: Tensor | None = None):  # noqa: D102
+    def backward(ctx, grad: Tensor | None, _grad_stats: Tensor | None = None):  # noqa: D102
         if grad is None:
             return None, None, None, None, None, None
         lr, e, na, sel_bits, valid_bits = ctx.saved_tensors
@@ -420,16 +557,17 @@ def kl_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     m = inp.mask
     if (_fusable(inp.logp, inp.old_logp, inp.advantages)
             and sel.shape == m.shape == inp.logp.shape):
-        loss, abs_lr = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
-                                        float(cfg.kl_cov_coef))
-        premasked = True
-    else:
-        lr = log_ratio(inp.logp, inp.old_logp, None)
-        loss = -inp.advantages * torch.exp(lr)
-        abs_lr = lr.abs()
-        loss = loss + masked_zero(cfg.kl_cov_coef * abs_lr, sel)
-        premasked = False
+        loss, st = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
+                                    float(cfg.kl_cov_coef))
+        stats = {"kl_cov/penalised_frac": ratio_stat(st[2], st[3]),
+                 "policy/abs_log_ratio": ratio_stat(st[1], st[3]),
+                 "policy/ppo_kl": ratio_stat(st[0], st[3])}
+        return TokenLoss(loss, stats, premasked=True)
+    lr = log_ratio(inp.logp, inp.old_logp, None)
+    loss = -inp.advantages * torch.exp(lr)
+    abs_lr = lr.abs()
+    loss = loss + masked_zero(cfg.kl_cov_coef * abs_lr, sel)
     stats = {"kl_cov/penalised_frac": mean_stat(sel, m),
              "policy/abs_log_ratio": mean_stat(abs_lr, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats, premasked=premasked)
+    return TokenLoss(loss, stats, premasked=False)

@@ -258,27 +258,33 @@ def local_topk_mask(keys: Tensor, active: Tensor, k: Tensor, k_max: int) -> Tens
     return active & (keys >= thr) & (k_eff > 0)
 
 
-def masked_composite_key(score_u32: Tensor, active: Tensor, rev_index: Tensor) -> Tensor:
-    """Unique int64 key ``(unsigned score << 31) | rev_index`` of the ``active`` tokens, -1 for
-    the others (below every real key). ``score_u32``: int32 bit patterns read as unsigned;
-    ``rev_index = 2**31 - 1 - global index`` (the smaller index wins ties). All 1-D, same length;
-    the same keys as ``composite_key(unsigned_i64(score_u32), index)`` with inactive ones at -1."""
-    not_active = active.contiguous().view(torch.uint8).to(torch.int64) - 1  # 0 / -1
-    return (unsigned_i64(score_u32) << _IDX_BITS) | rev_index | not_active
-
-
 _REV_INDEX: dict[str, Tensor] = {}
 
 
-def reversed_index(n: int, device: torch.device, start: int = 0) -> Tensor:
-    """``2**31 - 1 - arange(start, start + n)``: :func:`masked_composite_key`'s ``rev_index``
-    of one process (flat positions; the longest one per device is kept and sliced)."""
+def reversed_index32(n: int, device: torch.device, start: int = 0) -> Tensor:
+    """int32 ``2**31 - 1 - arange(start, start + n)`` (flat positions as reversed indices, the
+    low word of :func:`word_key` keys: the smaller index wins ties; positions must stay below
+    ``2**31 - 1`` so that every value is >= 1). The longest one per device is kept and sliced."""
+    if start + n > 2**31 - 1:
+        raise ValueError(f"token index up to {start + n} must stay below 2**31 - 1")
     have = _REV_INDEX.get(str(device))
     if have is None or have.numel() < start + n:
         top = 2**_IDX_BITS - 1
-        have = torch.arange(top, top - (start + n), -1, dtype=torch.int64, device=device)
+        have = torch.arange(top, top - (start + n), -1, dtype=torch.int32, device=device)
         _REV_INDEX[str(device)] = have
     return have[start:start + n]
+
+
+def fmix32_i32_(h: Tensor, tmp: Tensor) -> Tensor:
+    """:func:`_fmix32_i32` in place on int32 ``h`` (``tmp``: an int32 buffer of ``h``'s shape,
+    overwritten): the same bits, no new tensors."""
+    for shift, mask, mul in ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35),
+                             (16, 0xFFFF, None)):
+        torch.bitwise_right_shift(h, shift, out=tmp)
+        h.bitwise_xor_(tmp.bitwise_and_(mask))
+        if mul is not None:
+            h.mul_(_i32(mul))
+    return h
 
 
 @dataclass
@@ -291,10 +297,22 @@ class TopK:
     value_sum: Tensor  # fp64 0-dim: sum of ``values`` over the selected tokens of all ranks
 
 
+INACTIVE = -(2**63)  # the key of a token that cannot be selected: below every active key
+
+
+def word_key(high: Tensor, low: Tensor) -> Tensor:
+    """int64 ``high * 2**32 + low`` from two int32 tensors of one shape (``low >= 0``): keys
+    ordered by ``high`` (signed), then ``low``. Flat ``[N]`` int64, a new tensor."""
+    key = high.reshape(-1).to(torch.int64)
+    key.bitwise_left_shift_(32)
+    return key.bitwise_or_(low.reshape(-1))
+
+
 def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tensor, k_max: int,
                     ctx: ReductionContext) -> TopK:
-    """Exact global top-``min(k, #active)`` of masked unique int64 ``keys`` ([N], -1 = inactive,
-    from :func:`masked_composite_key` with global indices), given a host bound ``k_max >= k``.
+    """Exact global top-``min(k, #active)`` of unique int64 ``keys`` ([N]; :data:`INACTIVE` for
+    the tokens that cannot be selected, every other key unique over all ranks), given a host
+    bound ``k_max >= k``.
 
     ``values`` ([N] fp32) are summed over the selection (a metric); ``active_count`` is this
     rank's number of active tokens (int64 0-dim). One ``topk`` of ``min(k_max, N)`` keys per
@@ -313,13 +331,13 @@ def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tenso
     k = k.to(torch.int64)
     if ctx.group is None or ctx.dp_size == 1:
         count = torch.minimum(k, active_count.to(torch.int64))
-        flags = (torch.arange(kk, device=device) < count) & (top_v >= 0)
+        flags = (torch.arange(kk, device=device) < count) & (top_v != INACTIVE)
         total_active = active_count.to(torch.int64)
         value_sum = torch.where(flags, top_val, 0.0).sum()
     else:
         import torch.distributed as dist
 
-        cand = torch.full((2 * k_max + 1,), -1, dtype=torch.int64, device=device)
+        cand = torch.full((2 * k_max + 1,), INACTIVE, dtype=torch.int64, device=device)
         cand[:kk] = top_v
         cand[k_max:k_max + kk] = top_val.view(torch.int64)
         cand[2 * k_max] = active_count
@@ -331,24 +349,24 @@ def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tenso
         total_active = g[:, 2 * k_max].sum()
         count = torch.minimum(k, total_active)
         best_v, best_i = torch.topk(g_keys, min(k_max, g_keys.numel()), sorted=True)
-        g_flags = (torch.arange(best_v.numel(), device=device) < count) & (best_v >= 0)
+        g_flags = (torch.arange(best_v.numel(), device=device) < count) & (best_v != INACTIVE)
         thr = best_v.gather(0, (count - 1).clamp(0, best_v.numel() - 1).view(1)).squeeze(0)
-        flags = (top_v >= thr) & (top_v >= 0) & (count > 0)
+        flags = (top_v >= thr) & (top_v != INACTIVE) & (count > 0)
         value_sum = torch.where(g_flags, g_vals.gather(0, best_i), 0.0).sum()
     selected = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, top_i, flags)
     return TopK(selected, count, total_active, value_sum)
 
 
 def top_candidates(keys: Tensor, values: Tensor, k_max: int) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk's ``min(k_max, n)`` largest masked keys (1-D int64, unsorted), their positions
-    in the chunk and their ``values`` (1-D fp32): the chunk's candidates for the global top k."""
+    """One chunk's ``min(k_max, n)`` largest keys (1-D int64, unsorted), their positions in the
+    chunk and their ``values`` (1-D fp32): the chunk's candidates for the global top k."""
     kk = min(int(k_max), keys.numel())
     if kk > 0:
         tv, ti = torch.topk(keys, kk, sorted=False)
     else:
         tv = torch.empty(0, dtype=torch.int64, device=keys.device)
         ti = torch.empty(0, dtype=torch.int64, device=keys.device)
-    return tv, ti, values.gather(0, ti)
+    return tv, ti, values.reshape(-1).gather(0, ti)
 
 
 def select_from_candidates(cands: Sequence[tuple[Tensor, Tensor, Tensor]], sizes: Sequence[int],
