@@ -19,9 +19,8 @@ Per mini-batch, before any micro-batch runs backward:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -43,11 +42,9 @@ from megatron_rl.loss.select import (
     global_token_index,
     global_topk_mask,
     reversed_index32,
-    select_from_candidates,
-    token_hash_parts,
-    top_candidates,
+    select_top_keys,
+    token_hash_parts_premixed,
     topk_bound,
-    word_key,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
 
@@ -157,66 +154,84 @@ def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossParams) -> Tensor:
     return na * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high) > na * ratio
 
 
-# one micro-batch's (int64 word keys [N] (INACTIVE where it cannot be selected), Cov [N] fp32,
-# active count (int64 0-dim) or None when every valid token is active)
-_Scorer = Callable[[int], tuple[Tensor, Tensor, Tensor | None]]
 _I32_MIN = -(2**31)
+_CHUNK = 1 << 15  # tokens per candidate topk row (fits in cache; one batched topk for all rows)
+_SCRATCH: dict[tuple[str, str], Tensor] = {}
 
 
-class _Work:
-    """Scratch buffers of one selection, reused by every micro-batch (sliced to its size): the
-    per-token steps write into them in place instead of allocating temporaries."""
-
-    def __init__(self, numel: int, device: torch.device) -> None:
-        self.f = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(3)]
-        self.i = [torch.empty(numel, dtype=torch.int32, device=device) for _ in range(2)]
-        self.b = [torch.empty(numel, dtype=torch.bool, device=device) for _ in range(2)]
-
-    def get(self, kind: str, j: int, shape: torch.Size) -> Tensor:
-        n = math.prod(shape)
-        return getattr(self, kind)[j][:n].view(shape)
-
-
-def _fp32(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float32 else x.float()
+def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D ``[n]`` work tensor (uninitialised) of the selection, only for temporaries that do
+    not leave it. On CPU the largest one per slot is kept and reused: a fresh tensor of a
+    mini-batch's size costs a page fault per 4 KiB page on every call (large allocations go
+    back to the system when freed), more than the arithmetic on it; elsewhere (the CUDA
+    caching allocator reuses memory by itself) a new tensor."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=dtype, device=device)
+    key = (slot, str(dtype))
+    have = _SCRATCH.get(key)
+    if have is None or have.numel() < n:
+        have = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+    return have[:n]
 
 
-def _valid_bits(valid: Tensor) -> Tensor:
-    """int32 all-ones where ``valid``, 0 elsewhere (:func:`mask_bits` for fp32)."""
-    return mask_bits(valid, torch.float32)
+def _cat_into(slot: str, xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor:
+    """The micro-batches' tensors flattened row-major and concatenated into a scratch tensor
+    ``[sum B_m T_m]`` of ``dtype`` (converted while copying)."""
+    out = _scratch(slot, n, dtype, xs[0].device)
+    if all(x.dtype == dtype for x in xs):
+        return torch.cat([x.reshape(-1) for x in xs], out=out)
+    start = 0
+    for x in xs:
+        out[start:start + x.numel()].view(x.shape).copy_(x)
+        start += x.numel()
+    return out
 
 
-def _fast_means(ctx: ReductionContext, logp: list[Tensor], adv: list[Tensor],
-                vbits: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_cov_means` of fp32 inputs, padding zeroed by the ``vbits`` words: the same fp64
-    sums (each fp32 value and product exact in fp64), fewer passes."""
-    parts = []
-    for lp, a, vb in zip(logp, adv, vbits, strict=True):
-        x = (lp.view(torch.int32) & vb).view(torch.float32).reshape(-1).double()
-        y = (a.view(torch.int32) & vb).view(torch.float32).reshape(-1).double()
-        parts.append(torch.stack([x.sum(), y.sum(), torch.dot(x, y)]))
-        del x, y
-    sums = torch.stack(parts).sum(0)
+def _flat_means(ctx: ReductionContext, lp: Tensor, a: Tensor, vbits: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_cov_means` on the flat fp32 ``lp``, ``a`` (``[N]``; padding zeroed by the int32
+    ``vbits`` words): fp64 sums of the exact fp64 values and products, one ``all_reduce``."""
+    n, device = lp.numel(), lp.device
+    tmp = _scratch("i32_t", n, torch.int32, device)
+    x = _scratch("f64_x", n, torch.float64, device)
+    y = _scratch("f64_y", n, torch.float64, device)
+    x.copy_(torch.bitwise_and(lp.view(torch.int32), vbits, out=tmp).view(torch.float32))
+    y.copy_(torch.bitwise_and(a.view(torch.int32), vbits, out=tmp).view(torch.float32))
+    sums = torch.stack([x.sum(), y.sum(), torch.dot(x, y)])
     ctx.all_reduce(sums)
-    n = ctx.num_tokens.clamp_min(1).double()
-    mean_lp, mean_a = sums[0] / n, sums[1] / n
-    batch_cov = sums[2] / n - mean_lp * mean_a
+    num = ctx.num_tokens.clamp_min(1).double()
+    mean_lp, mean_a = sums[0] / num, sums[1] / num
+    batch_cov = sums[2] / num - mean_lp * mean_a
     return mean_lp.float(), mean_a.float(), batch_cov
 
 
-def _cov_into(out: Tensor, tmp: Tensor, lp: Tensor, adv: Tensor, mean_lp: Tensor,
-              mean_a: Tensor) -> Tensor:
-    """:func:`_token_cov` written into ``out`` (``tmp``: scratch of the same shape)."""
-    torch.sub(_fp32(lp), mean_lp, out=out)
-    return out.mul_(torch.sub(_fp32(adv), mean_a, out=tmp))
-
-
-def _order_bits_into(out: Tensor, x: Tensor) -> Tensor:
-    """int32 whose **signed** order is the order of the fp32 ``x`` (bits ``b``:
-    ``b ^ ((b >> 31) & 0x7FFFFFFF)``; all-ones bits, a NaN, give the minimum), into ``out``."""
-    bits = x.view(torch.int32)
+def _order_bits_into(out: Tensor, bits: Tensor) -> Tensor:
+    """int32 whose **signed** order is the order of the fp32 values with int32 ``bits``
+    (``b ^ ((b >> 31) & 0x7FFFFFFF)``; all-ones bits, a NaN, give the minimum), into ``out``."""
     torch.bitwise_right_shift(bits, 31, out=out)
     return out.bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
+
+
+def _rev_index(ctx: ReductionContext, ms: list[Tensor], n: int, device: torch.device) -> Tensor:
+    """Flat int32 low key words ``2**31 - 1 - global token index`` ``[n]`` of this rank's
+    micro-batches (>= 1): with one rank and rows in order the flat position stands in for the
+    index (the same order)."""
+    if (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None:
+        return reversed_index32(n, device)
+    g = global_token_index(ctx, [m.shape for m in ms], device)
+    g = torch.cat([x.reshape(-1) for x in g]) if len(g) > 1 else g[0].reshape(-1)
+    return ((2**31 - 1) - g).to(torch.int32)
+
+
+def _key_into(high: Tensor, low: Tensor, rows: int, width: int) -> Tensor:
+    """Word keys ``high * 2**32 + low`` (int32 ``[n]`` each, ``low >= 0``) in a scratch
+    ``[rows, width]`` int64, the positions past ``n`` :data:`INACTIVE`."""
+    n = high.numel()
+    key = _scratch("i64_key", rows * width, torch.int64, high.device)
+    head = key[:n]
+    head.copy_(high).bitwise_left_shift_(32).bitwise_or_(low)
+    key[n:].fill_(INACTIVE)
+    return key.view(rows, width)
 
 
 @torch.no_grad()
@@ -228,9 +243,10 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
-    Work streams micro-batch by micro-batch: one pass for the global means, then per
-    micro-batch the covariance, keys and one ``topk`` of its candidates (in scratch buffers
-    shared by the micro-batches), then one ``topk`` over the candidates.
+    The micro-batches are concatenated once and every step runs in place on the flat tensors
+    (a few dozen kernels whatever the number of micro-batches): the global means, the
+    covariance, the keys, one batched ``topk`` of ``32768``-token rows, one ``topk`` over
+    their candidates.
     Collectives with several DP ranks: 1 ``all_reduce`` (means) + 1 ``all_gather`` of each
     rank's candidates (keys, Cov values, active count) when ``ctx.numel_bound`` is known (one
     process, gloo, or given by the caller); else a radix selection (4 ``all_reduce``) + 1 for
@@ -238,144 +254,128 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     token index: with one DP rank the flat position stands in for it (same order, see
     ``context.py``). Log-probs and advantages enter the per-token steps in fp32.
     """
-    lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
-    ms = [m.bool() for m in as_list(masks)]
-    device = lp[0].device
-    vbits = [_valid_bits(m) for m in ms]
-    if all(x.dtype == torch.float32 for x in lp + adv):
-        mean_lp, mean_a, batch_cov = _fast_means(ctx, lp, adv, vbits)
-    else:
-        mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
-    work = _Work(max(m.numel() for m in ms), device)
-    rev = _RevIndex(ctx, ms)
-    scorer: _Scorer
-    if cfg.policy_loss == "kl_cov":
-        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor | None]:
-            shape = ms[i].shape
-            c = _cov_into(work.get("f", 0, shape), work.get("f", 1, shape), lp[i], adv[i],
-                          mean_lp, mean_a)
-            c.view(torch.int32).bitwise_or_(vbits[i].bitwise_not())  # padding: all-ones bits
-            high = _order_bits_into(work.get("i", 0, shape), c)
-            low = torch.bitwise_and(rev(i), vbits[i], out=work.get("i", 1, shape))
-            return word_key(high, low), c.reshape(-1), None
-        ratio_k = cfg.kl_cov_ratio
-    elif cfg.policy_loss == "clip_cov":
-        seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        h_seq, h_pos = token_hash_parts(seed, step, [ctx.seq_index(i, m.shape[0], device)
-                                                     for i, m in enumerate(ms)],
-                                        [m.shape[1] for m in ms])
-        row0 = ctx.mb_seq_offsets
-
-        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor | None]:
-            shape = ms[i].shape
-            b, t = shape
-            f0, f1, f2 = (work.get("f", j, shape) for j in range(3))
-            c = _cov_into(f0, f1, lp[i], adv[i], mean_lp, mean_a)
-            active = torch.gt(c, cfg.clip_cov_lb, out=work.get("b", 0, shape))
-            active &= torch.lt(c, cfg.clip_cov_ub, out=work.get("b", 1, shape))
-            active &= ms[i]
-            if lp[i] is not old[i]:  # the statistic's own old log-probs: ratio 1, never clipped
-                active &= _not_ppo_clipped_into(work.get("b", 1, shape), f1, f2, lp[i], old[i],
-                                                adv[i], cfg)
-            act_bits = _valid_bits(active)
-            h = torch.bitwise_xor(h_seq[row0[i]:row0[i] + b].unsqueeze(-1),
-                                  h_pos[:t].unsqueeze(0), out=work.get("i", 0, shape))
-            fmix32_i32_(h, work.get("i", 1, shape))
-            # inactive: high = INT32_MIN and low = 0, below every active key (low >= 1)
-            high = h.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
-            low = torch.bitwise_and(rev(i), act_bits, out=work.get("i", 1, shape))
-            return word_key(high, low), c.reshape(-1), active.sum()
-        ratio_k = cfg.clip_cov_ratio
-    else:
+    if cfg.policy_loss not in ("clip_cov", "kl_cov"):
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    selected, top = _global_top(ctx, ms, scorer, ratio_k)
-    n = ctx.num_tokens.clamp_min(1).double()
+    lp_l, old_l, adv_l = as_list(stat_logp), as_list(old_logp), as_list(advantages)
+    ms = [m.bool() for m in as_list(masks)]
+    device, n = lp_l[0].device, sum(m.numel() for m in ms)
+    f32, i32 = torch.float32, torch.int32
+    valid = _cat_into("b_valid", ms, torch.bool, n)
+    vbits = _scratch("i32_v", n, i32, device).copy_(valid).neg_()  # mask_bits: -1 / 0 words
+    lp, adv = _cat_into("f32_lp", lp_l, f32, n), _cat_into("f32_a", adv_l, f32, n)
+    if all(x.dtype == f32 for x in lp_l + adv_l):
+        mean_lp, mean_a, batch_cov = _flat_means(ctx, lp, adv, vbits)
+    else:
+        mean_lp, mean_a, batch_cov = _cov_means(ctx, lp_l, adv_l, ms)
+    cov = torch.sub(lp, mean_lp, out=_scratch("f32_cov", n, f32, device))  # _token_cov, flat
+    cov.mul_(torch.sub(adv, mean_a, out=_scratch("f32_t", n, f32, device)))
+    rev = _rev_index(ctx, ms, n, device)
+    high, low = _scratch("i32_h", n, i32, device), _scratch("i32_l", n, i32, device)
+    width = min(max(n, 1), _CHUNK)
+    rows = -(-n // width)
+    if cfg.policy_loss == "kl_cov":
+        bits = torch.bitwise_or(cov.view(i32), vbits.bitwise_not_(),  # padding: all-ones bits
+                                out=_scratch("i32_t", n, i32, device))
+        _order_bits_into(high, bits)
+        torch.bitwise_and(rev, vbits.bitwise_not_(), out=low)
+        key = _key_into(high, low, rows, width)
+        active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else valid.sum()
+        ratio_k = cfg.kl_cov_ratio
+    else:
+        active = torch.gt(cov, cfg.clip_cov_lb, out=_scratch("b_act", n, torch.bool, device))
+        active.logical_and_(torch.lt(cov, cfg.clip_cov_ub,
+                                     out=_scratch("b_t", n, torch.bool, device)))
+        active.logical_and_(valid)
+        if any(x is not o for x, o in zip(lp_l, old_l, strict=True)):
+            # the statistic's own old log-probs: ratio 1, never clipped; else -A c > -A r is
+            # A c < A r exactly (negation is exact; NaN: false in both)
+            old = _cat_into("f32_old", old_l, f32, n)
+            r = torch.sub(lp, old, out=_scratch("f32_t", n, f32, device)).exp_()
+            c = torch.clamp(r, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high,
+                            out=old).mul_(adv)  # ``old`` is no longer needed
+            clipped = torch.lt(c, r.mul_(adv), out=_scratch("b_t", n, torch.bool, device))
+            active.logical_and_(clipped.logical_not_())
+        act_bits = vbits.copy_(active).neg_()  # the valid words are no longer needed
+        seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
+        _flat_hash_into(high, low, seed, step, ctx, ms)
+        # inactive: high = INT32_MIN and low = 0, below every active key (low >= 1)
+        high.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
+        torch.bitwise_and(rev, act_bits, out=low)
+        key = _key_into(high, low, rows, width)
+        active_count = active.sum()
+        ratio_k = cfg.clip_cov_ratio
+    sel, top = _flat_top(ctx, key, n, cov, active_count, ratio_k)
+    num_tok = ctx.num_tokens.clamp_min(1).double()
     num = top.count.double()
     name = cfg.policy_loss
     stats = {"cov/batch_cov": batch_cov.float(),
              "cov/mean_selected": (top.value_sum / num.clamp_min(1)).float(),
              f"{name}/num_selected": num.float(),
-             f"{name}/selected_frac": (num / n).float(),
-             f"{name}/candidate_frac": (top.active.double() / n).float()}
-    return CovSelection(selected, stats)
+             f"{name}/selected_frac": (num / num_tok).float(),
+             f"{name}/candidate_frac": (top.active.double() / num_tok).float()}
+    return CovSelection(_unflat(sel, ms), stats)
 
 
-def _not_ppo_clipped_into(out: Tensor, f1: Tensor, f2: Tensor, lp: Tensor, old: Tensor,
-                          adv: Tensor, cfg: LossParams) -> Tensor:
-    """bool ``~ppo_clipped(exp(lp - old), adv, cfg)`` ``[B, T]`` into ``out`` (``f1``, ``f2``:
-    fp32 scratch). ``-A c > -A r`` is ``A c < A r`` exactly (negation is exact; NaN: false in
-    both)."""
-    if not all(x.dtype == torch.float32 for x in (lp, old, adv)):
-        clipped = ppo_clipped(torch.exp(log_ratio(lp, old, None)), adv, cfg)
-        return torch.logical_not(clipped, out=out)
-    r = torch.sub(lp, old, out=f1).exp_()
-    c = torch.clamp(r, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high, out=f2).mul_(adv)
-    return torch.lt(c, r.mul_(adv), out=out).logical_not_()
+def _flat_hash_into(h: Tensor, tmp: Tensor, seed: int, step: int | Tensor,
+                    ctx: ReductionContext, ms: list[Tensor]) -> Tensor:
+    """Flat int32 :func:`token_hash32` bits of this rank's micro-batches into ``h``
+    ``[sum B_m T_m]`` (``tmp``: int32 scratch of the same size): the per-row and per-position
+    parts XORed (one broadcast when every micro-batch has the same length), then the finaliser
+    in place."""
+    device = h.device
+    h_seq, h_pos = token_hash_parts_premixed(
+        seed, step, [ctx.seq_index(i, m.shape[0], device) for i, m in enumerate(ms)],
+        [m.shape[1] for m in ms])
+    t0 = ms[0].shape[1]
+    if all(m.shape[1] == t0 for m in ms):
+        torch.bitwise_xor(h_seq.unsqueeze(-1), h_pos[:t0].unsqueeze(0),
+                          out=h.view(h_seq.numel(), t0))
+    else:
+        start, row = 0, 0
+        for m in ms:
+            b, t = m.shape
+            torch.bitwise_xor(h_seq[row:row + b].unsqueeze(-1), h_pos[:t].unsqueeze(0),
+                              out=h[start:start + b * t].view(b, t))
+            start, row = start + b * t, row + b
+    return fmix32_i32_(h, tmp, premixed=True)
 
 
-class _RevIndex:
-    """Micro-batch ``i``'s int32 low key words ``2**31 - 1 - global token index`` (flat): with
-    one rank and rows in order the flat position stands in for the index (the same order)."""
-
-    def __init__(self, ctx: ReductionContext, ms: list[Tensor]) -> None:
-        self.ctx, self.ms = ctx, ms
-        self.one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
-        self.starts = [0]
-        for m in ms[:-1]:
-            self.starts.append(self.starts[-1] + m.numel())
-
-    def __call__(self, i: int) -> Tensor:
-        m = self.ms[i]
-        if self.one_rank:
-            return reversed_index32(m.numel(), m.device, self.starts[i]).view(m.shape)
-        (g,) = global_token_index(self.ctx, [m.shape], m.device, first=i)
-        return ((2**31 - 1) - g).to(torch.int32)
-
-
-def _global_top(ctx: ReductionContext, ms: list[Tensor], scorer: _Scorer, ratio: float
-                ) -> tuple[list[Tensor], TopK]:
-    """The exact global top ``max(floor(ratio * N), 1)`` tokens by word key (score desc, global
-    token index asc) among the active ones; ``scorer(i)`` gives micro-batch ``i``'s keys, values
-    and active count (computed when needed). One ``topk`` per micro-batch and one over their
-    candidates; with several DP ranks one ``all_gather`` of candidates when ``ctx.numel_bound``
-    is known, else the radix selection (four all-reduces). Returns each micro-batch's selected
-    mask and the totals."""
+def _flat_top(ctx: ReductionContext, key: Tensor, n: int, values: Tensor, active_count: Tensor,
+              ratio: float) -> tuple[Tensor, TopK]:
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by word key (``[rows, width]``
+    from :func:`_key_into`, the first ``n`` real: score desc, global token index asc;
+    :data:`INACTIVE`: never selected). With a host bound of the global size: one batched
+    ``topk`` of ``k_max`` per row, then :func:`select_top_keys` over the candidates (one
+    ``all_gather`` with several DP ranks); else the radix selection (four all-reduces).
+    Returns the flat selected mask ``[n]`` (a new tensor) and the totals."""
     k = _count_k(ratio, ctx.num_tokens)
-    one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
-    bound = sum(m.numel() for m in ms) if one_rank else ctx.numel_bound
-    counts: list[Tensor] = []
-    if bound is not None:
-        k_max = topk_bound(ratio, bound)
-        cands = []
-        for i in range(len(ms)):
-            key, value, count = scorer(i)
-            cands.append(top_candidates(key, value, k_max))
-            if count is not None:
-                counts.append(count)
-            del key, value  # the scratch buffers are the next micro-batch's
-        active = torch.stack(counts).sum() if counts else _local_valid(ms)
-        sel, top = select_from_candidates(cands, [m.numel() for m in ms], active, k, k_max, ctx)
-        return [s_.view(m.shape) for s_, m in zip(sel, ms, strict=True)], top
-    # radix over device counts (no host bound of the global size): non-negative keys
-    keys, actives, vals = [], [], []
-    for i in range(len(ms)):
-        key, value, count = scorer(i)
-        act = key != INACTIVE
-        keys.append(((key >> 32) + 2**31) << 31 | (key & (2**31 - 1)))
-        actives.append(act)
-        vals.append(value.clone())
-        counts.append(act.sum())
-    flat_active = _flat(actives)
-    sel = global_topk_mask(_flat(keys), flat_active, k, ctx)
-    value_sum = torch.where(sel, _flat(vals), 0.0).sum(dtype=torch.float64)
-    sums = torch.stack([sel.sum().double(), value_sum, torch.stack(counts).sum().double()])
-    ctx.all_reduce(sums)
-    return _unflat(sel, ms), TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
-
-
-def _local_valid(ms: list[Tensor]) -> Tensor:
-    return torch.stack([m.sum() for m in ms]).sum()
+    device = key.device
+    rows, width = key.shape
+    one_rank = ctx.group is None or ctx.dp_size == 1
+    bound = n if one_rank and ctx.seq_ids is None else ctx.numel_bound
+    if bound is None:  # radix over device counts (no host bound of the global size)
+        flat = key.reshape(-1)[:n]
+        act = flat != INACTIVE
+        radix_key = (((flat >> 32) + 2**31) << 31) | (flat & (2**31 - 1))  # non-negative
+        sel = global_topk_mask(radix_key, act, k, ctx)
+        value_sum = torch.where(sel, values, 0.0).sum(dtype=torch.float64)
+        sums = torch.stack([sel.sum().double(), value_sum, act.sum().double()])
+        ctx.all_reduce(sums)
+        return sel, TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
+    k_max = topk_bound(ratio, bound)
+    if n == 0:
+        top_v = key.new_empty(0)
+        pos = torch.empty(0, dtype=torch.int64, device=device)
+    else:
+        top_v, top_i = torch.topk(key, min(k_max, width), dim=1, sorted=False)
+        pos = top_i + torch.arange(0, rows * width, width, device=device).unsqueeze(-1)
+        top_v, pos = top_v.reshape(-1), pos.reshape(-1)
+    vals = values.gather(0, pos.clamp_max(max(n - 1, 0))) if n else values.new_empty(0)
+    res = select_top_keys(top_v, vals, active_count, k, k_max, ctx)
+    sel = torch.zeros(rows * width, dtype=torch.bool, device=device)
+    sel = sel.scatter_(0, pos, res.selected)[:n]
+    return sel, TopK(sel, res.count, res.active, res.value_sum)
 
 
 @torch.no_grad()
@@ -385,19 +385,19 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
     mean over all tokens, so users see which tokens drive entropy collapse."""
     ms = [m.bool() for m in as_list(masks)]
-    lp, adv = as_list(logp), as_list(advantages)
-    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
-
-    rev = _RevIndex(ctx, ms)
-    vbits = [_valid_bits(m) for m in ms]
-
-    def scorer(i: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-        c.view(torch.int32).bitwise_or_(vbits[i].bitwise_not())  # padding: all-ones bits
-        high = _order_bits_into(torch.empty_like(vbits[i]), c)
-        return word_key(high, rev(i) & vbits[i]), c.reshape(-1), None
-
-    _, top = _global_top(ctx, ms, scorer, top_frac)
+    lp_l, adv_l = as_list(logp), as_list(advantages)
+    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp_l, adv_l, ms)
+    n, device = sum(m.numel() for m in ms), ms[0].device
+    valid = torch.cat([m.reshape(-1) for m in ms])
+    vbits = mask_bits(valid, torch.float32)
+    cov = (torch.cat([x.reshape(-1).float() for x in lp_l]) - mean_lp).mul_(
+        torch.cat([x.reshape(-1).float() for x in adv_l]) - mean_a)
+    bits = cov.view(torch.int32) | vbits.bitwise_not()  # padding: all-ones bits
+    high = _order_bits_into(torch.empty_like(bits), bits)
+    width = min(max(n, 1), _CHUNK)
+    key = _key_into(high, _rev_index(ctx, ms, n, device) & vbits, -(-n // width), width)
+    count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else valid.sum()
+    _, top = _flat_top(ctx, key, n, cov, count, top_frac)
     num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),

@@ -275,16 +275,41 @@ def reversed_index32(n: int, device: torch.device, start: int = 0) -> Tensor:
     return have[start:start + n]
 
 
-def fmix32_i32_(h: Tensor, tmp: Tensor) -> Tensor:
+def _xorshift16(h: Tensor) -> Tensor:
+    """``h ^ (h >>> 16)`` on int32 (the finaliser's first step, new tensor)."""
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def fmix32_i32_(h: Tensor, tmp: Tensor, premixed: bool = False) -> Tensor:
     """:func:`_fmix32_i32` in place on int32 ``h`` (``tmp``: an int32 buffer of ``h``'s shape,
-    overwritten): the same bits, no new tensors."""
-    for shift, mask, mul in ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35),
-                             (16, 0xFFFF, None)):
-        torch.bitwise_right_shift(h, shift, out=tmp)
-        h.bitwise_xor_(tmp.bitwise_and_(mask))
+    overwritten): the same bits, no new tensors. ``premixed``: ``h`` already went through the
+    first step ``h ^ (h >>> 16)``; that step is linear over XOR, so for ``h = a ^ b`` it can be
+    taken on ``a`` and ``b`` apart (see :func:`token_hash_parts_premixed`)."""
+    steps = ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35), (16, 0xFFFF, None))
+    for j, (shift, mask, mul) in enumerate(steps):
+        if not (premixed and j == 0):
+            torch.bitwise_right_shift(h, shift, out=tmp)
+            h.bitwise_xor_(tmp.bitwise_and_(mask))
         if mul is not None:
             h.mul_(_i32(mul))
     return h
+
+
+def token_hash_parts_premixed(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                              lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """:func:`token_hash_parts` after the finaliser's first step ``x ^ (x >>> 16)``, which is
+    linear over XOR: ``fmix32_i32_(s[b] ^ p[t], tmp, premixed=True)`` of these parts ``(s, p)``
+    is the token's :func:`token_hash32` (int32 bits), one step fewer per token."""
+    h_seq, h_pos = token_hash_parts(seed, step, seq_idx, lengths)
+    key = (str(h_pos.device), h_pos.numel())
+    have = _POS_PREMIXED.get(key[0])
+    if have is None or have.numel() < h_pos.numel():
+        have = _xorshift16(_position_hash(h_pos.numel(), h_pos.device))
+        _POS_PREMIXED[key[0]] = have
+    return _xorshift16(h_seq), have[:h_pos.numel()]
+
+
+_POS_PREMIXED: dict[str, Tensor] = {}
 
 
 @dataclass
