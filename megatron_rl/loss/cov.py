@@ -19,6 +19,7 @@ Per mini-batch, before any micro-batch runs backward:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -193,11 +194,11 @@ def _flat_means(ctx: ReductionContext, lp: Tensor, a: Tensor, vbits: Tensor
     ``vbits`` words): fp64 sums of the exact fp64 values and products, one ``all_reduce``."""
     n, device = lp.numel(), lp.device
     tmp = _scratch("i32_t", n, torch.int32, device)
-    x = _scratch("f64_x", n, torch.float64, device)
-    y = _scratch("f64_y", n, torch.float64, device)
+    xy = _scratch("f64_xy", 2 * n, torch.float64, device).view(2, n)
+    x, y = xy[0], xy[1]
     x.copy_(torch.bitwise_and(lp.view(torch.int32), vbits, out=tmp).view(torch.float32))
     y.copy_(torch.bitwise_and(a.view(torch.int32), vbits, out=tmp).view(torch.float32))
-    sums = torch.stack([x.sum(), y.sum(), torch.dot(x, y)])
+    sums = torch.cat([xy.sum(1), torch.dot(x, y).view(1)])
     ctx.all_reduce(sums)
     num = ctx.num_tokens.clamp_min(1).double()
     mean_lp, mean_a = sums[0] / num, sums[1] / num
@@ -229,7 +230,11 @@ def _key_into(high: Tensor, low: Tensor, rows: int, width: int) -> Tensor:
     n = high.numel()
     key = _scratch("i64_key", rows * width, torch.int64, high.device)
     head = key[:n]
-    head.copy_(high).bitwise_left_shift_(32).bitwise_or_(low)
+    if sys.byteorder == "little":  # low word first: write the two int32 halves
+        head.copy_(low)  # low >= 0: the high word is 0
+        head.view(torch.int32).view(n, 2)[:, 1].copy_(high)
+    else:
+        head.copy_(high).bitwise_left_shift_(32).bitwise_or_(low.to(torch.int64))
     key[n:].fill_(INACTIVE)
     return key.view(rows, width)
 
