@@ -285,7 +285,7 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         _order_bits_into(high, bits)
         torch.bitwise_and(rev, vbits.bitwise_not_(), out=low)
         key = _key_into(high, low, rows, width)
-        active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else valid.sum()
+        active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
         ratio_k = cfg.kl_cov_ratio
     else:
         active = torch.gt(cov, cfg.clip_cov_lb, out=_scratch("b_act", n, torch.bool, device))
@@ -308,7 +308,7 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         high.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
         torch.bitwise_and(rev, act_bits, out=low)
         key = _key_into(high, low, rows, width)
-        active_count = active.sum()
+        active_count = _count(active)
         ratio_k = cfg.clip_cov_ratio
     sel, top = _flat_top(ctx, key, n, cov, active_count, ratio_k)
     num_tok = ctx.num_tokens.clamp_min(1).double()
@@ -322,6 +322,12 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     return CovSelection(_unflat(sel, ms), stats)
 
 
+def _count(mask: Tensor) -> Tensor:
+    """int64 0-dim number of true entries of a flat bool ``mask`` (< 2**31 entries): summed
+    as int32 through its uint8 view, cheaper than the bool sum on CPU."""
+    return mask.view(torch.uint8).sum(dtype=torch.int32).to(torch.int64)
+
+
 def _flat_hash_into(h: Tensor, tmp: Tensor, seed: int, step: int | Tensor,
                     ctx: ReductionContext, ms: list[Tensor]) -> Tensor:
     """Flat int32 :func:`token_hash32` bits of this rank's micro-batches into ``h``
@@ -329,9 +335,12 @@ def _flat_hash_into(h: Tensor, tmp: Tensor, seed: int, step: int | Tensor,
     parts XORed (one broadcast when every micro-batch has the same length), then the finaliser
     in place."""
     device = h.device
-    h_seq, h_pos = token_hash_parts_premixed(
-        seed, step, [ctx.seq_index(i, m.shape[0], device) for i, m in enumerate(ms)],
-        [m.shape[1] for m in ms])
+    if ctx.seq_ids is None:  # this rank's rows in order: one arange for all micro-batches
+        rows = [ctx.seq_offset.to(device) + torch.arange(sum(m.shape[0] for m in ms),
+                                                         device=device)]
+    else:
+        rows = [ctx.seq_index(i, m.shape[0], device) for i, m in enumerate(ms)]
+    h_seq, h_pos = token_hash_parts_premixed(seed, step, rows, [m.shape[1] for m in ms])
     t0 = ms[0].shape[1]
     if all(m.shape[1] == t0 for m in ms):
         torch.bitwise_xor(h_seq.unsqueeze(-1), h_pos[:t0].unsqueeze(0),
@@ -401,7 +410,7 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     high = _order_bits_into(torch.empty_like(bits), bits)
     width = min(max(n, 1), _CHUNK)
     key = _key_into(high, _rev_index(ctx, ms, n, device) & vbits, -(-n // width), width)
-    count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else valid.sum()
+    count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
     _, top = _flat_top(ctx, key, n, cov, count, top_frac)
     num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),

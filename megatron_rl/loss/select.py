@@ -83,9 +83,13 @@ def _seq_and_position_hashes(seed: int, step: int | Tensor, seq_idx: Sequence[Te
     rows = [s.to(torch.int64) for s in seq_idx]
     device = rows[0].device
     seq = torch.cat(rows) if len(rows) > 1 else rows[0]
-    step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
-    h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
-    h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
+    # the int64 reference rounds (token_hash32) in int32 arithmetic: the same bits
+    if isinstance(step, Tensor):
+        step32: Tensor | int = _to_i32(step.to(device=device, dtype=torch.int64) & _M32)
+    else:
+        step32 = _i32(int(step) & _M32)
+    h_seq = _fmix32_i32(_to_i32(seq & _M32) ^ _i32(int(seed) & _M32))
+    h_seq = _fmix32_i32(_fmix32_i32(h_seq ^ _to_i32((seq >> 32) & _M32)) ^ step32)
     return rows, h_seq, _position_hash(max(lengths), device)
 
 
