@@ -5,12 +5,13 @@ Both run on device with integer tensor ops and never read a value on the host.
 * :func:`token_hash32` gives each token a pseudo-random 32-bit key from
   ``(seed, step, global sequence index, position)`` (murmur3 finaliser rounds, 32-bit arithmetic
   emulated in int64 without overflow), so every layout draws the same "random" numbers.
-* :func:`global_topk_mask` selects exactly the ``k`` largest int64 keys over all DP ranks by radix
-  selection: one ``all_reduce`` of a digit histogram per pass. ``k`` is a device tensor,
-  so no host sync is needed to size anything; 4 passes of 16-bit digits (512 KiB each). On a
-  single process (or a DP group of one) with a host upper bound ``k_max`` of ``k`` it instead
-  takes one ``torch.topk`` of ``k_max`` keys and reads the ``k``-th largest by a device gather
-  (same selection, a fraction of the cost).
+* :func:`select_top_keys` selects exactly the ``k`` largest unique int64 keys (score in the high
+  word, reversed global token index in the low word; :data:`INACTIVE` for tokens that cannot be
+  selected) given a host bound ``k_max >= k``: one ``topk`` of candidates per rank, one
+  ``all_gather`` of them with several DP ranks. ``k`` is a device tensor, so no host sync is
+  needed to size anything.
+* :func:`global_topk_mask` does the same without a host bound, by radix selection: one
+  ``all_reduce`` of a digit histogram per pass, 4 passes of 16-bit digits (512 KiB each).
 """
 
 from __future__ import annotations
@@ -126,29 +127,10 @@ def _position_hash(t: int, device: torch.device) -> Tensor:
 def token_hash_parts(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
                      lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     """``(int32 per-sequence hash [sum B_i], int32 per-position hash [max T_i])`` of
-    :func:`token_hash32` for several micro-batches; :func:`mix_token_hash` of micro-batch ``i``'s
-    rows and its first ``T_i`` positions gives its keys."""
+    :func:`token_hash32` for several micro-batches: :func:`_fmix32_i32` of ``h_seq[b] ^ h_pos[t]``
+    is token ``(b, t)``'s key."""
     _, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
     return h_seq, h_pos
-
-
-def mix_token_hash(h_seq: Tensor, h_pos: Tensor) -> Tensor:
-    """int32 ``[B, T]`` bit patterns of :func:`token_hash32` from the ``[B]`` / ``[T]`` parts of
-    :func:`token_hash_parts` (read with :func:`unsigned_i64`)."""
-    return _fmix32_i32(h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0))
-
-
-def token_hash32_rows_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
-                          lengths: Sequence[int]) -> list[Tensor]:
-    """:func:`token_hash32` per micro-batch as int32 bit patterns ``[B_i, T_i]`` (the sequence
-    and position parts hashed once for all micro-batches; read with :func:`unsigned_i64`)."""
-    rows, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
-    out, start = [], 0
-    for r, t in zip(rows, lengths, strict=True):
-        out.append(_fmix32_i32(h_seq[start:start + r.numel()].unsqueeze(-1)
-                               ^ h_pos[:t].unsqueeze(0)))
-        start += r.numel()
-    return out
 
 
 def _to_i32(x: Tensor) -> Tensor:
@@ -178,13 +160,6 @@ def unsigned_i64(x: Tensor) -> Tensor:
     if x.device.type == "cpu":
         return x.contiguous().view(torch.uint32).to(torch.int64)
     return x.to(torch.int64) & _M32
-
-
-def float_order_u32(x: Tensor) -> Tensor:
-    """int32 bits whose **unsigned** order equals the order of the fp32 values ``x`` (no NaN):
-    :func:`float_order_key` ``== unsigned_i64(float_order_u32(x))``, in int32 ops only."""
-    bits = x.to(torch.float32).contiguous().view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ _i32(0x80000000)
 
 
 def float_order_key(x: Tensor) -> Tensor:
@@ -267,7 +242,7 @@ _REV_INDEX: dict[str, Tensor] = {}
 
 def reversed_index32(n: int, device: torch.device, start: int = 0) -> Tensor:
     """int32 ``2**31 - 1 - arange(start, start + n)`` (flat positions as reversed indices, the
-    low word of :func:`word_key` keys: the smaller index wins ties; positions must stay below
+    low word of the selection's int64 keys: the smaller index wins ties; positions must stay below
     ``2**31 - 1`` so that every value is >= 1). The longest one per device is kept and sliced."""
     if start + n > 2**31 - 1:
         raise ValueError(f"token index up to {start + n} must stay below 2**31 - 1")
@@ -305,11 +280,10 @@ def token_hash_parts_premixed(seed: int, step: int | Tensor, seq_idx: Sequence[T
     linear over XOR: ``fmix32_i32_(s[b] ^ p[t], tmp, premixed=True)`` of these parts ``(s, p)``
     is the token's :func:`token_hash32` (int32 bits), one step fewer per token."""
     h_seq, h_pos = token_hash_parts(seed, step, seq_idx, lengths)
-    key = (str(h_pos.device), h_pos.numel())
-    have = _POS_PREMIXED.get(key[0])
-    if have is None or have.numel() < h_pos.numel():
+    have = _POS_PREMIXED.get(str(h_pos.device))
+    if have is None or have.numel() < h_pos.numel():  # it depends on the position only
         have = _xorshift16(_position_hash(h_pos.numel(), h_pos.device))
-        _POS_PREMIXED[key[0]] = have
+        _POS_PREMIXED[str(h_pos.device)] = have
     return _xorshift16(h_seq), have[:h_pos.numel()]
 
 
@@ -327,14 +301,6 @@ class TopK:
 
 
 INACTIVE = -(2**63)  # the key of a token that cannot be selected: below every active key
-
-
-def word_key(high: Tensor, low: Tensor) -> Tensor:
-    """int64 ``high * 2**32 + low`` from two int32 tensors of one shape (``low >= 0``): keys
-    ordered by ``high`` (signed), then ``low``. Flat ``[N]`` int64, a new tensor."""
-    key = high.reshape(-1).to(torch.int64)
-    key.bitwise_left_shift_(32)
-    return key.bitwise_or_(low.reshape(-1))
 
 
 def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tensor, k_max: int,
