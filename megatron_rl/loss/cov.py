@@ -442,15 +442,18 @@ def _bits_of(mask: Tensor, like: Tensor) -> Tensor:
     return mask_bits(mask, like.dtype)
 
 
-def _valid_sums(lr: Tensor, valid_bits: Tensor, valid: Tensor, sel: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor]:
-    """Metric sums of one micro-batch: ``sum(old - logp)`` over the valid tokens as
-    ``mean_stat`` takes it (fp32 values summed in fp64; ``-sum(lr)``, negation being exact),
-    the valid count and the count of valid selected tokens (0-dim fp64 each)."""
-    x = lr if lr.dtype == torch.float32 else lr.float()
-    bits = valid_bits if lr.dtype == torch.float32 else _bits_of(valid, x)
-    kl = -zero_where_not(x, bits).sum(dtype=torch.float64)
-    return kl, valid.sum().double(), (sel & valid).sum().double()
+def _valid_sum(x: Tensor, valid_bits: Tensor, valid: Tensor) -> Tensor:
+    """``sum(x)`` over the valid tokens as ``mean_stat`` takes it (fp32 values summed in fp64),
+    0-dim fp64."""
+    if x.dtype != torch.float32:
+        x, valid_bits = x.float(), _bits_of(valid, x.float())
+    return zero_where_not(x, valid_bits).sum(dtype=torch.float64)
+
+
+def _counts(valid: Tensor, *masks: Tensor) -> Tensor:
+    """fp64 ``[1 + len(masks)]``: the valid count, then each mask's count of valid tokens."""
+    rows = torch.stack([valid] + [m & valid for m in masks])
+    return rows.view(len(masks) + 1, -1).sum(1).double()
 
 
 class _ClipCovLoss(torch.autograd.Function):
@@ -459,7 +462,7 @@ class _ClipCovLoss(torch.autograd.Function):
     maximum(-A r, -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the
     loss, then the aggregation's padding mask). The backward is a few masked multiplications
     instead of the generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU.
-    Second output: the metric sums ``[sum(old - logp), #clipped, #selected, #valid]`` (fp64,
+    Second output: the metric sums ``[sum(old - logp), #valid, #selected, #clipped]`` (fp64,
     over the valid tokens), taken from the forward's own tensors."""
 
     @staticmethod
@@ -476,9 +479,9 @@ class _ClipCovLoss(torch.autograd.Function):
         valid_bits = _bits_of(valid, logp)
         keep_bits = valid_bits & not_mask_bits(sel, logp.dtype)
         loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
-        kl, n_valid, n_sel = _valid_sums(lr, valid_bits, valid, sel)
-        n_clip = (clipped & valid).sum().double()
-        stats = torch.stack([kl, n_clip, n_sel, n_valid])
+        # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
+        stats = torch.cat([-_valid_sum(lr, valid_bits, valid).view(1),
+                           _counts(valid, sel, clipped)])
         if ctx.needs_input_grad[0]:
             # ``==`` as bit patterns: it differs from the float ``==`` only where a side is NaN
             # (both sides of a tie carry -A's sign; ratio >= +0), and there the gradient is
@@ -517,9 +520,10 @@ def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     if _fusable(inp.logp, inp.old_logp, a) and sel.shape == m.shape == inp.logp.shape:
         valid = m.bool()
         loss, st = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, valid, sel, lo, hi)
-        stats = {"clip_cov/zeroed_frac": ratio_stat(st[2], st[3]),
-                 "policy/clip_frac": ratio_stat(st[1], st[3]),
-                 "policy/ppo_kl": ratio_stat(st[0], st[3])}
+        kl, n_valid, n_sel, n_clip = st.unbind()
+        stats = {"clip_cov/zeroed_frac": ratio_stat(n_sel, n_valid),
+                 "policy/clip_frac": ratio_stat(n_clip, n_valid),
+                 "policy/ppo_kl": ratio_stat(kl, n_valid)}
         return TokenLoss(loss, stats, premasked=True)
     ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
     loss1 = -a * ratio
@@ -535,7 +539,7 @@ class _KLCovLoss(torch.autograd.Function):
     """``masked_zero(-A exp(lr) + masked_zero(coef * |lr|, sel), mask)`` with
     ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), value and gradient
     bit-identical to autograd through that expression, in fewer kernels. Second output: the
-    metric sums ``[sum(old - logp), sum |lr|, #selected, #valid]`` (fp64, over the valid
+    metric sums ``[sum(old - logp), sum |lr|, #valid, #selected]`` (fp64, over the valid
     tokens)."""
 
     @staticmethod
@@ -548,11 +552,10 @@ class _KLCovLoss(torch.autograd.Function):
         abs_lr = lr.abs()
         sel_bits, valid_bits = _bits_of(sel, logp), _bits_of(valid, logp)
         loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
-        kl, n_valid, n_sel = _valid_sums(lr, valid_bits, valid, sel)
-        x = abs_lr if abs_lr.dtype == torch.float32 else abs_lr.float()
-        bits = valid_bits if abs_lr.dtype == torch.float32 else _bits_of(valid, x)
-        abs_sum = zero_where_not(x, bits).sum(dtype=torch.float64)
-        stats = torch.stack([kl, abs_sum, n_sel, n_valid])
+        # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel
+        stats = torch.cat([torch.stack([-_valid_sum(lr, valid_bits, valid),
+                                        _valid_sum(abs_lr, valid_bits, valid)]),
+                           _counts(valid, sel)])
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(lr, e, na, sel_bits, valid_bits)
         ctx.coef = coef
@@ -578,9 +581,10 @@ def kl_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
             and sel.shape == m.shape == inp.logp.shape):
         loss, st = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
                                     float(cfg.kl_cov_coef))
-        stats = {"kl_cov/penalised_frac": ratio_stat(st[2], st[3]),
-                 "policy/abs_log_ratio": ratio_stat(st[1], st[3]),
-                 "policy/ppo_kl": ratio_stat(st[0], st[3])}
+        kl, abs_sum, n_valid, n_sel = st.unbind()
+        stats = {"kl_cov/penalised_frac": ratio_stat(n_sel, n_valid),
+                 "policy/abs_log_ratio": ratio_stat(abs_sum, n_valid),
+                 "policy/ppo_kl": ratio_stat(kl, n_valid)}
         return TokenLoss(loss, stats, premasked=True)
     lr = log_ratio(inp.logp, inp.old_logp, None)
     loss = -inp.advantages * torch.exp(lr)

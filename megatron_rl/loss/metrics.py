@@ -60,7 +60,8 @@ def ratio_stat(num: Tensor, den: Tensor) -> TokenStat:
     tokens) and ``den`` (0-dim, their count); reduced as ``sum(num) / sum(den)`` over the
     micro-batches and ranks like a ``mean`` record (the same fp64 sums when ``num`` is the fp64
     sum the ``mean`` record would take)."""
-    return TokenStat(num.detach(), den.detach(), "ratio")
+    return TokenStat(num.detach() if num.requires_grad else num,
+                     den.detach() if den.requires_grad else den, "ratio")
 
 
 class MetricAccumulator:
@@ -164,11 +165,12 @@ class MetricAccumulator:
         rest: dict[str, TokenStat] = {}
         ratios: list[tuple[str, Tensor, Tensor]] = []
         for name, stat in stats.items():
+            if stat.kind == "ratio":  # ratio_stat's tensors carry no gradient
+                ratios.append((name, stat.value, stat.weight))
+                continue
             v = stat.value.detach()
             w = stat.weight
-            if stat.kind == "ratio":
-                ratios.append((name, v, w))
-            elif stat.kind == "sum":
+            if stat.kind == "sum":
                 keys.append(("_sum", name))
                 parts.append(v.sum(dtype=torch.float64).reshape(1))
             elif (stat.kind == "mean" and w is not None and w.dtype == torch.bool
@@ -188,8 +190,8 @@ class MetricAccumulator:
                 rest[name] = stat
         if ratios:  # one stack of the numerators and one of the denominators
             keys += [("_num", n) for n, _, _ in ratios] + [("_den", n) for n, _, _ in ratios]
-            parts.append(torch.stack([x.to(torch.float64) for _, x, _ in ratios]
-                                     + [d.to(torch.float64) for _, _, d in ratios]))
+            parts.append(torch.stack([x for _, x, _ in ratios] + [d for _, _, d in ratios])
+                         .detach().to(torch.float64))
         for wid, (w, names, vals) in groups.items():
             counts = (torch.stack(vals) & w).reshape(len(vals), -1).sum(1).to(torch.float64)
             keys += [("_num", n) for n in names] + [("_den", n) for n in names]
