@@ -286,3 +286,16 @@ def test_ratio_records_reduce_like_means_in_both_accumulator_paths():
             second["s"] = TokenStat(torch.tensor(2.0), None, "sum")
         acc.update(second)
         assert acc.reduce(ctx)["r"] == torch.tensor(0.4)  # fp32 of 4 / 10
+
+
+def test_hash_parts_host_and_tensor_rounds_equal_the_reference():
+    """The per-sequence hash part is taken in numpy on CPU with a host step and in int32 tensor
+    rounds otherwise; both give :func:`token_hash32`'s bits (64-bit sequence indices too)."""
+    from megatron_rl.loss.select import _fmix32_i32, token_hash_parts, unsigned_i64
+
+    seqs = [torch.tensor([0, 5, 2**33 + 7, 2**31 + 3]), torch.tensor([2**40 - 1])]
+    for step in (3, 2**32 + 5, torch.tensor(2**31 + 9)):
+        for seed in (0, 0xDEADBEEF):
+            hs, hp = token_hash_parts(seed, step, seqs, [6, 6])
+            ref = token_hash32(seed, step, torch.cat(seqs), torch.arange(6))
+            assert torch.equal(unsigned_i64(_fmix32_i32(hs[:, None] ^ hp[None])), ref)
