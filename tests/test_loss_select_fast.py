@@ -190,13 +190,13 @@ def test_chunked_selection_with_dp_candidates_equals_radix():
     """The candidate exchange (per-micro-batch topk, then one topk of the candidates) selects the
     same tokens as the radix selection over all tokens, when k exceeds one micro-batch's share
     and with fewer active tokens than k."""
-    from megatron_rl.loss.select import select_top_keys_chunks
+    from megatron_rl.loss.select import INACTIVE, select_top_keys_chunks
 
     g = torch.Generator().manual_seed(5)
     for n_chunks, n, k, frac in [(4, 50, 7, 0.5), (3, 40, 100, 0.3), (5, 30, 12, 1.0)]:
         keys = torch.randperm(10 * n * n_chunks, generator=g)[:n * n_chunks] * 3 + 1
         active = torch.rand(n * n_chunks, generator=g) < frac
-        masked = torch.where(active, keys, -1)
+        masked = torch.where(active, keys, INACTIVE)
         vals = torch.randn(n * n_chunks, generator=g)
         ctx = ReductionContext.from_minibatch(torch.ones(1, n * n_chunks, dtype=torch.bool),
                                               group=None)
@@ -224,3 +224,78 @@ def test_rank_token_bound_sizes_the_candidate_exchange_and_is_checked():
                                            rank_numel_bound=bound).numel_bound == bound
     with pytest.raises(ValueError, match=r"rank_numel_bound=23\).*24 padded tokens"):
         ReductionContext.from_minibatch(masks, group=None, rank_numel_bound=23)
+
+
+def test_selection_results_survive_the_next_call_and_fused_metrics_are_exact():
+    """The selection works in scratch buffers reused between calls: a result must not change
+    when the next mini-batch is selected. The fused Clip-Cov / KL-Cov losses return their metric
+    sums (``ratio`` records); reduced, they equal the masked means re-derived here in float64."""
+    from megatron_rl.loss import LossInputs, MetricAccumulator
+    from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
+
+    g = torch.Generator().manual_seed(7)
+    masks = [torch.arange(40)[None] < torch.randint(1, 41, (3, 1), generator=g) for _ in range(2)]
+    lp = [-torch.rand(3, 40, generator=g) * 3 for _ in range(2)]
+    old = [x + torch.randn(3, 40, generator=g) * 0.3 for x in lp]
+    adv = [torch.randn(3, 1, generator=g).expand(3, 40) for _ in range(2)]
+    cfg = LossConfig(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=-10.0,
+                     clip_cov_ub=10.0)
+    ctx = ReductionContext.from_minibatch(masks, group=None)
+    first = select_cov_tokens(ctx, cfg, lp, old, adv, masks, step=1)
+    kept = [s.clone() for s in first.selected]
+    other = select_cov_tokens(ctx, cfg, old, lp, adv, masks, step=2)  # other keys, same sizes
+    assert not all(torch.equal(a, b) for a, b in zip(kept, other.selected))
+    assert all(torch.equal(a, b) for a, b in zip(kept, first.selected))
+    for name, fn in (("clip_cov", clip_cov_token_loss), ("kl_cov", kl_cov_token_loss)):
+        c = LossConfig(policy_loss=name, clip_ratio_low=0.2, clip_ratio_high=0.2)
+        acc = MetricAccumulator()
+        for x, o, a, m, s in zip(lp, old, adv, masks, first.selected):
+            acc.update(fn(LossInputs(x.clone().requires_grad_(True), o, a, m,
+                                     cov_selected=s), c).stats)
+        got = acc.reduce(ctx)
+        v = torch.cat([m.reshape(-1) for m in masks])
+        x, o = torch.cat([t.reshape(-1) for t in lp]), torch.cat([t.reshape(-1) for t in old])
+        a = torch.cat([t.reshape(-1) for t in adv])
+        s = torch.cat([t.reshape(-1) for t in first.selected])
+        r = torch.exp(x - o)
+        want = {"policy/ppo_kl": (o - x).double()[v].mean(),
+                f"{'clip_cov/zeroed' if name == 'clip_cov' else 'kl_cov/penalised'}_frac":
+                    s[v].double().mean()}
+        if name == "clip_cov":
+            want["policy/clip_frac"] = ((-a * r.clamp(0.8, 1.2)) > (-a * r))[v].double().mean()
+        else:
+            want["policy/abs_log_ratio"] = (x - o).abs().double()[v].mean()
+        for k, w in want.items():
+            assert torch.allclose(got[k].double(), w, rtol=1e-6, atol=0), (name, k)
+        assert 0 < float(got[list(want)[1]]) < 1
+
+
+def test_ratio_records_reduce_like_means_in_both_accumulator_paths():
+    """``ratio`` records (sums taken by the loss) give ``sum(num) / sum(den)`` whether the
+    accumulator keeps its vector (same records every micro-batch) or per-name sums."""
+    from megatron_rl.loss import MetricAccumulator
+    from megatron_rl.loss.metrics import TokenStat, ratio_stat
+
+    ctx = ReductionContext.from_minibatch(torch.ones(1, 4, dtype=torch.bool), group=None)
+    f64 = torch.float64
+    for extra in (False, True):  # True: a record appears later, the per-name path
+        acc = MetricAccumulator()
+        acc.update({"r": ratio_stat(torch.tensor(3.0, dtype=f64), torch.tensor(4.0, dtype=f64))})
+        second = {"r": ratio_stat(torch.tensor(1.0, dtype=f64), torch.tensor(6.0, dtype=f64))}
+        if extra:
+            second["s"] = TokenStat(torch.tensor(2.0), None, "sum")
+        acc.update(second)
+        assert acc.reduce(ctx)["r"] == torch.tensor(0.4)  # fp32 of 4 / 10
+
+
+def test_hash_parts_host_and_tensor_rounds_equal_the_reference():
+    """The per-sequence hash part is taken in numpy on CPU with a host step and in int32 tensor
+    rounds otherwise; both give :func:`token_hash32`'s bits (64-bit sequence indices too)."""
+    from megatron_rl.loss.select import _fmix32_i32, token_hash_parts, unsigned_i64
+
+    seqs = [torch.tensor([0, 5, 2**33 + 7, 2**31 + 3]), torch.tensor([2**40 - 1])]
+    for step in (3, 2**32 + 5, torch.tensor(2**31 + 9)):
+        for seed in (0, 0xDEADBEEF):
+            hs, hp = token_hash_parts(seed, step, seqs, [6, 6])
+            ref = token_hash32(seed, step, torch.cat(seqs), torch.arange(6))
+            assert torch.equal(unsigned_i64(_fmix32_i32(hs[:, None] ^ hp[None])), ref)

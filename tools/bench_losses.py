@@ -3,7 +3,11 @@ style (``.cpu()`` top-k / ``.item()`` counts / ``nonzero`` + ``randperm`` per mi
 "at least one token" floor per micro-batch), on one mini-batch of 64 x 4096 tokens, CPU, one run.
 The anchor computes the metrics verl's loss functions return (``ppo_kl``, ``pg_clipfrac``, read
 with ``.item()`` per micro-batch), as ours computes its counterparts; the anchor without them is
-printed too (``... without metrics``).
+printed too (``... without metrics``). Ours is timed with all its metrics, including those the
+anchor has no counterpart for (the PPO clip fraction, KL-Cov's mean ``|log ratio|`` and the five
+selection metrics: batch covariance, mean selected Cov, selected count and fractions), and with
+its global fp64 means where the anchor takes fp32 means per micro-batch: the comparison is of
+the two as they are, nothing removed from either.
 
 Reported per variant: wall time per mini-batch (selection + loss forward + backward of every
 micro-batch) and the number of host syncs per mini-batch. Syncs are counted two ways at once:

@@ -206,14 +206,18 @@ def rank_token_bound(masks: Sequence[Tensor], max_seq_len: int | None) -> int | 
 
 def _local_counts(masks: list[Tensor], extra: list[list[Tensor]], device: torch.device) -> Tensor:
     """``[4 + len(extra)]`` int64: valid tokens, non-empty seqs, rows, max T, extra counts."""
-    tokens = sum(m.bool().sum() for m in masks)
-    nonempty = sum(m.bool().any(-1).sum() for m in masks)
     rows = sum(m.shape[0] for m in masks)
     max_t = max(m.shape[-1] for m in masks)
-    head = [torch.as_tensor(tokens, dtype=torch.int64, device=device),
-            torch.as_tensor(nonempty, dtype=torch.int64, device=device),
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(max_t, dtype=torch.int64, device=device)]
-    tail = [torch.as_tensor(sum(x.bool().sum() for x in ms), dtype=torch.int64, device=device)
-            for ms in extra]
-    return torch.stack(head + tail)
+    bools = [m.bool() for m in masks]
+    if all(m.dim() == 2 and m.shape[-1] == max_t for m in bools):  # one [rows, T] mask
+        every = torch.cat(bools) if len(bools) > 1 else bools[0]
+        tokens, nonempty = every.sum(), every.any(-1).sum()
+    else:
+        tokens = torch.stack([m.sum() for m in bools]).sum()
+        nonempty = torch.stack([m.any(-1).sum() for m in bools]).sum()
+    head = [tokens.to(device=device, dtype=torch.int64),
+            nonempty.to(device=device, dtype=torch.int64),
+            torch.tensor([rows, max_t], dtype=torch.int64, device=device)]
+    tail = [torch.stack([x.bool().sum() for x in ms]).sum().to(device=device, dtype=torch.int64)
+            .reshape(1) for ms in extra]
+    return torch.cat([head[0].reshape(1), head[1].reshape(1), head[2]] + tail)

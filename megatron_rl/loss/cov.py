@@ -14,13 +14,19 @@ Per mini-batch, before any micro-batch runs backward:
    the randomness being a hash of (``cov_seed``, step, global token index);
 3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below, whose
    fused forward/backward (:class:`_ClipCovLoss`, :class:`_KLCovLoss`) equal autograd through
-   the plain expressions bit for bit.
+   the plain expressions bit for bit and return their metric sums (``ratio`` records).
+
+Cost on CPU: the selection concatenates the micro-batches once and runs each step on the flat
+tensors (a few dozen kernels per mini-batch instead of a few dozen per micro-batch), in scratch
+buffers kept between calls (a fresh tensor of a mini-batch's size costs a page fault per page on
+every call).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -33,19 +39,17 @@ from megatron_rl.loss.masking import (
     same_bits,
     zero_where_not,
 )
-from megatron_rl.loss.metrics import as_float, mean_stat
+from megatron_rl.loss.metrics import as_float, mean_stat, ratio_stat
 from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
+    INACTIVE,
     TopK,
-    float_order_u32,
+    fmix32_i32_,
     global_token_index,
     global_topk_mask,
-    masked_composite_key,
-    mix_token_hash,
-    reversed_index,
-    select_from_candidates,
-    token_hash_parts,
-    top_candidates,
+    reversed_index32,
+    select_top_keys,
+    token_hash_parts_premixed,
     topk_bound,
 )
 from megatron_rl.loss.types import LossInputs, TokenLoss
@@ -156,8 +160,88 @@ def ppo_clipped(ratio: Tensor, advantages: Tensor, cfg: LossParams) -> Tensor:
     return na * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high) > na * ratio
 
 
-# one micro-batch's (int32 score bits read unsigned [B, T], active [B, T] bool, Cov [B, T] fp32)
-_Scorer = Callable[[int], tuple[Tensor, Tensor, Tensor]]
+_I32_MIN = -(2**31)
+_CHUNK = 1 << 15  # tokens per candidate topk row (fits in cache; one batched topk for all rows)
+_SCRATCH: dict[tuple[str, str], Tensor] = {}
+
+
+def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D ``[n]`` work tensor (uninitialised) of the selection, only for temporaries that do
+    not leave it. On CPU the largest one per slot is kept and reused: a fresh tensor of a
+    mini-batch's size costs a page fault per 4 KiB page on every call (large allocations go
+    back to the system when freed), more than the arithmetic on it; elsewhere (the CUDA
+    caching allocator reuses memory by itself) a new tensor."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=dtype, device=device)
+    key = (slot, str(dtype))
+    have = _SCRATCH.get(key)
+    if have is None or have.numel() < n:
+        have = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+    return have[:n]
+
+
+def _cat_into(slot: str, xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor:
+    """The micro-batches' tensors flattened row-major and concatenated into a scratch tensor
+    ``[sum B_m T_m]`` of ``dtype`` (converted while copying)."""
+    out = _scratch(slot, n, dtype, xs[0].device)
+    if all(x.dtype == dtype for x in xs):
+        return torch.cat([x.reshape(-1) for x in xs], out=out)
+    start = 0
+    for x in xs:
+        out[start:start + x.numel()].view(x.shape).copy_(x)
+        start += x.numel()
+    return out
+
+
+def _flat_means(ctx: ReductionContext, lp: Tensor, a: Tensor, vbits: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_cov_means` on the flat fp32 ``lp``, ``a`` (``[N]``; padding zeroed by the int32
+    ``vbits`` words): fp64 sums of the exact fp64 values and products, one ``all_reduce``."""
+    n, device = lp.numel(), lp.device
+    tmp = _scratch("i32_t", n, torch.int32, device)
+    xy = _scratch("f64_xy", 2 * n, torch.float64, device).view(2, n)
+    x, y = xy[0], xy[1]
+    x.copy_(torch.bitwise_and(lp.view(torch.int32), vbits, out=tmp).view(torch.float32))
+    y.copy_(torch.bitwise_and(a.view(torch.int32), vbits, out=tmp).view(torch.float32))
+    sums = torch.cat([xy.sum(1), torch.dot(x, y).view(1)])
+    ctx.all_reduce(sums)
+    num = ctx.num_tokens.clamp_min(1).double()
+    mean_lp, mean_a = sums[0] / num, sums[1] / num
+    batch_cov = sums[2] / num - mean_lp * mean_a
+    return mean_lp.float(), mean_a.float(), batch_cov
+
+
+def _order_bits_into(out: Tensor, bits: Tensor) -> Tensor:
+    """int32 whose **signed** order is the order of the fp32 values with int32 ``bits``
+    (``b ^ ((b >> 31) & 0x7FFFFFFF)``; all-ones bits, a NaN, give the minimum), into ``out``."""
+    torch.bitwise_right_shift(bits, 31, out=out)
+    return out.bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
+
+
+def _rev_index(ctx: ReductionContext, ms: list[Tensor], n: int, device: torch.device) -> Tensor:
+    """Flat int32 low key words ``2**31 - 1 - global token index`` ``[n]`` of this rank's
+    micro-batches (>= 1): with one rank and rows in order the flat position stands in for the
+    index (the same order)."""
+    if (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None:
+        return reversed_index32(n, device)
+    g = global_token_index(ctx, [m.shape for m in ms], device)
+    g = torch.cat([x.reshape(-1) for x in g]) if len(g) > 1 else g[0].reshape(-1)
+    return ((2**31 - 1) - g).to(torch.int32)
+
+
+def _key_into(high: Tensor, low: Tensor, rows: int, width: int) -> Tensor:
+    """Word keys ``high * 2**32 + low`` (int32 ``[n]`` each, ``low >= 0``) in a scratch
+    ``[rows, width]`` int64, the positions past ``n`` :data:`INACTIVE`."""
+    n = high.numel()
+    key = _scratch("i64_key", rows * width, torch.int64, high.device)
+    head = key[:n]
+    if sys.byteorder == "little":  # low word first: write the two int32 halves
+        head.copy_(low)  # low >= 0: the high word is 0
+        head.view(torch.int32).view(n, 2)[:, 1].copy_(high)
+    else:
+        head.copy_(high).bitwise_left_shift_(32).bitwise_or_(low.to(torch.int64))
+    key[n:].fill_(INACTIVE)
+    return key.view(rows, width)
 
 
 @torch.no_grad()
@@ -169,108 +253,148 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     order used by ``ctx``. Clip-Cov's random keys depend on ``(cov_seed, salt, step, global
     sequence index, position)``, never on the layout; the trainer's ``salt`` is
     ``epoch * 65536 + mini-batch`` so every epoch and mini-batch draws its own tokens.
-    Work streams micro-batch by micro-batch: one pass for the global means, then per
-    micro-batch the covariance, keys and one ``topk`` of its candidates (its temporaries freed
-    before the next one's, so their memory is reused), then one ``topk`` over the candidates.
+    The micro-batches are concatenated once and every step runs in place on the flat tensors
+    (a few dozen kernels whatever the number of micro-batches): the global means, the
+    covariance, the keys, one batched ``topk`` of ``32768``-token rows, one ``topk`` over
+    their candidates.
     Collectives with several DP ranks: 1 ``all_reduce`` (means) + 1 ``all_gather`` of each
     rank's candidates (keys, Cov values, active count) when ``ctx.numel_bound`` is known (one
     process, gloo, or given by the caller); else a radix selection (4 ``all_reduce``) + 1 for
     the metrics. None with one rank; no host sync. Ties in the score go to the smaller global
     token index: with one DP rank the flat position stands in for it (same order, see
-    ``context.py``).
+    ``context.py``). Log-probs and advantages enter the per-token steps in fp32.
     """
-    lp, old, adv = as_list(stat_logp), as_list(old_logp), as_list(advantages)
-    ms = [m.bool() for m in as_list(masks)]
-    device = lp[0].device
-    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
-    scorer: _Scorer
-    if cfg.policy_loss == "kl_cov":
-        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
-            c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-            return float_order_u32(c), ms[i], c
-        ratio_k = cfg.kl_cov_ratio
-    elif cfg.policy_loss == "clip_cov":
-        seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        h_seq, h_pos = token_hash_parts(seed, step, [ctx.seq_index(i, m.shape[0], device)
-                                                     for i, m in enumerate(ms)],
-                                        [m.shape[1] for m in ms])
-        row0 = ctx.mb_seq_offsets
-
-        def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
-            c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-            b, t = ms[i].shape
-            active = ms[i] & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub)
-            if lp[i] is not old[i]:  # the statistic's own old log-probs: ratio 1, never clipped
-                active &= ~ppo_clipped(torch.exp(log_ratio(lp[i], old[i], None)), adv[i], cfg)
-            return mix_token_hash(h_seq[row0[i]:row0[i] + b], h_pos[:t]), active, c
-        ratio_k = cfg.clip_cov_ratio
-    else:
+    if cfg.policy_loss not in ("clip_cov", "kl_cov"):
         raise LossConfigError(f"select_cov_tokens needs policy_loss 'clip_cov' or 'kl_cov', got "
                               f"{cfg.policy_loss!r}")
-    selected, top = _global_top(ctx, ms, scorer, ratio_k)
-    n = ctx.num_tokens.clamp_min(1).double()
+    lp_l, old_l, adv_l = as_list(stat_logp), as_list(old_logp), as_list(advantages)
+    ms = [m.bool() for m in as_list(masks)]
+    device, n = lp_l[0].device, sum(m.numel() for m in ms)
+    f32, i32 = torch.float32, torch.int32
+    valid = _cat_into("b_valid", ms, torch.bool, n)
+    vbits = _scratch("i32_v", n, i32, device).copy_(valid).neg_()  # mask_bits: -1 / 0 words
+    lp, adv = _cat_into("f32_lp", lp_l, f32, n), _cat_into("f32_a", adv_l, f32, n)
+    if all(x.dtype == f32 for x in lp_l + adv_l):
+        mean_lp, mean_a, batch_cov = _flat_means(ctx, lp, adv, vbits)
+    else:
+        mean_lp, mean_a, batch_cov = _cov_means(ctx, lp_l, adv_l, ms)
+    cov = torch.sub(lp, mean_lp, out=_scratch("f32_cov", n, f32, device))  # _token_cov, flat
+    cov.mul_(torch.sub(adv, mean_a, out=_scratch("f32_t", n, f32, device)))
+    rev = _rev_index(ctx, ms, n, device)
+    high, low = _scratch("i32_h", n, i32, device), _scratch("i32_l", n, i32, device)
+    width = min(max(n, 1), _CHUNK)
+    rows = -(-n // width)
+    if cfg.policy_loss == "kl_cov":
+        bits = torch.bitwise_or(cov.view(i32), vbits.bitwise_not_(),  # padding: all-ones bits
+                                out=_scratch("i32_t", n, i32, device))
+        _order_bits_into(high, bits)
+        torch.bitwise_and(rev, vbits.bitwise_not_(), out=low)
+        key = _key_into(high, low, rows, width)
+        active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
+        ratio_k = cfg.kl_cov_ratio
+    else:
+        active = torch.gt(cov, cfg.clip_cov_lb, out=_scratch("b_act", n, torch.bool, device))
+        active.logical_and_(torch.lt(cov, cfg.clip_cov_ub,
+                                     out=_scratch("b_t", n, torch.bool, device)))
+        active.logical_and_(valid)
+        if any(x is not o for x, o in zip(lp_l, old_l, strict=True)):
+            # the statistic's own old log-probs: ratio 1, never clipped; else -A c > -A r is
+            # A c < A r exactly (negation is exact; NaN: false in both)
+            old = _cat_into("f32_old", old_l, f32, n)
+            r = torch.sub(lp, old, out=_scratch("f32_t", n, f32, device)).exp_()
+            c = torch.clamp(r, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high,
+                            out=old).mul_(adv)  # ``old`` is no longer needed
+            clipped = torch.lt(c, r.mul_(adv), out=_scratch("b_t", n, torch.bool, device))
+            active.logical_and_(clipped.logical_not_())
+        act_bits = vbits.copy_(active).neg_()  # the valid words are no longer needed
+        seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
+        _flat_hash_into(high, low, seed, step, ctx, ms)
+        # inactive: high = INT32_MIN and low = 0, below every active key (low >= 1)
+        high.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
+        torch.bitwise_and(rev, act_bits, out=low)
+        key = _key_into(high, low, rows, width)
+        active_count = _count(active)
+        ratio_k = cfg.clip_cov_ratio
+    sel, top = _flat_top(ctx, key, n, cov, active_count, ratio_k)
+    num_tok = ctx.num_tokens.clamp_min(1).double()
     num = top.count.double()
     name = cfg.policy_loss
     stats = {"cov/batch_cov": batch_cov.float(),
              "cov/mean_selected": (top.value_sum / num.clamp_min(1)).float(),
              f"{name}/num_selected": num.float(),
-             f"{name}/selected_frac": (num / n).float(),
-             f"{name}/candidate_frac": (top.active.double() / n).float()}
-    return CovSelection(selected, stats)
+             f"{name}/selected_frac": (num / num_tok).float(),
+             f"{name}/candidate_frac": (top.active.double() / num_tok).float()}
+    return CovSelection(_unflat(sel, ms), stats)
 
 
-def _global_top(ctx: ReductionContext, ms: list[Tensor], scorer: _Scorer, ratio: float
-                ) -> tuple[list[Tensor], TopK]:
-    """The exact global top ``max(floor(ratio * N), 1)`` tokens by (unsigned int32 score desc,
-    global token index asc) among the active ones; ``scorer(i)`` gives micro-batch ``i``'s
-    ``(scores, active, values)`` (each ``[B_i, T_i]``, computed when needed). One ``topk`` per
-    micro-batch and one over their candidates; with several DP ranks one ``all_gather`` of
-    candidates when ``ctx.numel_bound`` is known, else the radix selection (four all-reduces).
-    Returns each micro-batch's selected mask and the totals."""
+def _count(mask: Tensor) -> Tensor:
+    """int64 0-dim number of true entries of a flat bool ``mask`` (< 2**31 entries): summed
+    as int32 through its uint8 view, cheaper than the bool sum on CPU."""
+    return mask.view(torch.uint8).sum(dtype=torch.int32).to(torch.int64)
+
+
+def _flat_hash_into(h: Tensor, tmp: Tensor, seed: int, step: int | Tensor,
+                    ctx: ReductionContext, ms: list[Tensor]) -> Tensor:
+    """Flat int32 :func:`token_hash32` bits of this rank's micro-batches into ``h``
+    ``[sum B_m T_m]`` (``tmp``: int32 scratch of the same size): the per-row and per-position
+    parts XORed (one broadcast when every micro-batch has the same length), then the finaliser
+    in place."""
+    device = h.device
+    if ctx.seq_ids is None:  # this rank's rows in order: one arange for all micro-batches
+        rows = [ctx.seq_offset.to(device) + torch.arange(sum(m.shape[0] for m in ms),
+                                                         device=device)]
+    else:
+        rows = [ctx.seq_index(i, m.shape[0], device) for i, m in enumerate(ms)]
+    h_seq, h_pos = token_hash_parts_premixed(seed, step, rows, [m.shape[1] for m in ms])
+    t0 = ms[0].shape[1]
+    if all(m.shape[1] == t0 for m in ms):
+        torch.bitwise_xor(h_seq.unsqueeze(-1), h_pos[:t0].unsqueeze(0),
+                          out=h.view(h_seq.numel(), t0))
+    else:
+        start, row = 0, 0
+        for m in ms:
+            b, t = m.shape
+            torch.bitwise_xor(h_seq[row:row + b].unsqueeze(-1), h_pos[:t].unsqueeze(0),
+                              out=h[start:start + b * t].view(b, t))
+            start, row = start + b * t, row + b
+    return fmix32_i32_(h, tmp, premixed=True)
+
+
+def _flat_top(ctx: ReductionContext, key: Tensor, n: int, values: Tensor, active_count: Tensor,
+              ratio: float) -> tuple[Tensor, TopK]:
+    """The exact global top ``max(floor(ratio * N), 1)`` tokens by word key (``[rows, width]``
+    from :func:`_key_into`, the first ``n`` real: score desc, global token index asc;
+    :data:`INACTIVE`: never selected). With a host bound of the global size: one batched
+    ``topk`` of ``k_max`` per row, then :func:`select_top_keys` over the candidates (one
+    ``all_gather`` with several DP ranks); else the radix selection (four all-reduces).
+    Returns the flat selected mask ``[n]`` (a new tensor) and the totals."""
     k = _count_k(ratio, ctx.num_tokens)
-    # one rank, rows in order: the flat position orders like the global index
-    one_rank = (ctx.group is None or ctx.dp_size == 1) and ctx.seq_ids is None
-    bound = sum(m.numel() for m in ms) if one_rank else ctx.numel_bound
-    counts, start = [], 0
-    if bound is not None:
-        k_max = topk_bound(ratio, bound)
-        cands = []
-        for i, m in enumerate(ms):
-            score, active, value = scorer(i)
-            key = masked_composite_key(score.reshape(-1), active.reshape(-1),
-                                       _rev_index(ctx, i, m, start, one_rank))
-            cands.append(top_candidates(key, value.reshape(-1), k_max))
-            counts.append(active.sum())
-            start += m.numel()
-            del score, active, value, key  # free before the next micro-batch's
-        sel, top = select_from_candidates(cands, [m.numel() for m in ms],
-                                          torch.stack(counts).sum(), k, k_max, ctx)
-        return [s_.view(m.shape) for s_, m in zip(sel, ms, strict=True)], top
-    # radix over device counts (no host bound of the global size)
-    keys, actives, vals = [], [], []
-    for i, m in enumerate(ms):
-        score, active, value = scorer(i)
-        keys.append(masked_composite_key(score.reshape(-1), active.reshape(-1),
-                                         _rev_index(ctx, i, m, start, one_rank)))
-        actives.append(active.reshape(-1))
-        vals.append(value.reshape(-1))
-        counts.append(active.sum())
-        start += m.numel()
-    flat_active = _flat(actives)
-    sel = global_topk_mask(_flat(keys).clamp_min(0), flat_active, k, ctx)
-    value_sum = torch.where(sel, _flat(vals), 0.0).sum(dtype=torch.float64)
-    sums = torch.stack([sel.sum().double(), value_sum, torch.stack(counts).sum().double()])
-    ctx.all_reduce(sums)
-    return _unflat(sel, ms), TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
-
-
-def _rev_index(ctx: ReductionContext, i: int, m: Tensor, start: int, one_rank: bool) -> Tensor:
-    """``2**31 - 1 -`` global token index of micro-batch ``i`` (flat, int64); with one rank the
-    flat position ``start + j`` stands in for it (the same order)."""
-    if one_rank:
-        return reversed_index(m.numel(), m.device, start)
-    (g,) = global_token_index(ctx, [m.shape], m.device, first=i)
-    return (2**31 - 1) - g.reshape(-1)
+    device = key.device
+    rows, width = key.shape
+    one_rank = ctx.group is None or ctx.dp_size == 1
+    bound = n if one_rank and ctx.seq_ids is None else ctx.numel_bound
+    if bound is None:  # radix over device counts (no host bound of the global size)
+        flat = key.reshape(-1)[:n]
+        act = flat != INACTIVE
+        radix_key = (((flat >> 32) + 2**31) << 31) | (flat & (2**31 - 1))  # non-negative
+        sel = global_topk_mask(radix_key, act, k, ctx)
+        value_sum = torch.where(sel, values, 0.0).sum(dtype=torch.float64)
+        sums = torch.stack([sel.sum().double(), value_sum, act.sum().double()])
+        ctx.all_reduce(sums)
+        return sel, TopK(sel, sums[0].to(torch.int64), sums[2].to(torch.int64), sums[1])
+    k_max = topk_bound(ratio, bound)
+    if n == 0:
+        top_v = key.new_empty(0)
+        pos = torch.empty(0, dtype=torch.int64, device=device)
+    else:
+        top_v, top_i = torch.topk(key, min(k_max, width), dim=1, sorted=False)
+        pos = top_i + torch.arange(0, rows * width, width, device=device).unsqueeze(-1)
+        top_v, pos = top_v.reshape(-1), pos.reshape(-1)
+    vals = values.gather(0, pos.clamp_max(max(n - 1, 0))) if n else values.new_empty(0)
+    res = select_top_keys(top_v, vals, active_count, k, k_max, ctx)
+    sel = torch.zeros(rows * width, dtype=torch.bool, device=device)
+    sel = sel.scatter_(0, pos, res.selected)[:n]
+    return sel, TopK(sel, res.count, res.active, res.value_sum)
 
 
 @torch.no_grad()
@@ -280,14 +404,19 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     ``top_frac`` tokens (default 0.02 %, i.e. ``max(floor(top_frac * N), 1)`` tokens) next to the
     mean over all tokens, so users see which tokens drive entropy collapse."""
     ms = [m.bool() for m in as_list(masks)]
-    lp, adv = as_list(logp), as_list(advantages)
-    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp, adv, ms)
-
-    def scorer(i: int) -> tuple[Tensor, Tensor, Tensor]:
-        c = _token_cov(lp[i], adv[i], mean_lp, mean_a)
-        return float_order_u32(c), ms[i], c
-
-    _, top = _global_top(ctx, ms, scorer, top_frac)
+    lp_l, adv_l = as_list(logp), as_list(advantages)
+    mean_lp, mean_a, batch_cov = _cov_means(ctx, lp_l, adv_l, ms)
+    n, device = sum(m.numel() for m in ms), ms[0].device
+    valid = torch.cat([m.reshape(-1) for m in ms])
+    vbits = mask_bits(valid, torch.float32)
+    cov = (torch.cat([x.reshape(-1).float() for x in lp_l]) - mean_lp).mul_(
+        torch.cat([x.reshape(-1).float() for x in adv_l]) - mean_a)
+    bits = cov.view(torch.int32) | vbits.bitwise_not()  # padding: all-ones bits
+    high = _order_bits_into(torch.empty_like(bits), bits)
+    width = min(max(n, 1), _CHUNK)
+    key = _key_into(high, _rev_index(ctx, ms, n, device) & vbits, -(-n // width), width)
+    count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
+    _, top = _flat_top(ctx, key, n, cov, count, top_frac)
     num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),
@@ -313,25 +442,46 @@ def _bits_of(mask: Tensor, like: Tensor) -> Tensor:
     return mask_bits(mask, like.dtype)
 
 
+def _valid_sum(x: Tensor, valid_bits: Tensor, valid: Tensor) -> Tensor:
+    """``sum(x)`` over the valid tokens as ``mean_stat`` takes it (fp32 values summed in fp64),
+    0-dim fp64."""
+    if x.dtype != torch.float32:
+        x, valid_bits = x.float(), _bits_of(valid, x.float())
+    return zero_where_not(x, valid_bits).sum(dtype=torch.float64)
+
+
+def _counts(valid: Tensor, *masks: Tensor) -> Tensor:
+    """fp64 ``[1 + len(masks)]``: the valid count, then each mask's count of valid tokens."""
+    rows = torch.stack([valid] + [m & valid for m in masks])
+    return rows.view(len(masks) + 1, -1).sum(1).double()
+
+
 class _ClipCovLoss(torch.autograd.Function):
-    """PPO-clip per-token loss, zero outside ``keep`` (padding and the selected tokens); value and
-    gradient bit-identical to autograd through ``masked_zero(masked_zero(maximum(-A r,
-    -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the loss, then the
-    aggregation's padding mask). The backward is a few masked multiplications instead of the
-    generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU."""
+    """PPO-clip per-token loss, zero outside ``keep = valid & ~sel`` (padding and the selected
+    tokens); value and gradient bit-identical to autograd through ``masked_zero(masked_zero(
+    maximum(-A r, -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the
+    loss, then the aggregation's padding mask). The backward is a few masked multiplications
+    instead of the generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU.
+    Second output: the metric sums ``[sum(old - logp), #valid, #selected, #clipped]`` (fp64,
+    over the valid tokens), taken from the forward's own tensors."""
 
     @staticmethod
-    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, keep: Tensor, lo: float,
-                hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
+    def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, sel: Tensor,
+                lo: float, hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
         ctx.set_materialize_grads(False)
-        ratio = torch.exp(logp - old_logp)
+        lr = logp - old_logp
+        ratio = torch.exp(lr)
         na = -adv
         loss1 = na * ratio
         clamped = ratio.clamp(lo, hi)
         loss2 = na * clamped
         clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
-        keep_bits = _bits_of(keep, logp)
+        valid_bits = _bits_of(valid, logp)
+        keep_bits = valid_bits & not_mask_bits(sel, logp.dtype)
         loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
+        # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
+        stats = torch.cat([-_valid_sum(lr, valid_bits, valid).view(1),
+                           _counts(valid, sel, clipped)])
         if ctx.needs_input_grad[0]:
             # ``==`` as bit patterns: it differs from the float ``==`` only where a side is NaN
             # (both sides of a tie carry -A's sign; ratio >= +0), and there the gradient is
@@ -339,11 +489,11 @@ class _ClipCovLoss(torch.autograd.Function):
             tie = same_bits(loss1, loss2)
             in_range = same_bits(clamped, ratio)  # (ratio >= lo) & (ratio <= hi)
             ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
-        ctx.mark_non_differentiable(clipped)
-        return loss, clipped
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, _grad_clipped: Tensor | None = None):  # noqa: D102
+    def backward(ctx, grad: Tensor | None, _grad_stats: Tensor | None = None):  # noqa: D102
         """Autograd's chain, op for op: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to
         each on a tie (``g * 0.5``, the same number), nothing to the smaller; each side times
         ``-A``; ``clamp`` passes its side's share inside the bounds only; the two shares add up
@@ -351,13 +501,13 @@ class _ClipCovLoss(torch.autograd.Function):
         r``, so both sides are equal and get the same share: ``t + t``; outside, the clamped
         side's share is masked to +0: ``t + 0``. Hence no ``loss1 > loss2`` mask is needed."""
         if grad is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         ratio, na, keep_bits, tie, clipped, in_range = ctx.saved_tensors
         g = zero_where_not(grad, keep_bits)
         g = g * torch.add(1.0, as_float(tie).to(g.dtype), alpha=-0.5)  # 0.5 on ties, else 1
         t = zero_where_not(g, not_mask_bits(clipped, g.dtype)) * na
         g_ratio = t + zero_where_not(t, _bits_of(in_range, g))
-        return g_ratio * ratio, None, None, None, None, None
+        return g_ratio * ratio, None, None, None, None, None, None
 
 
 def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
@@ -368,24 +518,29 @@ def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     lo, hi = 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high
     m = inp.mask
     if _fusable(inp.logp, inp.old_logp, a) and sel.shape == m.shape == inp.logp.shape:
-        loss, clipped = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, m.bool() & ~sel, lo, hi)
-        premasked = True
-    else:
-        ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
-        loss1 = -a * ratio
-        loss2 = -a * ratio.clamp(lo, hi)
-        loss, clipped = masked_zero(torch.maximum(loss1, loss2), ~sel), loss2 > loss1
-        premasked = False
+        valid = m.bool()
+        loss, st = _ClipCovLoss.apply(inp.logp, inp.old_logp, a, valid, sel, lo, hi)
+        kl, n_valid, n_sel, n_clip = st.unbind()
+        stats = {"clip_cov/zeroed_frac": ratio_stat(n_sel, n_valid),
+                 "policy/clip_frac": ratio_stat(n_clip, n_valid),
+                 "policy/ppo_kl": ratio_stat(kl, n_valid)}
+        return TokenLoss(loss, stats, premasked=True)
+    ratio = torch.exp(log_ratio(inp.logp, inp.old_logp, None))
+    loss1 = -a * ratio
+    loss2 = -a * ratio.clamp(lo, hi)
+    loss, clipped = masked_zero(torch.maximum(loss1, loss2), ~sel), loss2 > loss1
     stats = {"clip_cov/zeroed_frac": mean_stat(sel, m),
              "policy/clip_frac": mean_stat(clipped, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats, premasked=premasked)
+    return TokenLoss(loss, stats, premasked=False)
 
 
 class _KLCovLoss(torch.autograd.Function):
     """``masked_zero(-A exp(lr) + masked_zero(coef * |lr|, sel), mask)`` with
     ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), value and gradient
-    bit-identical to autograd through that expression, in fewer kernels."""
+    bit-identical to autograd through that expression, in fewer kernels. Second output: the
+    metric sums ``[sum(old - logp), sum |lr|, #valid, #selected]`` (fp64, over the valid
+    tokens)."""
 
     @staticmethod
     def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, sel: Tensor, valid: Tensor,
@@ -397,14 +552,18 @@ class _KLCovLoss(torch.autograd.Function):
         abs_lr = lr.abs()
         sel_bits, valid_bits = _bits_of(sel, logp), _bits_of(valid, logp)
         loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
+        # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel
+        stats = torch.cat([torch.stack([-_valid_sum(lr, valid_bits, valid),
+                                        _valid_sum(abs_lr, valid_bits, valid)]),
+                           _counts(valid, sel)])
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(lr, e, na, sel_bits, valid_bits)
         ctx.coef = coef
-        ctx.mark_non_differentiable(abs_lr)
-        return loss, abs_lr
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, _grad_abs: Tensor | None = None):  # noqa: D102
+    def backward(ctx, grad: Tensor | None, _grad_stats: Tensor | None = None):  # noqa: D102
         if grad is None:
             return None, None, None, None, None, None
         lr, e, na, sel_bits, valid_bits = ctx.saved_tensors
@@ -420,16 +579,18 @@ def kl_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
     m = inp.mask
     if (_fusable(inp.logp, inp.old_logp, inp.advantages)
             and sel.shape == m.shape == inp.logp.shape):
-        loss, abs_lr = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
-                                        float(cfg.kl_cov_coef))
-        premasked = True
-    else:
-        lr = log_ratio(inp.logp, inp.old_logp, None)
-        loss = -inp.advantages * torch.exp(lr)
-        abs_lr = lr.abs()
-        loss = loss + masked_zero(cfg.kl_cov_coef * abs_lr, sel)
-        premasked = False
+        loss, st = _KLCovLoss.apply(inp.logp, inp.old_logp, inp.advantages, sel, m.bool(),
+                                    float(cfg.kl_cov_coef))
+        kl, abs_sum, n_valid, n_sel = st.unbind()
+        stats = {"kl_cov/penalised_frac": ratio_stat(n_sel, n_valid),
+                 "policy/abs_log_ratio": ratio_stat(abs_sum, n_valid),
+                 "policy/ppo_kl": ratio_stat(kl, n_valid)}
+        return TokenLoss(loss, stats, premasked=True)
+    lr = log_ratio(inp.logp, inp.old_logp, None)
+    loss = -inp.advantages * torch.exp(lr)
+    abs_lr = lr.abs()
+    loss = loss + masked_zero(cfg.kl_cov_coef * abs_lr, sel)
     stats = {"kl_cov/penalised_frac": mean_stat(sel, m),
              "policy/abs_log_ratio": mean_stat(abs_lr, m),
              **ppo_kl_stat(inp.logp, inp.old_logp, inp.mask)}
-    return TokenLoss(loss, stats, premasked=premasked)
+    return TokenLoss(loss, stats, premasked=False)

@@ -21,7 +21,7 @@ from megatron_rl.loss.context import ReductionContext
 from megatron_rl.loss.masking import mask_bits, zero_where_not
 
 Tensor = torch.Tensor
-KINDS = ("mean", "min", "max", "sum")
+KINDS = ("mean", "min", "max", "sum", "ratio")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class TokenStat:
     ``mean``: ``value``/``weight`` are ``[B, T]`` (weight: mask of the tokens it averages over).
     ``min``/``max``: extremum of ``value`` over tokens with ``weight > 0``.
     ``sum``: ``value`` is 0-dim and summed over micro-batches and ranks (``weight`` unused).
+    ``ratio``: a mean whose sums the loss already took: ``value`` (0-dim) is this micro-batch's
+    sum of the values over the tokens, ``weight`` (0-dim) their count (see :func:`ratio_stat`).
     """
 
     value: Tensor
@@ -51,6 +53,15 @@ def mean_stat(value: Tensor, weight: Tensor) -> TokenStat:
     # bool tensors carry no gradient: kept as they are, so that records over one mask share it
     return TokenStat(value if value.dtype == torch.bool else value.detach().float(),
                      weight if weight.dtype == torch.bool else weight.detach().float(), "mean")
+
+
+def ratio_stat(num: Tensor, den: Tensor) -> TokenStat:
+    """A mean from one micro-batch's sums: ``num`` (0-dim, the sum of the values over its
+    tokens) and ``den`` (0-dim, their count); reduced as ``sum(num) / sum(den)`` over the
+    micro-batches and ranks like a ``mean`` record (the same fp64 sums when ``num`` is the fp64
+    sum the ``mean`` record would take)."""
+    return TokenStat(num.detach() if num.requires_grad else num,
+                     den.detach() if den.requires_grad else den, "ratio")
 
 
 class MetricAccumulator:
@@ -85,6 +96,10 @@ class MetricAccumulator:
         v = stat.value.detach()
         if stat.kind == "sum":
             self._sum[name] = self._sum.get(name, 0) + v.sum(dtype=torch.float64)
+            return
+        if stat.kind == "ratio":
+            self._num[name] = self._num.get(name, 0) + v.to(torch.float64)
+            self._den[name] = self._den.get(name, 0) + stat.weight.detach().to(torch.float64)
             return
         if (stat.kind == "mean" and stat.weight is not None and stat.weight.dtype == torch.bool
                 and stat.weight.shape == v.shape):
@@ -148,7 +163,11 @@ class MetricAccumulator:
         bits: dict[tuple[int, torch.dtype], Tensor] = {}
         groups: dict[int, tuple[Tensor, list[str], list[Tensor]]] = {}
         rest: dict[str, TokenStat] = {}
+        ratios: list[tuple[str, Tensor, Tensor]] = []
         for name, stat in stats.items():
+            if stat.kind == "ratio":  # ratio_stat's tensors carry no gradient
+                ratios.append((name, stat.value, stat.weight))
+                continue
             v = stat.value.detach()
             w = stat.weight
             if stat.kind == "sum":
@@ -169,6 +188,10 @@ class MetricAccumulator:
                           .reshape(1), dens[id(w)]]
             else:
                 rest[name] = stat
+        if ratios:  # one stack of the numerators and one of the denominators
+            keys += [("_num", n) for n, _, _ in ratios] + [("_den", n) for n, _, _ in ratios]
+            parts.append(torch.stack([x for _, x, _ in ratios] + [d for _, _, d in ratios])
+                         .detach().to(torch.float64))
         for wid, (w, names, vals) in groups.items():
             counts = (torch.stack(vals) & w).reshape(len(vals), -1).sum(1).to(torch.float64)
             keys += [("_num", n) for n in names] + [("_den", n) for n in names]

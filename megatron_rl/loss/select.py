@@ -5,12 +5,13 @@ Both run on device with integer tensor ops and never read a value on the host.
 * :func:`token_hash32` gives each token a pseudo-random 32-bit key from
   ``(seed, step, global sequence index, position)`` (murmur3 finaliser rounds, 32-bit arithmetic
   emulated in int64 without overflow), so every layout draws the same "random" numbers.
-* :func:`global_topk_mask` selects exactly the ``k`` largest int64 keys over all DP ranks by radix
-  selection: one ``all_reduce`` of a digit histogram per pass. ``k`` is a device tensor,
-  so no host sync is needed to size anything; 4 passes of 16-bit digits (512 KiB each). On a
-  single process (or a DP group of one) with a host upper bound ``k_max`` of ``k`` it instead
-  takes one ``torch.topk`` of ``k_max`` keys and reads the ``k``-th largest by a device gather
-  (same selection, a fraction of the cost).
+* :func:`select_top_keys` selects exactly the ``k`` largest unique int64 keys (score in the high
+  word, reversed global token index in the low word; :data:`INACTIVE` for tokens that cannot be
+  selected) given a host bound ``k_max >= k``: one ``topk`` of candidates per rank, one
+  ``all_gather`` of them with several DP ranks. ``k`` is a device tensor, so no host sync is
+  needed to size anything.
+* :func:`global_topk_mask` does the same without a host bound, by radix selection: one
+  ``all_reduce`` of a digit histogram per pass, 4 passes of 16-bit digits (512 KiB each).
 """
 
 from __future__ import annotations
@@ -83,10 +84,36 @@ def _seq_and_position_hashes(seed: int, step: int | Tensor, seq_idx: Sequence[Te
     rows = [s.to(torch.int64) for s in seq_idx]
     device = rows[0].device
     seq = torch.cat(rows) if len(rows) > 1 else rows[0]
-    step_t = torch.as_tensor(step, dtype=torch.int64, device=device)
-    h_seq = _fmix32((seq & _M32) ^ (int(seed) & _M32))
-    h_seq = _to_i32(_fmix32(_fmix32(h_seq ^ ((seq >> 32) & _M32)) ^ (step_t & _M32)))
+    if device.type == "cpu" and not isinstance(step, Tensor):  # host values: numpy, few calls
+        return rows, _seq_hash_host(seq, seed, step), _position_hash(max(lengths), device)
+    # the int64 reference rounds (token_hash32) in int32 arithmetic: the same bits
+    if isinstance(step, Tensor):
+        step32: Tensor | int = _to_i32(step.to(device=device, dtype=torch.int64) & _M32)
+    else:
+        step32 = _i32(int(step) & _M32)
+    h_seq = _fmix32_i32(_to_i32(seq & _M32) ^ _i32(int(seed) & _M32))
+    h_seq = _fmix32_i32(_fmix32_i32(h_seq ^ _to_i32((seq >> 32) & _M32)) ^ step32)
     return rows, h_seq, _position_hash(max(lengths), device)
+
+
+def _seq_hash_host(seq: Tensor, seed: int, step: int) -> Tensor:
+    """The per-sequence part of :func:`token_hash32` (int32 bits ``[n]``) of CPU ``seq`` int64,
+    in numpy uint32 arithmetic (wrap-around multiplication is the murmur3 one): the same bits as
+    the tensor rounds, in a dozen array operations instead of a few dozen tensor ones."""
+    import numpy as np
+
+    def fmix(h):
+        h = h ^ (h >> np.uint32(16))
+        h = h * np.uint32(0x85EBCA6B)
+        h = h ^ (h >> np.uint32(13))
+        h = h * np.uint32(0xC2B2AE35)
+        return h ^ (h >> np.uint32(16))
+
+    v = seq.numpy().astype(np.uint64)
+    lo = (v & np.uint64(_M32)).astype(np.uint32)
+    hi = (v >> np.uint64(32)).astype(np.uint32)
+    h = fmix(fmix(fmix(lo ^ np.uint32(int(seed) & _M32)) ^ hi) ^ np.uint32(int(step) & _M32))
+    return torch.from_numpy(h.view(np.int32).copy())
 
 
 def token_hash32_flat_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
@@ -122,29 +149,10 @@ def _position_hash(t: int, device: torch.device) -> Tensor:
 def token_hash_parts(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
                      lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     """``(int32 per-sequence hash [sum B_i], int32 per-position hash [max T_i])`` of
-    :func:`token_hash32` for several micro-batches; :func:`mix_token_hash` of micro-batch ``i``'s
-    rows and its first ``T_i`` positions gives its keys."""
+    :func:`token_hash32` for several micro-batches: :func:`_fmix32_i32` of ``h_seq[b] ^ h_pos[t]``
+    is token ``(b, t)``'s key."""
     _, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
     return h_seq, h_pos
-
-
-def mix_token_hash(h_seq: Tensor, h_pos: Tensor) -> Tensor:
-    """int32 ``[B, T]`` bit patterns of :func:`token_hash32` from the ``[B]`` / ``[T]`` parts of
-    :func:`token_hash_parts` (read with :func:`unsigned_i64`)."""
-    return _fmix32_i32(h_seq.unsqueeze(-1) ^ h_pos.unsqueeze(0))
-
-
-def token_hash32_rows_i32(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
-                          lengths: Sequence[int]) -> list[Tensor]:
-    """:func:`token_hash32` per micro-batch as int32 bit patterns ``[B_i, T_i]`` (the sequence
-    and position parts hashed once for all micro-batches; read with :func:`unsigned_i64`)."""
-    rows, h_seq, h_pos = _seq_and_position_hashes(seed, step, seq_idx, lengths)
-    out, start = [], 0
-    for r, t in zip(rows, lengths, strict=True):
-        out.append(_fmix32_i32(h_seq[start:start + r.numel()].unsqueeze(-1)
-                               ^ h_pos[:t].unsqueeze(0)))
-        start += r.numel()
-    return out
 
 
 def _to_i32(x: Tensor) -> Tensor:
@@ -174,13 +182,6 @@ def unsigned_i64(x: Tensor) -> Tensor:
     if x.device.type == "cpu":
         return x.contiguous().view(torch.uint32).to(torch.int64)
     return x.to(torch.int64) & _M32
-
-
-def float_order_u32(x: Tensor) -> Tensor:
-    """int32 bits whose **unsigned** order equals the order of the fp32 values ``x`` (no NaN):
-    :func:`float_order_key` ``== unsigned_i64(float_order_u32(x))``, in int32 ops only."""
-    bits = x.to(torch.float32).contiguous().view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ _i32(0x80000000)
 
 
 def float_order_key(x: Tensor) -> Tensor:
@@ -258,27 +259,57 @@ def local_topk_mask(keys: Tensor, active: Tensor, k: Tensor, k_max: int) -> Tens
     return active & (keys >= thr) & (k_eff > 0)
 
 
-def masked_composite_key(score_u32: Tensor, active: Tensor, rev_index: Tensor) -> Tensor:
-    """Unique int64 key ``(unsigned score << 31) | rev_index`` of the ``active`` tokens, -1 for
-    the others (below every real key). ``score_u32``: int32 bit patterns read as unsigned;
-    ``rev_index = 2**31 - 1 - global index`` (the smaller index wins ties). All 1-D, same length;
-    the same keys as ``composite_key(unsigned_i64(score_u32), index)`` with inactive ones at -1."""
-    not_active = active.contiguous().view(torch.uint8).to(torch.int64) - 1  # 0 / -1
-    return (unsigned_i64(score_u32) << _IDX_BITS) | rev_index | not_active
-
-
 _REV_INDEX: dict[str, Tensor] = {}
 
 
-def reversed_index(n: int, device: torch.device, start: int = 0) -> Tensor:
-    """``2**31 - 1 - arange(start, start + n)``: :func:`masked_composite_key`'s ``rev_index``
-    of one process (flat positions; the longest one per device is kept and sliced)."""
+def reversed_index32(n: int, device: torch.device, start: int = 0) -> Tensor:
+    """int32 ``2**31 - 1 - arange(start, start + n)`` (flat positions as reversed indices, the
+    low word of the selection's int64 keys: the smaller index wins ties; positions must stay below
+    ``2**31 - 1`` so that every value is >= 1). The longest one per device is kept and sliced."""
+    if start + n > 2**31 - 1:
+        raise ValueError(f"token index up to {start + n} must stay below 2**31 - 1")
     have = _REV_INDEX.get(str(device))
     if have is None or have.numel() < start + n:
         top = 2**_IDX_BITS - 1
-        have = torch.arange(top, top - (start + n), -1, dtype=torch.int64, device=device)
+        have = torch.arange(top, top - (start + n), -1, dtype=torch.int32, device=device)
         _REV_INDEX[str(device)] = have
     return have[start:start + n]
+
+
+def _xorshift16(h: Tensor) -> Tensor:
+    """``h ^ (h >>> 16)`` on int32 (the finaliser's first step, new tensor)."""
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def fmix32_i32_(h: Tensor, tmp: Tensor, premixed: bool = False) -> Tensor:
+    """:func:`_fmix32_i32` in place on int32 ``h`` (``tmp``: an int32 buffer of ``h``'s shape,
+    overwritten): the same bits, no new tensors. ``premixed``: ``h`` already went through the
+    first step ``h ^ (h >>> 16)``; that step is linear over XOR, so for ``h = a ^ b`` it can be
+    taken on ``a`` and ``b`` apart (see :func:`token_hash_parts_premixed`)."""
+    steps = ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35), (16, 0xFFFF, None))
+    for j, (shift, mask, mul) in enumerate(steps):
+        if not (premixed and j == 0):
+            torch.bitwise_right_shift(h, shift, out=tmp)
+            h.bitwise_xor_(tmp.bitwise_and_(mask))
+        if mul is not None:
+            h.mul_(_i32(mul))
+    return h
+
+
+def token_hash_parts_premixed(seed: int, step: int | Tensor, seq_idx: Sequence[Tensor],
+                              lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """:func:`token_hash_parts` after the finaliser's first step ``x ^ (x >>> 16)``, which is
+    linear over XOR: ``fmix32_i32_(s[b] ^ p[t], tmp, premixed=True)`` of these parts ``(s, p)``
+    is the token's :func:`token_hash32` (int32 bits), one step fewer per token."""
+    h_seq, h_pos = token_hash_parts(seed, step, seq_idx, lengths)
+    have = _POS_PREMIXED.get(str(h_pos.device))
+    if have is None or have.numel() < h_pos.numel():  # it depends on the position only
+        have = _xorshift16(_position_hash(h_pos.numel(), h_pos.device))
+        _POS_PREMIXED[str(h_pos.device)] = have
+    return _xorshift16(h_seq), have[:h_pos.numel()]
+
+
+_POS_PREMIXED: dict[str, Tensor] = {}
 
 
 @dataclass
@@ -291,10 +322,14 @@ class TopK:
     value_sum: Tensor  # fp64 0-dim: sum of ``values`` over the selected tokens of all ranks
 
 
+INACTIVE = -(2**63)  # the key of a token that cannot be selected: below every active key
+
+
 def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tensor, k_max: int,
                     ctx: ReductionContext) -> TopK:
-    """Exact global top-``min(k, #active)`` of masked unique int64 ``keys`` ([N], -1 = inactive,
-    from :func:`masked_composite_key` with global indices), given a host bound ``k_max >= k``.
+    """Exact global top-``min(k, #active)`` of unique int64 ``keys`` ([N]; :data:`INACTIVE` for
+    the tokens that cannot be selected, every other key unique over all ranks), given a host
+    bound ``k_max >= k``.
 
     ``values`` ([N] fp32) are summed over the selection (a metric); ``active_count`` is this
     rank's number of active tokens (int64 0-dim). One ``topk`` of ``min(k_max, N)`` keys per
@@ -313,13 +348,13 @@ def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tenso
     k = k.to(torch.int64)
     if ctx.group is None or ctx.dp_size == 1:
         count = torch.minimum(k, active_count.to(torch.int64))
-        flags = (torch.arange(kk, device=device) < count) & (top_v >= 0)
+        flags = (torch.arange(kk, device=device) < count) & (top_v != INACTIVE)
         total_active = active_count.to(torch.int64)
         value_sum = torch.where(flags, top_val, 0.0).sum()
     else:
         import torch.distributed as dist
 
-        cand = torch.full((2 * k_max + 1,), -1, dtype=torch.int64, device=device)
+        cand = torch.full((2 * k_max + 1,), INACTIVE, dtype=torch.int64, device=device)
         cand[:kk] = top_v
         cand[k_max:k_max + kk] = top_val.view(torch.int64)
         cand[2 * k_max] = active_count
@@ -331,24 +366,24 @@ def select_top_keys(keys: Tensor, values: Tensor, active_count: Tensor, k: Tenso
         total_active = g[:, 2 * k_max].sum()
         count = torch.minimum(k, total_active)
         best_v, best_i = torch.topk(g_keys, min(k_max, g_keys.numel()), sorted=True)
-        g_flags = (torch.arange(best_v.numel(), device=device) < count) & (best_v >= 0)
+        g_flags = (torch.arange(best_v.numel(), device=device) < count) & (best_v != INACTIVE)
         thr = best_v.gather(0, (count - 1).clamp(0, best_v.numel() - 1).view(1)).squeeze(0)
-        flags = (top_v >= thr) & (top_v >= 0) & (count > 0)
+        flags = (top_v >= thr) & (top_v != INACTIVE) & (count > 0)
         value_sum = torch.where(g_flags, g_vals.gather(0, best_i), 0.0).sum()
     selected = torch.zeros(n, dtype=torch.bool, device=device).scatter_(0, top_i, flags)
     return TopK(selected, count, total_active, value_sum)
 
 
 def top_candidates(keys: Tensor, values: Tensor, k_max: int) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk's ``min(k_max, n)`` largest masked keys (1-D int64, unsorted), their positions
-    in the chunk and their ``values`` (1-D fp32): the chunk's candidates for the global top k."""
+    """One chunk's ``min(k_max, n)`` largest keys (1-D int64, unsorted), their positions in the
+    chunk and their ``values`` (1-D fp32): the chunk's candidates for the global top k."""
     kk = min(int(k_max), keys.numel())
     if kk > 0:
         tv, ti = torch.topk(keys, kk, sorted=False)
     else:
         tv = torch.empty(0, dtype=torch.int64, device=keys.device)
         ti = torch.empty(0, dtype=torch.int64, device=keys.device)
-    return tv, ti, values.gather(0, ti)
+    return tv, ti, values.reshape(-1).gather(0, ti)
 
 
 def select_from_candidates(cands: Sequence[tuple[Tensor, Tensor, Tensor]], sizes: Sequence[int],
