@@ -138,7 +138,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
-def _convert_worker(hf_dir: str, ckpt: str) -> dict:
+def _convert_worker(hf_dir: str, ckpt: str, tp: int = 1) -> dict:
     from megatron_rl.convert.hf_to_megatron import convert_rank
     from megatron_rl.convert.model_source import (
         HFShardSource,
@@ -150,7 +150,7 @@ def _convert_worker(hf_dir: str, ckpt: str) -> dict:
     from megatron_rl.convert.verify import megatron_logits
     from megatron_rl.parallel import runtime
 
-    runtime.init_parallel(ep=2, timeout_s=120)
+    runtime.init_parallel(tp=tp, ep=2, timeout_s=120)
     cfg = read_hf_config(hf_dir)[1]
     source = HFShardSource(hf_dir, cfg)
     model = build_model_from_source(cfg, source)
@@ -202,6 +202,24 @@ def test_hf_moe_logits_stream_and_roundtrip(converted, tmp_path):
     assert torch.equal(hf_logits(out, _tokens()), ref)  # transformers loads the export
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hf_moe_at_tp2_ep2_loads_converts_and_streams(converted, tmp_path):
+    """The same HF checkpoint at TP2 x DP2 x EP2 (the MoE layer routes a sequence slice per TP
+    rank): logits from the HF files and from its converted checkpoint match transformers, and the
+    weight stream is the HF checkpoint, bit for bit."""
+    from megatron_rl.parallel.launch import spawn
+
+    hf = read_dir(converted["hf_dir"])
+    ranks = spawn(_convert_worker, 4, (converted["hf_dir"], str(tmp_path / "ckpt"), 2),
+                  timeout_s=300)
+    for r in ranks:
+        assert (r["hf_logits"] - converted["ref"]).abs().max() <= 1e-4
+        assert (r["ckpt_logits"] - converted["ref"]).abs().max() <= 1e-4
+        assert sorted(r["stream"]) == sorted(hf)
+        assert all(torch.equal(r["stream"][k], hf[k]) for k in hf)
+
+
 # --- layout invariance of one update (4 ranks, layouts in sequence) -------------------------------
 LAYOUTS = ((1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2))  # (tp, pp, ep) on 4 ranks: DP = 4/tp/pp
 
@@ -228,6 +246,19 @@ def _routing_hooks(model, record: dict) -> list:
             record.setdefault(lid, []).append(ids.cpu())
         hooks.append(layer.mlp.router.register_forward_hook(hook))
     return hooks
+
+
+def _weight_stream(model, dp_rank: int) -> dict | None:
+    """The HF-named tensors a weight sync streams to the engine (rollout/sync.py: DP replica 0
+    plus the ranks holding experts it gathers), on global rank 0; None elsewhere."""
+    from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
+
+    if dp_rank != 0 and not serves_expert_gathers(model):
+        return None
+    got = {n: t.detach().clone() for bucket in iter_hf_weight_buckets(model, 2**20,
+                                                                     broadcast_pp=True)
+           for n, t in bucket}
+    return got if torch.distributed.get_rank() == 0 else None
 
 
 def _layout_worker() -> list[dict]:
@@ -264,6 +295,7 @@ def _layout_worker() -> list[dict]:
             batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
         history = actor.update(batch, 0)
         state = gather_full_state_dict(actor.model)
+        stream = _weight_stream(actor.model, dp_rank)  # what a weight sync sends the engine
         routes: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(routes, routing)
         last = ps.is_pipeline_last_stage() and dp_rank == 0
@@ -272,7 +304,7 @@ def _layout_worker() -> list[dict]:
                   for row, lid, t in slices if t == 0}
         results.append({"pp": pp, "ep": ep, "tp": tp, "history": history if last else None,
                         "init": init, "state": state if torch.distributed.get_rank() == 0 else None,
-                        "routing": merged})
+                        "stream": stream, "routing": merged})
         del actor
     runtime.shutdown()
     return results
@@ -283,16 +315,17 @@ def _layout_worker() -> list[dict]:
 def test_update_is_expert_layout_invariant():
     """EP1 (DP4) is the reference for EP2 (DP4, expert-DP 2), PP2xDP2xEP2 and TP2xDP2xEP2 (each
     TP rank routes half of each sequence): same routing for every token and layer, same loss and
-    metrics, same updated weights (docs/moe.md: why ~1e-7 and not bit-exact)."""
+    metrics, same updated weights and the same HF-named weight stream to the engines (docs/moe.md:
+    why ~1e-7 and not bit-exact)."""
     from megatron_rl.parallel.launch import spawn
 
     ranks = spawn(_layout_worker, 4, (), timeout_s=540)
-    by_layout = [dict(tp=tp, pp=pp, ep=ep, state=None, history=None, routing={})
+    by_layout = [dict(tp=tp, pp=pp, ep=ep, state=None, history=None, stream=None, routing={})
                  for tp, pp, ep in LAYOUTS]
     for r in ranks:
         for i, res in enumerate(r):
             by_layout[i]["routing"].update(res["routing"])
-            for k in ("state", "history"):
+            for k in ("state", "history", "stream"):
                 if res[k] is not None:
                     by_layout[i][k] = res[k]
     ref = by_layout[0]
@@ -307,6 +340,9 @@ def test_update_is_expert_layout_invariant():
         print(f"tp={got['tp']} pp={got['pp']} ep={got['ep']}: weights rel {rel:.2e}, loss "
               f"{got['history'][0]['actor/loss']!r} vs {ref['history'][0]['actor/loss']!r}")
         assert rel < 1e-6, (got["tp"], got["pp"], got["ep"])
+        # the weight stream to the engines: every expert under its global id, whatever the layout
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in got["stream"]
+        assert _max_rel(got["stream"], ref["stream"]) < 1e-6, (got["tp"], got["pp"], got["ep"])
         assert ref["history"][0]["actor/skipped"] == 0.0
         for k, v in ref["history"][0].items():
             assert got["history"][0][k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
