@@ -4,6 +4,7 @@ silently lost its GPU cannot pass."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -29,10 +30,10 @@ def pytest_runtest_setup(item):
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def serve_tiny():
     """Our ``serve`` of the tiny preset model (EOS id 1) in a thread on a free port:
-    ``(base url, ServeState)``; one per test module."""
+    ``(base url, ServeState)`` while the block runs."""
     import threading
 
     from megatron_rl.models.config import get_preset
@@ -43,8 +44,17 @@ def server():
     state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
     srv = make_server(state, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{state.port}", state
-    srv.shutdown()
+    try:
+        yield f"http://127.0.0.1:{state.port}", state
+    finally:
+        srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """:func:`serve_tiny`, one per test module."""
+    with serve_tiny() as s:
+        yield s
 
 
 # ---- one short RL run through a real sglang-router fleet, shared by two test modules ------------

@@ -140,18 +140,11 @@ def test_training_after_onload_equals_never_offloaded(roundtrips, case):
 # ---- our serve: SGLang's /release_memory_occupation and /resume_memory_occupation ------------
 @pytest.fixture()
 def server():
-    import threading
+    """A fresh tiny ``serve`` per test (these tests release and resume its memory)."""
+    from conftest import serve_tiny
 
-    from megatron_rl.models.config import get_preset
-    from megatron_rl.rollout.embedded import build_hf_model
-    from megatron_rl.rollout.serve import ServeState, make_server
-
-    torch.manual_seed(0)
-    state = ServeState(build_hf_model(get_preset("tiny")), "preset:tiny", 1, 0)
-    srv = make_server(state, "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{state.port}", state
-    srv.shutdown()
+    with serve_tiny() as s:
+        yield s
 
 
 def _gen(url: str, n: int = 4, **sp):

@@ -46,8 +46,8 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple,
             out: Any, launcher: int | None = None, forked: bool = False) -> None:
-    # Own process group, so the parent can kill anything this rank starts (e.g. the
-    # multiprocessing manager of dist_checkpointing) when the group fails or hangs; and the
+    # Own process group, so the parent can kill anything this rank starts (e.g. reward workers,
+    # checkpoint file writers) when the group fails or hangs; and the
     # group dies with the launcher, however the launcher ends.
     import torch
 
@@ -109,8 +109,6 @@ START_METHOD_ENV = "MRL_START_METHOD"  # forkserver | spawn (default: see start_
 FORKSERVER_PRELOAD = ("megatron_rl.parallel.forkserver_init", "torch", "torch.distributed",
                       "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
                       "megatron.core.distributed")
-
-
 PRELOAD_ENV = "MRL_FORKSERVER_PRELOAD"  # comma-separated modules the forkserver imports as well
 # Variables read when a library is imported: a group that sets one must start fresh interpreters.
 IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
