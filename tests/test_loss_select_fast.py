@@ -299,3 +299,55 @@ def test_hash_parts_host_and_tensor_rounds_equal_the_reference():
             hs, hp = token_hash_parts(seed, step, seqs, [6, 6])
             ref = token_hash32(seed, step, torch.cat(seqs), torch.arange(6))
             assert torch.equal(unsigned_i64(_fmix32_i32(hs[:, None] ^ hp[None])), ref)
+
+
+def test_block_topk_is_exact_with_ties_across_blocks_and_minimum_words():
+    """The block top-k (one int32 max per 128-token block, then the best blocks' tokens) selects
+    exactly the radix selection's tokens when score words tie across many blocks, when active
+    tokens sit at the minimum word beside inactive ones, and with fewer active tokens than k."""
+    from megatron_rl.loss.cov import _BLOCK, _word_top
+
+    g = torch.Generator().manual_seed(11)
+    n = _BLOCK * 400 + 17  # 401 blocks: more than the k_max of every case below
+    n_pad = -(-n // _BLOCK) * _BLOCK
+    ctx = ReductionContext.from_minibatch(torch.ones(1, n, dtype=torch.bool), group=None)
+    idx = torch.arange(n)
+    for frac, levels, ratio in [(0.5, 3, 0.001), (0.02, 2, 0.005), (0.9, 1, 0.0003),
+                                (0.3, 1000, 0.002), (0.0003, 1, 0.005), (0.01, 1, 0.0005)]:
+        active = torch.rand(n, generator=g) < frac
+        high = torch.randint(0, levels, (n,), generator=g).to(torch.int32) - 2**31  # ties
+        high = torch.where(active, high, torch.tensor(-(2**31), dtype=torch.int32))
+        high_p = torch.full((n_pad,), -(2**31), dtype=torch.int32)
+        act_p = torch.zeros(n_pad, dtype=torch.int32)
+        high_p[:n], act_p[:n] = high, -active.to(torch.int32)
+        values = torch.randn(n, generator=g)
+        sel, top = _word_top(ctx, high_p, act_p, n, [torch.ones(1, n, dtype=torch.bool)],
+                             values, active.sum(), ratio)
+        keys = composite_key(high.to(torch.int64) + 2**31, idx)
+        want = global_topk_mask(keys, active, _count_k(ratio, torch.tensor(n)), ctx)
+        assert torch.equal(sel, want), (frac, levels, ratio)
+        assert int(top.count) == int(want.sum()) > 0
+        assert torch.allclose(top.value_sum, values[want].double().sum())
+
+
+def test_selection_reads_adjacent_micro_batch_views_without_copying_or_writing():
+    """Micro-batches that are row slices of one mini-batch tensor are read in place (no
+    concatenation): the same tokens as from separate copies, and the inputs are unchanged."""
+    g = torch.Generator().manual_seed(12)
+    b, t = 12, 300
+    mask = torch.arange(t)[None] < torch.randint(20, t + 1, (b, 1), generator=g)
+    lp = -torch.rand(b, t, generator=g) * 3
+    old = lp + torch.randn(b, t, generator=g) * 0.3
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    before = [x.clone() for x in (lp, old, adv, mask)]
+    cut = [slice(0, 4), slice(4, 8), slice(8, 12)]
+    for cfg in (LossConfig(policy_loss="kl_cov", kl_cov_ratio=0.01),
+                LossConfig(policy_loss="clip_cov", clip_cov_ratio=0.01, clip_cov_lb=-5.0)):
+        views = [[x[s] for s in cut] for x in (lp, old, adv, mask)]
+        copies = [[x[s].clone() for s in cut] for x in (lp, old, adv, mask)]
+        ctx = ReductionContext.from_minibatch(views[3], group=None)
+        a = select_cov_tokens(ctx, cfg, views[0], views[1], views[2], views[3], step=4)
+        c = select_cov_tokens(ctx, cfg, copies[0], copies[1], copies[2], copies[3], step=4)
+        assert _flat(a.selected).sum() > 1
+        assert torch.equal(_flat(a.selected), _flat(c.selected)), cfg.policy_loss
+        assert all(torch.equal(x, y) for x, y in zip((lp, old, adv, mask), before))

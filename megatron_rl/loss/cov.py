@@ -180,9 +180,32 @@ def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Ten
     return have[:n]
 
 
+def _adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None:
+    """A read-only flat ``[n]`` view of the micro-batches' tensors when they already lie one
+    after the other in one storage (contiguous row slices of one mini-batch tensor, the usual
+    case): no copy is needed. None otherwise."""
+    first = xs[0]
+    if any(x.dtype != dtype or not x.is_contiguous() for x in xs):
+        return None
+    storage, size = first.untyped_storage(), first.element_size()
+    start = first.storage_offset()
+    pos = start
+    for x in xs:
+        if x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != pos:
+            return None
+        pos += x.numel()
+    if pos * size > storage.nbytes():
+        return None
+    return first.detach().as_strided((n,), (1,))
+
+
 def _cat_into(slot: str, xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor:
     """The micro-batches' tensors flattened row-major and concatenated into a scratch tensor
-    ``[sum B_m T_m]`` of ``dtype`` (converted while copying)."""
+    ``[sum B_m T_m]`` of ``dtype`` (converted while copying), or a view of them when they are
+    adjacent already (:func:`_adjacent_view`): the result is never written to."""
+    view = _adjacent_view(xs, dtype, n)
+    if view is not None:
+        return view
     out = _scratch(slot, n, dtype, xs[0].device)
     if all(x.dtype == dtype for x in xs):
         return torch.cat([x.reshape(-1) for x in xs], out=out)
@@ -272,7 +295,10 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     device, n = lp_l[0].device, sum(m.numel() for m in ms)
     f32, i32 = torch.float32, torch.int32
     valid = _cat_into("b_valid", ms, torch.bool, n)
-    vbits = _scratch("i32_v", n, i32, device).copy_(valid).neg_()  # mask_bits: -1 / 0 words
+    n_pad = -(-n // _BLOCK) * _BLOCK  # whole blocks for the block top-k; the tail is inactive
+    vbits_p = _scratch("i32_v", n_pad, i32, device)
+    vbits_p[n:].zero_()
+    vbits = vbits_p[:n].copy_(valid).neg_()  # mask_bits: -1 / 0 words
     lp, adv = _cat_into("f32_lp", lp_l, f32, n), _cat_into("f32_a", adv_l, f32, n)
     if all(x.dtype == f32 for x in lp_l + adv_l):
         mean_lp, mean_a, batch_cov = _flat_means(ctx, lp, adv, vbits)
@@ -280,16 +306,14 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         mean_lp, mean_a, batch_cov = _cov_means(ctx, lp_l, adv_l, ms)
     cov = torch.sub(lp, mean_lp, out=_scratch("f32_cov", n, f32, device))  # _token_cov, flat
     cov.mul_(torch.sub(adv, mean_a, out=_scratch("f32_t", n, f32, device)))
-    rev = _rev_index(ctx, ms, n, device)
-    high, low = _scratch("i32_h", n, i32, device), _scratch("i32_l", n, i32, device)
-    width = min(max(n, 1), _CHUNK)
-    rows = -(-n // width)
+    high_p = _scratch("i32_h", n_pad, i32, device)
+    high_p[n:].fill_(_I32_MIN)
+    high = high_p[:n]
     if cfg.policy_loss == "kl_cov":
         bits = torch.bitwise_or(cov.view(i32), vbits.bitwise_not_(),  # padding: all-ones bits
                                 out=_scratch("i32_t", n, i32, device))
         _order_bits_into(high, bits)
-        torch.bitwise_and(rev, vbits.bitwise_not_(), out=low)
-        key = _key_into(high, low, rows, width)
+        vbits.bitwise_not_()  # back to the valid words: the active tokens
         active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
         ratio_k = cfg.kl_cov_ratio
     else:
@@ -303,19 +327,17 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
             old = _cat_into("f32_old", old_l, f32, n)
             r = torch.sub(lp, old, out=_scratch("f32_t", n, f32, device)).exp_()
             c = torch.clamp(r, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high,
-                            out=old).mul_(adv)  # ``old`` is no longer needed
+                            out=_scratch("f32_c", n, f32, device)).mul_(adv)
             clipped = torch.lt(c, r.mul_(adv), out=_scratch("b_t", n, torch.bool, device))
             active.logical_and_(clipped.logical_not_())
         act_bits = vbits.copy_(active).neg_()  # the valid words are no longer needed
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
-        _flat_hash_into(high, low, seed, step, ctx, ms)
-        # inactive: high = INT32_MIN and low = 0, below every active key (low >= 1)
+        _flat_hash_into(high, _scratch("i32_t", n, i32, device), seed, step, ctx, ms)
+        # inactive: high = INT32_MIN (the active words tell them from a hash at the minimum)
         high.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
-        torch.bitwise_and(rev, act_bits, out=low)
-        key = _key_into(high, low, rows, width)
         active_count = _count(active)
         ratio_k = cfg.clip_cov_ratio
-    sel, top = _flat_top(ctx, key, n, cov, active_count, ratio_k)
+    sel, top = _word_top(ctx, high_p, vbits_p, n, ms, cov, active_count, ratio_k)
     num_tok = ctx.num_tokens.clamp_min(1).double()
     num = top.count.double()
     name = cfg.policy_loss
@@ -395,6 +417,67 @@ def _flat_top(ctx: ReductionContext, key: Tensor, n: int, values: Tensor, active
     sel = torch.zeros(rows * width, dtype=torch.bool, device=device)
     sel = sel.scatter_(0, pos, res.selected)[:n]
     return sel, TopK(sel, res.count, res.active, res.value_sum)
+
+
+_BLOCK = 128  # tokens per block of the block top-k (one int32 max per block)
+
+
+def _word_top(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: int, ms: list[Tensor],
+              values: Tensor, active_count: Tensor, ratio: float) -> tuple[Tensor, TopK]:
+    """The exact global top ``max(floor(ratio * N), 1)`` active tokens by (``high`` desc, global
+    token index asc). ``high_p``, ``act_p``: int32 ``[n_pad]`` (``n`` real tokens, then a tail
+    to a whole number of :data:`_BLOCK`-token blocks with ``high = INT32_MIN``, ``act = 0``);
+    ``act_p`` is -1 for the active tokens, 0 for the others, whose ``high`` is ``INT32_MIN``.
+
+    When this rank's flat positions are in global index order (no ``seq_ids``) and a host bound
+    of the global size is known: :func:`_block_candidates`, then :func:`select_top_keys` over
+    them (one ``all_gather`` with several DP ranks). Otherwise the full int64 keys go through
+    :func:`_flat_top` (batched ``topk`` rows, or the radix selection without a bound)."""
+    one_rank = ctx.group is None or ctx.dp_size == 1
+    bound = n if one_rank and ctx.seq_ids is None else ctx.numel_bound
+    if bound is None or ctx.seq_ids is not None or n == 0:
+        high, act = high_p[:n], act_p[:n]
+        rev = _rev_index(ctx, ms, n, high.device)
+        low = torch.bitwise_and(rev, act, out=_scratch("i32_l", n, torch.int32, high.device))
+        width = min(max(n, 1), _CHUNK)
+        key = _key_into(high, low, -(-n // width), width)
+        return _flat_top(ctx, key, n, values, active_count, ratio)
+    k_max = topk_bound(ratio, bound)
+    pos, keys = _block_candidates(ctx, high_p, act_p, n, ms, k_max)
+    vals = values.gather(0, pos.clamp_max(n - 1))
+    res = select_top_keys(keys, vals, active_count, _count_k(ratio, ctx.num_tokens), k_max, ctx)
+    sel = torch.zeros(high_p.numel(), dtype=torch.bool, device=high_p.device)
+    sel = sel.scatter_(0, pos, res.selected)[:n]
+    return sel, TopK(sel, res.count, res.active, res.value_sum)
+
+
+def _block_candidates(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: int,
+                      ms: list[Tensor], k_max: int) -> tuple[Tensor, Tensor]:
+    """Positions (int64 ``[c]``) and int64 keys (``high`` word, then the reversed global token
+    index; :data:`INACTIVE` for inactive tokens) of the tokens of this rank's best ``k_max``
+    blocks, which hold this rank's ``k_max`` best tokens.
+
+    A block's key is (its largest ``high``, whether it has an active token, its position
+    reversed). Every token e of the top ``k_max`` lies in one of the top ``k_max`` blocks: a
+    block ranked above e's holds an active token with a larger ``high``, or with the same
+    ``high`` and a smaller index (flat positions follow the global index here), so ``k_max``
+    such blocks would put ``k_max`` tokens above e. One int32 max per block replaces the int64
+    key of every token and a ``topk`` over all of them."""
+    device = high_p.device
+    nb = high_p.numel() // _BLOCK
+    bmax = high_p.view(nb, _BLOCK).amax(1).to(torch.int64)
+    has_act = act_p.view(nb, _BLOCK).amin(1).to(torch.int64) & (1 << 31)  # -1: some active
+    bkey = (bmax << 32) | has_act | torch.arange(2**31 - 1, 2**31 - 1 - nb, -1, device=device)
+    blocks = torch.topk(bkey, min(k_max, nb), sorted=False).indices
+    pos = (blocks.unsqueeze(-1) * _BLOCK
+           + torch.arange(_BLOCK, device=device).unsqueeze(0)).reshape(-1)
+    if ctx.group is None or ctx.dp_size == 1:  # the flat position stands in for the index
+        rev = (2**31 - 1) - pos
+    else:
+        rev = _rev_index(ctx, ms, n, device).gather(0, pos.clamp_max(n - 1)).to(torch.int64)
+    keys = (high_p.gather(0, pos).to(torch.int64) << 32) | rev
+    keys = torch.where(act_p.gather(0, pos) != 0, keys, INACTIVE)
+    return pos, keys
 
 
 @torch.no_grad()
