@@ -152,9 +152,16 @@ def _edge_inputs(seed: int = 3):
     return logp, old, adv, mask, sel, ratio, hits
 
 
+def _same_values(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal values (a zero of either sign equals a zero) and NaN at the same places."""
+    nan = x.isnan()
+    return torch.equal(nan, y.isnan()) and torch.equal(x[~nan], y[~nan])
+
+
 def test_fused_cov_losses_bit_identical_to_autograd():
     """The fused Clip-Cov / KL-Cov per-token losses (custom backward, premasked aggregation) give
-    the loss and the gradient of the plain autograd expressions bit for bit (signed zeros too)."""
+    the loss of the plain autograd expressions bit for bit (signed zeros too) and the gradient
+    with the same values (Clip-Cov: a zero may carry the other sign; KL-Cov: bit for bit)."""
     from megatron_rl.loss import LossInputs
     from megatron_rl.loss.aggregation import aggregate
     from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
@@ -183,7 +190,9 @@ def test_fused_cov_losses_bit_identical_to_autograd():
         assert torch.equal(out.view(torch.int32), ref_out.view(torch.int32)), name
         assert torch.equal(tok.loss.detach().view(torch.int32),
                            masked_zero(ref, mask).detach().view(torch.int32)), name
-        assert torch.equal(a.grad.view(torch.int32), b.grad.view(torch.int32)), name
+        assert _same_values(a.grad, b.grad), name
+        if name == "kl_cov":
+            assert torch.equal(a.grad.view(torch.int32), b.grad.view(torch.int32)), name
 
 
 def test_chunked_selection_with_dp_candidates_equals_radix():
@@ -351,3 +360,40 @@ def test_selection_reads_adjacent_micro_batch_views_without_copying_or_writing()
         assert _flat(a.selected).sum() > 1
         assert torch.equal(_flat(a.selected), _flat(c.selected)), cfg.policy_loss
         assert all(torch.equal(x, y) for x, y in zip((lp, old, adv, mask), before))
+
+
+def test_fused_clip_cov_gradient_on_ties_outside_the_clip_bounds():
+    """A ratio just outside a clip bound whose two PPO sides still round to the same loss: autograd
+    halves the gradient there (``maximum``'s tie rule, the clamped side passing nothing). The
+    fused backward must do the same."""
+    from megatron_rl.loss import LossInputs
+    from megatron_rl.loss.cov import clip_cov_token_loss
+
+    hi = torch.tensor(1.2)
+    above = torch.nextafter(hi, torch.tensor(2.0))
+    old, logp, adv = [], [], []
+    g = torch.Generator().manual_seed(13)
+    while len(old) < 6:
+        o = -torch.rand((), generator=g) * 2
+        lp = o + torch.log(above.double()).float()
+        for _ in range(4):  # nudge logp until exp(logp - old) is exactly the float above 1.2
+            r = torch.exp(lp - o)
+            if r == above:
+                break
+            lp = torch.nextafter(lp, lp + (1.0 if r < above else -1.0))
+        if torch.exp(lp - o) != above:
+            continue
+        for a in torch.linspace(-1.99, -1.67, 400):
+            if (-a) * above == (-a) * hi:  # the two sides tie although the ratio is clipped
+                old.append(o), logp.append(lp), adv.append(a)
+                break
+    old, logp, adv = (torch.stack(x).view(1, -1) for x in (old, logp, adv))
+    mask = torch.ones_like(old, dtype=torch.bool)
+    sel = torch.zeros_like(mask)
+    cfg = LossConfig(policy_loss="clip_cov", clip_ratio_low=0.2, clip_ratio_high=0.2)
+    a = logp.clone().requires_grad_(True)
+    clip_cov_token_loss(LossInputs(a, old, adv, mask, cov_selected=sel), cfg).loss.sum().backward()
+    b = logp.clone().requires_grad_(True)
+    r = torch.exp(b - old)
+    torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2)).sum().backward()
+    assert (b.grad != 0).all() and _same_values(a.grad, b.grad)

@@ -35,6 +35,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.loss.masking import adjacent_view
+
 Tensor = torch.Tensor
 
 
@@ -205,16 +207,21 @@ def rank_token_bound(masks: Sequence[Tensor], max_seq_len: int | None) -> int | 
 
 
 def _local_counts(masks: list[Tensor], extra: list[list[Tensor]], device: torch.device) -> Tensor:
-    """``[4 + len(extra)]`` int64: valid tokens, non-empty seqs, rows, max T, extra counts."""
+    """``[4 + len(extra)]`` int64: valid tokens, non-empty seqs, rows, max T, extra counts.
+    Counts are byte sums of the masks' ``uint8`` views (int32 accumulators: fewer than 2**31
+    tokens per rank), row maxima for the non-empty rows: the fast reductions on CPU."""
     rows = sum(m.shape[0] for m in masks)
     max_t = max(m.shape[-1] for m in masks)
     bools = [m.bool() for m in masks]
     if all(m.dim() == 2 and m.shape[-1] == max_t for m in bools):  # one [rows, T] mask
-        every = torch.cat(bools) if len(bools) > 1 else bools[0]
-        tokens, nonempty = every.sum(), every.any(-1).sum()
+        n = sum(m.numel() for m in bools)
+        every = adjacent_view(bools, torch.bool, n)  # row slices of one mask: no copy
+        every = (torch.cat(bools) if every is None else every.view(rows, max_t)).view(torch.uint8)
+        tokens, nonempty = every.sum(dtype=torch.int32), every.amax(-1).sum(dtype=torch.int32)
     else:
-        tokens = torch.stack([m.sum() for m in bools]).sum()
-        nonempty = torch.stack([m.any(-1).sum() for m in bools]).sum()
+        tokens = torch.stack([m.view(torch.uint8).sum(dtype=torch.int32) for m in bools]).sum()
+        nonempty = torch.stack([m.view(torch.uint8).amax(-1).sum(dtype=torch.int32)
+                                for m in bools]).sum()
     head = [tokens.to(device=device, dtype=torch.int64),
             nonempty.to(device=device, dtype=torch.int64),
             torch.tensor([rows, max_t], dtype=torch.int64, device=device)]

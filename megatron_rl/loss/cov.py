@@ -33,9 +33,9 @@ import torch
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import (
+    adjacent_view,
     mask_bits,
     masked_zero,
-    not_mask_bits,
     same_bits,
     zero_where_not,
 )
@@ -180,30 +180,11 @@ def _scratch(slot: str, n: int, dtype: torch.dtype, device: torch.device) -> Ten
     return have[:n]
 
 
-def _adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None:
-    """A read-only flat ``[n]`` view of the micro-batches' tensors when they already lie one
-    after the other in one storage (contiguous row slices of one mini-batch tensor, the usual
-    case): no copy is needed. None otherwise."""
-    first = xs[0]
-    if any(x.dtype != dtype or not x.is_contiguous() for x in xs):
-        return None
-    storage, size = first.untyped_storage(), first.element_size()
-    start = first.storage_offset()
-    pos = start
-    for x in xs:
-        if x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != pos:
-            return None
-        pos += x.numel()
-    if pos * size > storage.nbytes():
-        return None
-    return first.detach().as_strided((n,), (1,))
-
-
 def _cat_into(slot: str, xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor:
     """The micro-batches' tensors flattened row-major and concatenated into a scratch tensor
     ``[sum B_m T_m]`` of ``dtype`` (converted while copying), or a view of them when they are
-    adjacent already (:func:`_adjacent_view`): the result is never written to."""
-    view = _adjacent_view(xs, dtype, n)
+    adjacent already (:func:`adjacent_view`): the result is never written to."""
+    view = adjacent_view(xs, dtype, n)
     if view is not None:
         return view
     out = _scratch(slot, n, dtype, xs[0].device)
@@ -541,10 +522,10 @@ def _counts(valid: Tensor, *masks: Tensor) -> Tensor:
 
 class _ClipCovLoss(torch.autograd.Function):
     """PPO-clip per-token loss, zero outside ``keep = valid & ~sel`` (padding and the selected
-    tokens); value and gradient bit-identical to autograd through ``masked_zero(masked_zero(
-    maximum(-A r, -A clamp(r, lo, hi)), ~sel), mask)`` with ``r = exp(logp - old_logp)`` (the
-    loss, then the aggregation's padding mask). The backward is a few masked multiplications
-    instead of the generic ``maximum`` / ``clamp`` backwards, whose ``where``s dominate on CPU.
+    tokens): ``masked_zero(masked_zero(maximum(-A r, -A clamp(r, lo, hi)), ~sel), mask)`` with
+    ``r = exp(logp - old_logp)`` (the loss, then the aggregation's padding mask), in fewer
+    kernels than autograd through that expression. The loss is bit-identical to it; the
+    gradient has the same values (a zero may differ in sign; see :meth:`backward`).
     Second output: the metric sums ``[sum(old - logp), #valid, #selected, #clipped]`` (fp64,
     over the valid tokens), taken from the forward's own tensors."""
 
@@ -559,38 +540,52 @@ class _ClipCovLoss(torch.autograd.Function):
         clamped = ratio.clamp(lo, hi)
         loss2 = na * clamped
         clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
+        keep = valid & ~sel
         valid_bits = _bits_of(valid, logp)
-        keep_bits = valid_bits & not_mask_bits(sel, logp.dtype)
-        loss = zero_where_not(torch.maximum(loss1, loss2), keep_bits)
+        loss = zero_where_not(torch.maximum(loss1, loss2), _bits_of(keep, logp))
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
         stats = torch.cat([-_valid_sum(lr, valid_bits, valid).view(1),
-                           _counts(valid, sel, clipped)])
+                           _valid_counts(valid, sel, clipped)])
         if ctx.needs_input_grad[0]:
-            # ``==`` as bit patterns: it differs from the float ``==`` only where a side is NaN
-            # (both sides of a tie carry -A's sign; ratio >= +0), and there the gradient is
-            # NaN (-A's or the ratio's, the same bits) whatever the 0.5 / in-range factors
-            tie = same_bits(loss1, loss2)
-            in_range = same_bits(clamped, ratio)  # (ratio >= lo) & (ratio <= hi)
-            ctx.save_for_backward(ratio, na, keep_bits, tie, clipped, in_range)
+            ctx.save_for_backward(_clip_grad_weight(loss1, loss2, clamped, ratio, na,
+                                                    keep & ~clipped), ratio)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
     def backward(ctx, grad: Tensor | None, _grad_stats: Tensor | None = None):  # noqa: D102
-        """Autograd's chain, op for op: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to
-        each on a tie (``g * 0.5``, the same number), nothing to the smaller; each side times
-        ``-A``; ``clamp`` passes its side's share inside the bounds only; the two shares add up
-        (in either order, the same sum); times ``r`` (``exp``). Inside the bounds ``clamp(r) ==
-        r``, so both sides are equal and get the same share: ``t + t``; outside, the clamped
-        side's share is masked to +0: ``t + 0``. Hence no ``loss1 > loss2`` mask is needed."""
+        """``(g w) r`` with the forward's weight ``w`` (:func:`_clip_grad_weight`): autograd's
+        chain through ``maximum``, ``clamp`` and ``exp`` in two multiplications."""
         if grad is None:
             return None, None, None, None, None, None, None
-        ratio, na, keep_bits, tie, clipped, in_range = ctx.saved_tensors
-        g = zero_where_not(grad, keep_bits)
-        g = g * torch.add(1.0, as_float(tie).to(g.dtype), alpha=-0.5)  # 0.5 on ties, else 1
-        t = zero_where_not(g, not_mask_bits(clipped, g.dtype)) * na
-        g_ratio = t + zero_where_not(t, _bits_of(in_range, g))
-        return g_ratio * ratio, None, None, None, None, None, None
+        w, ratio = ctx.saved_tensors
+        return (grad * w) * ratio, None, None, None, None, None, None
+
+
+def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tensor, na: Tensor,
+                      kc: Tensor) -> Tensor:
+    """Per-token ``w`` such that ``(g w) r`` is autograd's gradient of the PPO-clip loss w.r.t.
+    ``logp`` for the upstream gradient ``g``; ``kc``: kept and not clipped (bool).
+
+    Autograd's chain: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to each on a tie,
+    nothing to the smaller; each side times ``-A``; ``clamp`` passes its side's share inside
+    the bounds only; the two shares add up; times ``r``. So a clipped or masked token gets 0; a
+    kept one inside the bounds gets ``2 ((g / 2) (-A)) = g (-A)`` (both sides tie and pass);
+    outside the bounds only the unclamped side passes: ``g (-A)``, or ``(g / 2) (-A)`` on a
+    tie. Halving is exact, so ``w = -A`` or ``-A / 2`` gives the same products. Equal values to
+    autograd's, except that a zero may carry the other sign and a non-finite upstream gradient
+    reaches masked tokens (exact for finite ``g`` and ``|A| >= 2**-125``)."""
+    # a tie outside the bounds; inside them the two sides are the same product (a tie)
+    half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
+    w = zero_where_not(na, _bits_of(kc, na))
+    return w * torch.add(1.0, as_float(half).to(w.dtype), alpha=-0.5)
+
+
+def _valid_counts(valid: Tensor, *masks: Tensor) -> Tensor:
+    """fp64 ``[1 + len(masks)]``: the valid count, then each mask's count of valid tokens
+    (byte sums, int32 accumulators)."""
+    parts = [valid] + [m & valid for m in masks]
+    return torch.stack([p.view(torch.uint8).sum(dtype=torch.int32) for p in parts]).double()
 
 
 def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:

@@ -66,3 +66,22 @@ def same_bits(a: Tensor, b: Tensor) -> Tensor:
     compare, about half the cost of the float one on CPU."""
     a, b = a.contiguous(), b.contiguous()
     return a.view(_INT_OF[a.dtype]) == b.view(_INT_OF[b.dtype])
+
+
+def adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None:
+    """A read-only flat ``[n]`` view of the micro-batches' tensors when they already lie one
+    after the other in one storage (contiguous row slices of one mini-batch tensor, the usual
+    case): no copy is needed. None otherwise."""
+    first = xs[0]
+    if any(x.dtype != dtype or not x.is_contiguous() for x in xs):
+        return None
+    storage, size = first.untyped_storage(), first.element_size()
+    start = first.storage_offset()
+    pos = start
+    for x in xs:
+        if x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != pos:
+            return None
+        pos += x.numel()
+    if pos * size > storage.nbytes():
+        return None
+    return first.detach().as_strided((n,), (1,))
