@@ -33,13 +33,13 @@ import torch
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import (
+    _INT_OF,
     adjacent_view,
     mask_bits,
     masked_zero,
-    same_bits,
     zero_where_not,
 )
-from megatron_rl.loss.metrics import as_float, mean_stat, ratio_stat
+from megatron_rl.loss.metrics import mean_stat, ratio_stat
 from megatron_rl.loss.params import LossConfigError, LossParams
 from megatron_rl.loss.select import (
     INACTIVE,
@@ -540,12 +540,15 @@ class _ClipCovLoss(torch.autograd.Function):
         clamped = ratio.clamp(lo, hi)
         loss2 = na * clamped
         clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
+        valid, sel = valid.contiguous(), sel.contiguous()
         keep = valid & ~sel
-        valid_bits = _bits_of(valid, logp)
-        loss = zero_where_not(torch.maximum(loss1, loss2), _bits_of(keep, logp))
+        iw = _INT_OF[logp.dtype]
+        loss = (torch.maximum(loss1, loss2).view(iw) & _words(keep, iw)).view(logp.dtype)
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
-        stats = torch.cat([-_valid_sum(lr, valid_bits, valid).view(1),
-                           _valid_counts(valid, sel, clipped)])
+        counts = torch.stack([torch.count_nonzero(valid), torch.count_nonzero(sel & valid),
+                              torch.count_nonzero(clipped & valid)])
+        stats = torch.cat([_valid_sum(lr, _words(valid, iw), valid).neg().view(1),
+                           counts.to(torch.float64)])
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(_clip_grad_weight(loss1, loss2, clamped, ratio, na,
                                                     keep & ~clipped), ratio)
@@ -575,10 +578,17 @@ def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tens
     tie. Halving is exact, so ``w = -A`` or ``-A / 2`` gives the same products. Equal values to
     autograd's, except that a zero may carry the other sign and a non-finite upstream gradient
     reaches masked tokens (exact for finite ``g`` and ``|A| >= 2**-125``)."""
-    # a tie outside the bounds; inside them the two sides are the same product (a tie)
-    half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
-    w = zero_where_not(na, _bits_of(kc, na))
-    return w * torch.add(1.0, as_float(half).to(w.dtype), alpha=-0.5)
+    # a tie outside the bounds (inside them the two sides are the same product: a tie);
+    # ``==`` on the bits: it differs from the float one only where a side is NaN
+    iw = _INT_OF[na.dtype]
+    half = ((loss1.view(iw) == loss2.view(iw)) ^ (clamped.view(iw) == ratio.view(iw))) & kc
+    w = (na.contiguous().view(iw) & _words(kc, iw)).view(na.dtype)
+    return w * torch.add(1.0, half.view(torch.uint8).to(w.dtype), alpha=-0.5)
+
+
+def _words(mask: Tensor, iw: torch.dtype) -> Tensor:
+    """:func:`mask_bits` of a contiguous bool ``mask`` as integer type ``iw`` (-1 / 0 words)."""
+    return (-mask.view(torch.int8)).to(iw)
 
 
 def _valid_counts(valid: Tensor, *masks: Tensor) -> Tensor:
@@ -615,10 +625,10 @@ def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
 
 class _KLCovLoss(torch.autograd.Function):
     """``masked_zero(-A exp(lr) + masked_zero(coef * |lr|, sel), mask)`` with
-    ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), value and gradient
-    bit-identical to autograd through that expression, in fewer kernels. Second output: the
-    metric sums ``[sum(old - logp), sum |lr|, #valid, #selected]`` (fp64, over the valid
-    tokens)."""
+    ``lr = logp - old_logp`` (the loss, then the aggregation's padding mask), in fewer kernels
+    than autograd through that expression: the loss bit-identical to it, the gradient with the
+    same values (see :meth:`backward`). Second output: the metric sums ``[sum(old - logp),
+    sum |lr|, #valid, #selected]`` (fp64, over the valid tokens)."""
 
     @staticmethod
     def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, sel: Tensor, valid: Tensor,
@@ -628,26 +638,34 @@ class _KLCovLoss(torch.autograd.Function):
         e = torch.exp(lr)
         na = -adv
         abs_lr = lr.abs()
-        sel_bits, valid_bits = _bits_of(sel, logp), _bits_of(valid, logp)
+        valid, sel = valid.contiguous(), sel.contiguous()
+        iw = _INT_OF[logp.dtype]
+        sel_bits, valid_bits = _words(sel, iw), _words(valid, iw)
         loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel
+        sv = sel & valid
         stats = torch.cat([torch.stack([-_valid_sum(lr, valid_bits, valid),
                                         _valid_sum(abs_lr, valid_bits, valid)]),
-                           _counts(valid, sel)])
+                           torch.stack([torch.count_nonzero(valid), torch.count_nonzero(sv)])
+                           .to(torch.float64)])
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(lr, e, na, sel_bits, valid_bits)
-        ctx.coef = coef
+            # the gradient's per-token factors: -A on the valid tokens, coef * sign(lr) on the
+            # selected ones (0 elsewhere)
+            ctx.save_for_backward(zero_where_not(na, valid_bits), e,
+                                  zero_where_not(lr.sgn() * coef, _words(sv, iw)))
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
     def backward(ctx, grad: Tensor | None, _grad_stats: Tensor | None = None):  # noqa: D102
+        """``(g w) e + g p`` with ``w = -A`` and ``p = coef sign(lr)`` (0 where masked):
+        autograd's ``(g (-A)) e + (g coef) sign(lr)`` on the kept tokens (multiplying by
+        ``sign`` is exact, so ``g (coef sign)`` is the same number); a masked token gets a zero
+        (autograd's may carry the other sign)."""
         if grad is None:
             return None, None, None, None, None, None
-        lr, e, na, sel_bits, valid_bits = ctx.saved_tensors
-        grad = zero_where_not(grad, valid_bits)
-        g_pen = (zero_where_not(grad, sel_bits) * ctx.coef) * lr.sgn()
-        return (grad * na) * e + g_pen, None, None, None, None, None
+        w, e, pen = ctx.saved_tensors
+        return (grad * w) * e + grad * pen, None, None, None, None, None
 
 
 def kl_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:
