@@ -37,17 +37,18 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, ctx: ReductionContext,
     ``premasked``: ``values`` are already +0 at padding (gradient too), no mask is applied.
     """
     m = mask.bool()
-    seq_sum = values.sum(-1) if premasked else masked_sum_rows(values, m)
-    if mode == "token-mean":
-        return seq_sum.sum() / ctx.token_denominator
     if mode == "seq-mean-token-mean":
+        seq_sum = values.sum(-1) if premasked else masked_sum_rows(values, m)
         seq_tokens = m.sum(-1).clamp_min(1).to(values.dtype)
         return (seq_sum / seq_tokens).sum() / ctx.seq_denominator
+    if mode not in AGG_MODES:
+        raise LossConfigError(f"loss_agg_mode={mode!r} is not valid; allowed: {list(AGG_MODES)}")
+    total = values.sum() if premasked else masked_zero(values, m).sum()
+    if mode == "token-mean":
+        return total / ctx.token_denominator
     if mode == "seq-mean-token-sum":
-        return seq_sum.sum() / ctx.seq_denominator
+        return total / ctx.seq_denominator
     c = ctx.max_len.to(values.dtype) if scale_factor is None else float(scale_factor)
     if mode == "seq-mean-token-sum-norm":
-        return seq_sum.sum() / c / ctx.seq_denominator
-    if mode == "token-sum-norm":
-        return seq_sum.sum() / c
-    raise LossConfigError(f"loss_agg_mode={mode!r} is not valid; allowed: {list(AGG_MODES)}")
+        return total / c / ctx.seq_denominator
+    return total / c  # token-sum-norm

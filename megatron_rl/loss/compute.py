@@ -78,9 +78,9 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         if not (isinstance(coeff, (int, float)) and coeff == 0):
             ent = aggregate(inp.entropy, mask, mode, ctx, cfg.loss_scale_factor)
             total = total - torch.as_tensor(coeff, dtype=ent.dtype, device=ent.device) * ent
-    stats["entropy/coeff"] = TokenStat(torch.as_tensor(coeff, dtype=torch.float64,
-                                                       device=mask.device).reshape(()),
-                                       None, "max")
+    coeff_t = (ctx.constant(coeff, mask.device) if isinstance(coeff, (int, float))
+               else torch.as_tensor(coeff, dtype=torch.float64, device=mask.device).reshape(()))
+    stats["entropy/coeff"] = TokenStat(coeff_t, None, "max")
     scale = ctx.grad_scale  # x * 1.0 == x (value and gradient): skip the no-op multiplication
     return LossOutput(loss=total, loss_for_backward=total if scale == 1.0 else total * scale,
                       pg_loss=pg_loss,

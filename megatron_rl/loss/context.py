@@ -164,6 +164,19 @@ class ReductionContext:
         """Global count of non-empty sequences as fp32, at least 1; computed once."""
         return self.num_seqs.clamp_min(1).to(torch.float32)
 
+    @functools.cached_property
+    def _constants(self) -> dict[tuple[float, str], Tensor]:
+        return {}
+
+    def constant(self, value: float, device: torch.device) -> Tensor:
+        """0-dim fp64 tensor of the host number ``value`` on ``device``, made once per context
+        (a record that repeats a constant every micro-batch shares it)."""
+        key = (float(value), str(device))
+        if key not in self._constants:
+            self._constants[key] = torch.tensor(float(value), dtype=torch.float64,
+                                                device=device)
+        return self._constants[key]
+
     def count(self, name: str) -> Tensor:
         """Global valid count of an ``extra_masks`` entry (int64, 0-dim)."""
         if name not in self.extra_counts:

@@ -186,6 +186,8 @@ class MetricAccumulator:
                 keys += [("_num", name), ("_den", name)]
                 parts += [zero_where_not(v, bits[(id(w), v.dtype)]).sum(dtype=torch.float64)
                           .reshape(1), dens[id(w)]]
+            elif stat.kind in ("min", "max") and w is None and v.dim() == 0:
+                self._extremum(name, v, stat.kind)
             else:
                 rest[name] = stat
         if ratios:  # one stack of the numerators and one of the denominators
@@ -211,6 +213,20 @@ class MetricAccumulator:
                     store[n] = store.get(n, 0) + vec[i]
         for name, stat in rest.items():
             self._add_rest(name, stat)
+
+    def _extremum(self, name: str, v: Tensor, kind: str) -> None:
+        """A 0-dim ``min`` / ``max`` record without weight: it is its own extremum (the same
+        tensor as the running one, e.g. a constant repeated every micro-batch, changes
+        nothing)."""
+        store = self._min if kind == "min" else self._max
+        have = store.get(name)
+        if have is v:
+            return
+        m = v.to(torch.float64)
+        if have is None:
+            store[name] = m
+        else:
+            store[name] = (torch.minimum if kind == "min" else torch.maximum)(have, m)
 
     def _add_rest(self, name: str, stat: TokenStat) -> None:
         vectorised, self._vectorised = self._vectorised, False
