@@ -83,9 +83,9 @@ class MetricAccumulator:
     def _flush(self) -> None:
         """Move the running vector into the per-name sums (``0 + x`` as :meth:`add` starts)."""
         if self._vec is not None:
-            for i, (store, name) in enumerate(self._vec_keys):
+            for (store, name), x in zip(self._vec_keys, self._vec.unbind(), strict=True):
                 d = getattr(self, store)
-                d[name] = d.get(name, 0) + self._vec[i]
+                d[name] = d[name] + x if name in d else x
         self._vec, self._vec_keys = None, None
 
     def add(self, name: str, stat: TokenStat, _cache: dict | None = None) -> None:
@@ -256,19 +256,15 @@ class MetricAccumulator:
             dist.all_gather(rows, vec, group=ctx.group)  # the one collective of the metrics
             g = torch.stack(rows)
             vec = torch.cat([g[:, :len(sums)].sum(0), g[:, len(sums):].amin(0)])
-        k = len(mean_names)
-        for i, n in enumerate(mean_names):
-            den = vec[k + i]
-            out[n] = torch.where(den > 0, vec[i] / den.clamp_min(1e-300), 0.0).float()
-        for i, n in enumerate(sum_names):
-            out[n] = vec[2 * k + i].float()
+        k, n_sums = len(mean_names), len(sums)
+        num, den = vec[:k], vec[k:2 * k]
+        parts = [torch.where(den > 0, num / den.clamp_min(1e-300), 0.0), vec[2 * k:n_sums]]
         if mins:
-            ext = vec[len(sums):]
+            ext = vec[n_sums:]
             vals = torch.where(torch.isfinite(ext), ext, 0.0)
-            for i, n in enumerate(min_names):
-                out[n] = vals[i].float()
-            for i, n in enumerate(max_names):
-                out[n] = (-vals[len(min_names) + i]).float()
+            parts += [vals[:len(min_names)], -vals[len(min_names):]]
+        values = torch.cat(parts).float().unbind()
+        out = dict(zip(mean_names + sum_names + min_names + max_names, values, strict=True))
         return dict(sorted(out.items()))
 
 
