@@ -328,13 +328,14 @@ def test_block_topk_is_exact_with_ties_across_blocks_and_minimum_words():
         act_p = torch.zeros(n_pad, dtype=torch.int32)
         high_p[:n], act_p[:n] = high, -active.to(torch.int32)
         values = torch.randn(n, generator=g)
-        sel, top = _word_top(ctx, high_p, act_p, n, [torch.ones(1, n, dtype=torch.bool)],
-                             values, active.sum(), ratio)
         keys = composite_key(high.to(torch.int64) + 2**31, idx)
         want = global_topk_mask(keys, active, _count_k(ratio, torch.tensor(n)), ctx)
-        assert torch.equal(sel, want), (frac, levels, ratio)
-        assert int(top.count) == int(want.sum()) > 0
-        assert torch.allclose(top.value_sum, values[want].double().sum())
+        for act in (act_p, act_p != 0):  # int32 words (KL-Cov) or bool (Clip-Cov)
+            sel, top = _word_top(ctx, high_p, act, n, [torch.ones(1, n, dtype=torch.bool)],
+                                 values, active.sum(), ratio)
+            assert torch.equal(sel, want), (frac, levels, ratio, act.dtype)
+            assert int(top.count) == int(want.sum()) > 0
+            assert torch.allclose(top.value_sum, values[want].double().sum())
 
 
 def test_selection_reads_adjacent_micro_batch_views_without_copying_or_writing():

@@ -297,8 +297,11 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         vbits.bitwise_not_()  # back to the valid words: the active tokens
         active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
         ratio_k = cfg.kl_cov_ratio
+        act_p = vbits_p
     else:
-        active = torch.gt(cov, cfg.clip_cov_lb, out=_scratch("b_act", n, torch.bool, device))
+        active_p = _scratch("b_act", n_pad, torch.bool, device)
+        active_p[n:].fill_(False)
+        active = torch.gt(cov, cfg.clip_cov_lb, out=active_p[:n])
         active.logical_and_(torch.lt(cov, cfg.clip_cov_ub,
                                      out=_scratch("b_t", n, torch.bool, device)))
         active.logical_and_(valid)
@@ -311,14 +314,14 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
                             out=_scratch("f32_c", n, f32, device)).mul_(adv)
             clipped = torch.lt(c, r.mul_(adv), out=_scratch("b_t", n, torch.bool, device))
             active.logical_and_(clipped.logical_not_())
-        act_bits = vbits.copy_(active).neg_()  # the valid words are no longer needed
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
         _flat_hash_into(high, _scratch("i32_t", n, i32, device), seed, step, ctx, ms)
-        # inactive: high = INT32_MIN (the active words tell them from a hash at the minimum)
-        high.bitwise_and_(act_bits).bitwise_xor_(_I32_MIN)
+        # inactive: high = INT32_MIN (``active`` tells them from a hash at the minimum)
+        high.mul_(active).bitwise_xor_(_I32_MIN)
         active_count = _count(active)
         ratio_k = cfg.clip_cov_ratio
-    sel, top = _word_top(ctx, high_p, vbits_p, n, ms, cov, active_count, ratio_k)
+        act_p = active_p
+    sel, top = _word_top(ctx, high_p, act_p, n, ms, cov, active_count, ratio_k)
     num_tok = ctx.num_tokens.clamp_min(1).double()
     num = top.count.double()
     name = cfg.policy_loss
@@ -406,9 +409,10 @@ _BLOCK = 128  # tokens per block of the block top-k (one int32 max per block)
 def _word_top(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: int, ms: list[Tensor],
               values: Tensor, active_count: Tensor, ratio: float) -> tuple[Tensor, TopK]:
     """The exact global top ``max(floor(ratio * N), 1)`` active tokens by (``high`` desc, global
-    token index asc). ``high_p``, ``act_p``: int32 ``[n_pad]`` (``n`` real tokens, then a tail
-    to a whole number of :data:`_BLOCK`-token blocks with ``high = INT32_MIN``, ``act = 0``);
-    ``act_p`` is -1 for the active tokens, 0 for the others, whose ``high`` is ``INT32_MIN``.
+    token index asc). ``high_p``: int32 ``[n_pad]`` (``n`` real tokens, then a tail to a whole
+    number of :data:`_BLOCK`-token blocks with ``high = INT32_MIN``); ``act_p`` ``[n_pad]``: the
+    active tokens, as bool or as int32 words (-1 / 0), false / 0 in the tail; an inactive
+    token's ``high`` is ``INT32_MIN``.
 
     When this rank's flat positions are in global index order (no ``seq_ids``) and a host bound
     of the global size is known: :func:`_block_candidates`, then :func:`select_top_keys` over
@@ -419,7 +423,11 @@ def _word_top(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: int, ms: 
     if bound is None or ctx.seq_ids is not None or n == 0:
         high, act = high_p[:n], act_p[:n]
         rev = _rev_index(ctx, ms, n, high.device)
-        low = torch.bitwise_and(rev, act, out=_scratch("i32_l", n, torch.int32, high.device))
+        low = _scratch("i32_l", n, torch.int32, high.device)
+        if act.dtype == torch.bool:
+            torch.mul(rev, act, out=low)
+        else:
+            torch.bitwise_and(rev, act, out=low)
         width = min(max(n, 1), _CHUNK)
         key = _key_into(high, low, -(-n // width), width)
         return _flat_top(ctx, key, n, values, active_count, ratio)
@@ -447,7 +455,10 @@ def _block_candidates(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: i
     device = high_p.device
     nb = high_p.numel() // _BLOCK
     bmax = high_p.view(nb, _BLOCK).amax(1).to(torch.int64)
-    has_act = act_p.view(nb, _BLOCK).amin(1).to(torch.int64) & (1 << 31)  # -1: some active
+    if act_p.dtype == torch.bool:
+        has_act = act_p.view(torch.uint8).view(nb, _BLOCK).amax(1).to(torch.int64) << 31
+    else:  # -1 words: the minimum is -1 when some token is active
+        has_act = act_p.view(nb, _BLOCK).amin(1).to(torch.int64) & (1 << 31)
     bkey = (bmax << 32) | has_act | torch.arange(2**31 - 1, 2**31 - 1 - nb, -1, device=device)
     blocks = torch.topk(bkey, min(k_max, nb), sorted=False).indices
     pos = (blocks.unsqueeze(-1) * _BLOCK
