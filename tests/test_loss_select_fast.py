@@ -396,3 +396,17 @@ def test_fused_clip_cov_gradient_on_ties_outside_the_clip_bounds():
     r = torch.exp(b - old)
     torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2)).sum().backward()
     assert (b.grad != 0).all() and _same_values(a.grad, b.grad)
+
+
+def test_count_true_counts_eight_bytes_at_a_time_and_falls_back():
+    """``count_true`` equals the bool sum for word-aligned masks (all true, none, random), for
+    sizes and offsets that are not whole words, and for non-contiguous masks."""
+    from megatron_rl.loss.masking import count_true
+
+    g = torch.Generator().manual_seed(14)
+    base = torch.rand(3 * 8192 + 5, generator=g) < 0.4
+    cases = [base[:16384], base[8:16392], base[3:16387], base[:8195], base[:100],
+             torch.ones(8192, dtype=torch.bool), torch.zeros(8192, dtype=torch.bool),
+             base[:16384].view(128, 128).t()]
+    for m in cases:
+        assert int(count_true(m)) == int(m.sum()), m.shape

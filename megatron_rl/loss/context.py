@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.loss.masking import adjacent_view
+from megatron_rl.loss.masking import adjacent_view, count_true
 
 Tensor = torch.Tensor
 
@@ -221,16 +221,17 @@ def rank_token_bound(masks: Sequence[Tensor], max_seq_len: int | None) -> int | 
 
 def _local_counts(masks: list[Tensor], extra: list[list[Tensor]], device: torch.device) -> Tensor:
     """``[4 + len(extra)]`` int64: valid tokens, non-empty seqs, rows, max T, extra counts.
-    Counts are byte sums of the masks' ``uint8`` views (int32 accumulators: fewer than 2**31
-    tokens per rank), row maxima for the non-empty rows: the fast reductions on CPU."""
+    Counts by :func:`count_true` / byte sums (int32 accumulators: fewer than 2**31 tokens per
+    rank), row maxima of the ``uint8`` views for the non-empty rows: fast reductions on CPU."""
     rows = sum(m.shape[0] for m in masks)
     max_t = max(m.shape[-1] for m in masks)
     bools = [m.bool() for m in masks]
     if all(m.dim() == 2 and m.shape[-1] == max_t for m in bools):  # one [rows, T] mask
         n = sum(m.numel() for m in bools)
         every = adjacent_view(bools, torch.bool, n)  # row slices of one mask: no copy
-        every = (torch.cat(bools) if every is None else every.view(rows, max_t)).view(torch.uint8)
-        tokens, nonempty = every.sum(dtype=torch.int32), every.amax(-1).sum(dtype=torch.int32)
+        every = torch.cat(bools) if every is None else every.view(rows, max_t)
+        tokens = count_true(every)
+        nonempty = every.view(torch.uint8).amax(-1).sum(dtype=torch.int32)
     else:
         tokens = torch.stack([m.view(torch.uint8).sum(dtype=torch.int32) for m in bools]).sum()
         nonempty = torch.stack([m.view(torch.uint8).amax(-1).sum(dtype=torch.int32)

@@ -35,6 +35,7 @@ from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import (
     _INT_OF,
     adjacent_view,
+    count_true,
     mask_bits,
     masked_zero,
     zero_where_not,
@@ -334,9 +335,8 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
 
 
 def _count(mask: Tensor) -> Tensor:
-    """int64 0-dim number of true entries of a flat bool ``mask`` (< 2**31 entries): summed
-    as int32 through its uint8 view, cheaper than the bool sum on CPU."""
-    return mask.view(torch.uint8).sum(dtype=torch.int32).to(torch.int64)
+    """int64 0-dim number of true entries of a flat bool ``mask`` (:func:`count_true`)."""
+    return count_true(mask)
 
 
 def _flat_hash_into(h: Tensor, tmp: Tensor, seed: int, step: int | Tensor,

@@ -85,3 +85,15 @@ def adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None
     if pos * size > storage.nbytes():
         return None
     return first.detach().as_strided((n,), (1,))
+
+
+def count_true(mask: Tensor) -> Tensor:
+    """int64 0-dim number of true entries of a bool ``mask`` (no host sync). A contiguous mask
+    whose bytes fill whole 8-byte words is counted eight bytes at a time: the bytes of a word
+    are 0 or 1, so the top byte of ``word * 0x0101010101010101`` is their sum (no carry below
+    it); about twice as fast as a byte sum on CPU. Other masks: ``count_nonzero``."""
+    m = mask.contiguous()
+    if m.numel() % 8 or m.storage_offset() % 8 or m.numel() < 4096:
+        return torch.count_nonzero(m)
+    words = m.view(-1).view(torch.int64)
+    return ((words * 0x0101010101010101) >> 56).sum()
