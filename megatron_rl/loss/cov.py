@@ -554,15 +554,18 @@ class _ClipCovLoss(torch.autograd.Function):
         valid, sel = valid.contiguous(), sel.contiguous()
         keep = valid & ~sel
         iw = _INT_OF[logp.dtype]
-        loss = (torch.maximum(loss1, loss2).view(iw) & _words(keep, iw)).view(logp.dtype)
+        grad = ctx.needs_input_grad[0]
+        bools = [valid, keep] + ([keep & ~clipped] if grad else [])
+        words = _words(torch.stack(bools), iw)  # -1 / 0 words of every mask in one conversion
+        loss = (torch.maximum(loss1, loss2).view(iw) & words[1]).view(logp.dtype)
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
         counts = torch.stack([torch.count_nonzero(valid), torch.count_nonzero(sel & valid),
                               torch.count_nonzero(clipped & valid)])
-        stats = torch.cat([_valid_sum(lr, _words(valid, iw), valid).neg().view(1),
+        stats = torch.cat([_valid_sum(lr, words[0], valid).neg().view(1),
                            counts.to(torch.float64)])
-        if ctx.needs_input_grad[0]:
+        if grad:
             ctx.save_for_backward(_clip_grad_weight(loss1, loss2, clamped, ratio, na,
-                                                    keep & ~clipped), ratio)
+                                                    bools[2], words[2]), ratio)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
@@ -577,9 +580,10 @@ class _ClipCovLoss(torch.autograd.Function):
 
 
 def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tensor, na: Tensor,
-                      kc: Tensor) -> Tensor:
+                      kc: Tensor, kc_words: Tensor) -> Tensor:
     """Per-token ``w`` such that ``(g w) r`` is autograd's gradient of the PPO-clip loss w.r.t.
-    ``logp`` for the upstream gradient ``g``; ``kc``: kept and not clipped (bool).
+    ``logp`` for the upstream gradient ``g``; ``kc``: kept and not clipped (bool; ``kc_words``:
+    its :func:`mask_bits` in the integer type of ``na``'s width).
 
     Autograd's chain: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to each on a tie,
     nothing to the smaller; each side times ``-A``; ``clamp`` passes its side's share inside
@@ -593,7 +597,7 @@ def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tens
     # ``==`` on the bits: it differs from the float one only where a side is NaN
     iw = _INT_OF[na.dtype]
     half = ((loss1.view(iw) == loss2.view(iw)) ^ (clamped.view(iw) == ratio.view(iw))) & kc
-    w = (na.contiguous().view(iw) & _words(kc, iw)).view(na.dtype)
+    w = (na.contiguous().view(iw) & kc_words).view(na.dtype)
     return w * torch.add(1.0, half.view(torch.uint8).to(w.dtype), alpha=-0.5)
 
 
