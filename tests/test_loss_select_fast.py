@@ -410,3 +410,18 @@ def test_count_true_counts_eight_bytes_at_a_time_and_falls_back():
              base[:16384].view(128, 128).t()]
     for m in cases:
         assert int(count_true(m)) == int(m.sum()), m.shape
+
+
+def test_global_index_of_candidate_positions_matches_the_full_index():
+    """The multi-rank block top-k computes the global token index of its candidate positions
+    only; it equals the full per-token index at those positions, for micro-batches of equal and
+    of different lengths."""
+    from megatron_rl.loss.cov import _global_index_at
+
+    g = torch.Generator().manual_seed(15)
+    for shapes in ([(3, 40), (2, 40), (4, 40)], [(3, 40), (2, 17), (4, 33)]):
+        masks = [torch.ones(b, t, dtype=torch.bool) for b, t in shapes]
+        ctx = ReductionContext.from_minibatch(masks, group=None)
+        full = _flat(global_token_index(ctx, [m.shape for m in masks], torch.device("cpu")))
+        pos = torch.randint(0, full.numel(), (200,), generator=g)
+        assert torch.equal(_global_index_at(ctx, masks, pos), full[pos]), shapes

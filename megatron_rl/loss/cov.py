@@ -440,6 +440,29 @@ def _word_top(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: int, ms: 
     return sel, TopK(sel, res.count, res.active, res.value_sum)
 
 
+def _global_index_at(ctx: ReductionContext, ms: list[Tensor], pos: Tensor) -> Tensor:
+    """Global token index ``seq_idx * max_len + t`` (int64) of the flat positions ``pos`` of
+    this rank's micro-batches (``ms``: their ``[B_m, T_m]`` masks, rows in order: no
+    ``seq_ids``), computed for those positions only."""
+    device = pos.device
+    widths = [m.shape[1] for m in ms]
+    if all(t == widths[0] for t in widths):  # one [rows, T] matrix
+        row, col = pos // widths[0], pos % widths[0]
+    else:
+        starts, rows_before, acc, acc_rows = [], [], 0, 0
+        for m in ms:
+            starts.append(acc)
+            rows_before.append(acc_rows)
+            acc, acc_rows = acc + m.numel(), acc_rows + m.shape[0]
+        starts_t = torch.tensor(starts, dtype=torch.int64, device=device)
+        mb = torch.bucketize(pos, starts_t, right=True) - 1
+        width = torch.tensor(widths, dtype=torch.int64, device=device)[mb]
+        local = pos - starts_t[mb]
+        row = torch.tensor(rows_before, dtype=torch.int64, device=device)[mb] + local // width
+        col = local % width
+    return (ctx.seq_offset.to(device) + row) * ctx.max_len.to(device) + col
+
+
 def _block_candidates(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: int,
                       ms: list[Tensor], k_max: int) -> tuple[Tensor, Tensor]:
     """Positions (int64 ``[c]``) and int64 keys (``high`` word, then the reversed global token
@@ -466,7 +489,7 @@ def _block_candidates(ctx: ReductionContext, high_p: Tensor, act_p: Tensor, n: i
     if ctx.group is None or ctx.dp_size == 1:  # the flat position stands in for the index
         rev = (2**31 - 1) - pos
     else:
-        rev = _rev_index(ctx, ms, n, device).gather(0, pos.clamp_max(n - 1)).to(torch.int64)
+        rev = (2**31 - 1) - _global_index_at(ctx, ms, pos.clamp_max(n - 1))
     keys = (high_p.gather(0, pos).to(torch.int64) << 32) | rev
     keys = torch.where(act_p.gather(0, pos) != 0, keys, INACTIVE)
     return pos, keys
