@@ -425,3 +425,20 @@ def test_global_index_of_candidate_positions_matches_the_full_index():
         full = _flat(global_token_index(ctx, [m.shape for m in masks], torch.device("cpu")))
         pos = torch.randint(0, full.numel(), (200,), generator=g)
         assert torch.equal(_global_index_at(ctx, masks, pos), full[pos]), shapes
+
+
+def test_in_place_finaliser_paths_equal_the_int64_reference():
+    """``fmix32_i32_`` (numpy's uint32 arithmetic for contiguous CPU tensors, torch's int32 ops
+    otherwise) gives the murmur3 finaliser's bits, with and without the premixed first step."""
+    from megatron_rl.loss.select import _fmix32, _to_i32, _xorshift16, fmix32_i32_, unsigned_i64
+
+    g = torch.Generator().manual_seed(16)
+    x = torch.randint(-(2**31), 2**31 - 1, (64, 33), generator=g, dtype=torch.int64).to(torch.int32)
+    want = _to_i32(_fmix32(unsigned_i64(x)))
+    for premixed in (False, True):
+        start = _xorshift16(x) if premixed else x
+        contiguous = fmix32_i32_(start.clone(), torch.empty_like(x), premixed=premixed)
+        h = torch.empty(64, 66, dtype=torch.int32)[:, ::2].copy_(start)  # not contiguous
+        strided = fmix32_i32_(h, torch.empty_like(h), premixed=premixed)
+        assert not h.is_contiguous()
+        assert torch.equal(contiguous, want) and torch.equal(strided, want), premixed

@@ -35,9 +35,12 @@ from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import (
     _INT_OF,
     adjacent_view,
+    compare,
     count_true,
+    counts_f64,
     mask_bits,
     masked_zero,
+    same_bits,
     zero_where_not,
 )
 from megatron_rl.loss.metrics import mean_stat, ratio_stat
@@ -302,9 +305,9 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
     else:
         active_p = _scratch("b_act", n_pad, torch.bool, device)
         active_p[n:].fill_(False)
-        active = torch.gt(cov, cfg.clip_cov_lb, out=active_p[:n])
-        active.logical_and_(torch.lt(cov, cfg.clip_cov_ub,
-                                     out=_scratch("b_t", n, torch.bool, device)))
+        active = compare("gt", cov, cfg.clip_cov_lb, out=active_p[:n])
+        active.logical_and_(compare("lt", cov, cfg.clip_cov_ub,
+                                    out=_scratch("b_t", n, torch.bool, device)))
         active.logical_and_(valid)
         if any(x is not o for x, o in zip(lp_l, old_l, strict=True)):
             # the statistic's own old log-probs: ratio 1, never clipped; else -A c > -A r is
@@ -313,7 +316,7 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
             r = torch.sub(lp, old, out=_scratch("f32_t", n, f32, device)).exp_()
             c = torch.clamp(r, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high,
                             out=_scratch("f32_c", n, f32, device)).mul_(adv)
-            clipped = torch.lt(c, r.mul_(adv), out=_scratch("b_t", n, torch.bool, device))
+            clipped = compare("lt", c, r.mul_(adv), out=_scratch("b_t", n, torch.bool, device))
             active.logical_and_(clipped.logical_not_())
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
         _flat_hash_into(high, _scratch("i32_t", n, i32, device), seed, step, ctx, ms)
@@ -573,7 +576,7 @@ class _ClipCovLoss(torch.autograd.Function):
         loss1 = na * ratio
         clamped = ratio.clamp(lo, hi)
         loss2 = na * clamped
-        clipped = loss2 > loss1  # maximum's backward: loss1 gets no gradient here
+        clipped = compare("gt", loss2, loss1)  # maximum's backward: loss1 gets no gradient here
         valid, sel = valid.contiguous(), sel.contiguous()
         keep = valid & ~sel
         iw = _INT_OF[logp.dtype]
@@ -582,10 +585,8 @@ class _ClipCovLoss(torch.autograd.Function):
         words = _words(torch.stack(bools), iw)  # -1 / 0 words of every mask in one conversion
         loss = (torch.maximum(loss1, loss2).view(iw) & words[1]).view(logp.dtype)
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
-        counts = torch.stack([torch.count_nonzero(valid), torch.count_nonzero(sel & valid),
-                              torch.count_nonzero(clipped & valid)])
         stats = torch.cat([_valid_sum(lr, words[0], valid).neg().view(1),
-                           counts.to(torch.float64)])
+                           counts_f64(valid, sel & valid, clipped & valid)])
         if grad:
             ctx.save_for_backward(_clip_grad_weight(loss1, loss2, clamped, ratio, na,
                                                     bools[2], words[2]), ratio)
@@ -619,7 +620,7 @@ def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tens
     # a tie outside the bounds (inside them the two sides are the same product: a tie);
     # ``==`` on the bits: it differs from the float one only where a side is NaN
     iw = _INT_OF[na.dtype]
-    half = ((loss1.view(iw) == loss2.view(iw)) ^ (clamped.view(iw) == ratio.view(iw))) & kc
+    half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
     w = (na.contiguous().view(iw) & kc_words).view(na.dtype)
     return w * torch.add(1.0, half.view(torch.uint8).to(w.dtype), alpha=-0.5)
 
@@ -684,8 +685,7 @@ class _KLCovLoss(torch.autograd.Function):
         sv = sel & valid
         stats = torch.cat([torch.stack([-_valid_sum(lr, valid_bits, valid),
                                         _valid_sum(abs_lr, valid_bits, valid)]),
-                           torch.stack([torch.count_nonzero(valid), torch.count_nonzero(sv)])
-                           .to(torch.float64)])
+                           counts_f64(valid, sv)])
         if ctx.needs_input_grad[0]:
             # the gradient's per-token factors: -A on the valid tokens, coef * sign(lr) on the
             # selected ones (0 elsewhere)

@@ -9,6 +9,7 @@ backward masks the gradient the same way, as ``where``'s does). Works on any dev
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -65,7 +66,13 @@ def same_bits(a: Tensor, b: Tensor) -> Tensor:
     ``==`` except that a NaN equals a NaN of the same payload and ``+0 != -0``; an integer
     compare, about half the cost of the float one on CPU."""
     a, b = a.contiguous(), b.contiguous()
-    return a.view(_INT_OF[a.dtype]) == b.view(_INT_OF[b.dtype])
+    ai, bi = a.view(_INT_OF[a.dtype]), b.view(_INT_OF[b.dtype])
+    arr, other = _host_array(ai), _host_array(bi)
+    if arr is None or other is None:
+        return ai == bi
+    out = torch.empty(a.shape, dtype=torch.bool)
+    np.equal(arr, other, out=out.numpy())  # numpy's compare: faster on CPU, the same result
+    return out
 
 
 def adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None:
@@ -87,13 +94,47 @@ def adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None
     return first.detach().as_strided((n,), (1,))
 
 
+def _host_array(x: Tensor):
+    """numpy view of a CPU tensor (shared memory); None for other devices and for dtypes numpy
+    has no type for (bfloat16)."""
+    if x.device.type != "cpu" or x.dtype == torch.bfloat16:
+        return None
+    return x.detach().numpy()
+
+
 def count_true(mask: Tensor) -> Tensor:
-    """int64 0-dim number of true entries of a bool ``mask`` (no host sync). A contiguous mask
-    whose bytes fill whole 8-byte words is counted eight bytes at a time: the bytes of a word
-    are 0 or 1, so the top byte of ``word * 0x0101010101010101`` is their sum (no carry below
-    it); about twice as fast as a byte sum on CPU. Other masks: ``count_nonzero``."""
-    m = mask.contiguous()
-    if m.numel() % 8 or m.storage_offset() % 8 or m.numel() < 4096:
-        return torch.count_nonzero(m)
-    words = m.view(-1).view(torch.int64)
-    return ((words * 0x0101010101010101) >> 56).sum()
+    """int64 0-dim number of true entries of a bool ``mask``, on ``mask``'s device (no host
+    sync on an accelerator; on CPU numpy's ``count_nonzero``, several times faster than
+    torch's)."""
+    arr = _host_array(mask)
+    if arr is not None:
+        return torch.tensor(int(np.count_nonzero(arr)), dtype=torch.int64)
+    return torch.count_nonzero(mask)
+
+
+def counts_f64(*masks: Tensor) -> Tensor:
+    """fp64 ``[len(masks)]``: the number of true entries of each bool mask (see
+    :func:`count_true`), on the masks' device."""
+    arrs = [_host_array(m) for m in masks]
+    if all(a is not None for a in arrs):
+        return torch.tensor([float(np.count_nonzero(a)) for a in arrs], dtype=torch.float64)
+    return torch.stack([torch.count_nonzero(m) for m in masks]).to(torch.float64)
+
+
+_COMPARE = {"gt": (torch.gt, np.greater), "lt": (torch.lt, np.less)}
+
+
+def compare(op: str, a: Tensor, b: Tensor | float, out: Tensor | None = None) -> Tensor:
+    """bool ``a > b`` (``op="gt"``) or ``a < b`` (``"lt"``) with torch's semantics (a scalar
+    ``b`` in ``a``'s dtype; NaN compares false), into ``out`` if given. On CPU numpy's
+    comparison (the same IEEE result, several times faster than torch's bool-output
+    kernels), elsewhere torch's."""
+    torch_op, np_op = _COMPARE[op]
+    arr = _host_array(a)
+    if arr is None or (isinstance(b, Tensor) and (b.device.type != "cpu" or b.shape != a.shape)):
+        return torch_op(a, b, out=out) if out is not None else torch_op(a, b)
+    if out is None:
+        out = torch.empty(a.shape, dtype=torch.bool)
+    other = _host_array(b) if isinstance(b, Tensor) else np.asarray(b, dtype=arr.dtype)
+    np_op(arr, other, out=out.numpy())
+    return out
