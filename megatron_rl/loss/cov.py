@@ -570,22 +570,24 @@ class _ClipCovLoss(torch.autograd.Function):
     def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, valid: Tensor, sel: Tensor,
                 lo: float, hi: float) -> tuple[Tensor, Tensor]:  # noqa: D102
         ctx.set_materialize_grads(False)
-        lr = logp - old_logp
+        # temporaries that do not leave the forward live in scratch buffers (warm in cache)
+        lr = torch.sub(logp, old_logp, out=_tmp("cc_lr", logp))
         ratio = torch.exp(lr)
-        na = -adv
-        loss1 = na * ratio
-        clamped = ratio.clamp(lo, hi)
-        loss2 = na * clamped
+        na = torch.neg(adv, out=_tmp("cc_na", logp))
+        loss1 = torch.mul(na, ratio, out=_tmp("cc_l1", logp))
+        clamped = torch.clamp(ratio, lo, hi, out=_tmp("cc_c", logp))
+        loss2 = torch.mul(na, clamped, out=_tmp("cc_l2", logp))
         clipped = compare("gt", loss2, loss1)  # maximum's backward: loss1 gets no gradient here
         valid, sel = valid.contiguous(), sel.contiguous()
         keep = valid & ~sel
         iw = _INT_OF[logp.dtype]
         grad = ctx.needs_input_grad[0]
         bools = [valid, keep] + ([keep & ~clipped] if grad else [])
-        words = _words(torch.stack(bools), iw)  # -1 / 0 words of every mask in one conversion
-        loss = (torch.maximum(loss1, loss2).view(iw) & words[1]).view(logp.dtype)
+        words = _words_into("cc_w", torch.stack(bools), iw)  # -1 / 0 words of every mask
+        loss = torch.maximum(loss1, loss2)
+        loss.view(iw).bitwise_and_(words[1])
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
-        stats = torch.cat([_valid_sum(lr, words[0], valid).neg().view(1),
+        stats = torch.cat([_valid_sum_(lr, words[0], valid).neg().view(1),
                            counts_f64(valid, sel & valid, clipped & valid)])
         if grad:
             ctx.save_for_backward(_clip_grad_weight(loss1, loss2, clamped, ratio, na,
@@ -622,7 +624,28 @@ def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tens
     iw = _INT_OF[na.dtype]
     half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
     w = (na.contiguous().view(iw) & kc_words).view(na.dtype)
-    return w * torch.add(1.0, half.view(torch.uint8).to(w.dtype), alpha=-0.5)
+    factor = _tmp("cc_f", w).copy_(half)
+    return w.mul_(factor.mul_(-0.5).add_(1.0))  # 0.5 on those ties, else 1
+
+
+def _tmp(slot: str, like: Tensor) -> Tensor:
+    """A scratch tensor of ``like``'s shape, dtype and device for a temporary of a fused loss's
+    forward (see :func:`_scratch`: reused on CPU, where a warm buffer saves a trip to memory)."""
+    return _scratch(slot, like.numel(), like.dtype, like.device).view(like.shape)
+
+
+def _words_into(slot: str, mask: Tensor, iw: torch.dtype) -> Tensor:
+    """:func:`_words` of ``mask`` into a scratch tensor (a temporary of the forward)."""
+    return _scratch(slot, mask.numel(), iw, mask.device).view(mask.shape).copy_(
+        -mask.view(torch.int8))
+
+
+def _valid_sum_(x: Tensor, valid_bits: Tensor, valid: Tensor) -> Tensor:
+    """:func:`_valid_sum` that may zero ``x``'s padding in place (a scratch temporary)."""
+    if x.dtype != torch.float32:
+        return _valid_sum(x, valid_bits, valid)
+    x.view(torch.int32).bitwise_and_(valid_bits)
+    return x.sum(dtype=torch.float64)
 
 
 def _words(mask: Tensor, iw: torch.dtype) -> Tensor:
