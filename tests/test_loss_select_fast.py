@@ -5,6 +5,7 @@ item 4). Layout invariance across DP/micro-batch splits is tested in ``test_loss
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_rl.loss import LossConfig, ReductionContext, select_cov_tokens
@@ -442,3 +443,42 @@ def test_in_place_finaliser_paths_equal_the_int64_reference():
         strided = fmix32_i32_(h, torch.empty_like(h), premixed=premixed)
         assert not h.is_contiguous()
         assert torch.equal(contiguous, want) and torch.equal(strided, want), premixed
+
+
+def test_numpy_and_torch_kernels_give_the_same_selection_loss_and_gradient(monkeypatch):
+    """On CPU the comparisons, bit-equality tests and counts run through numpy; elsewhere
+    through torch. Forcing the torch kernels on CPU (as on an accelerator) changes no selected
+    token, no loss bit, no gradient value and no metric."""
+    from megatron_rl.loss import LossInputs, masking
+    from megatron_rl.loss.cov import clip_cov_token_loss, kl_cov_token_loss
+
+    logp0, old, adv, mask, sel, _, _ = _edge_inputs(4)
+    g = torch.Generator().manual_seed(17)
+    masks = [torch.arange(50)[None] < torch.randint(1, 51, (4, 1), generator=g) for _ in range(3)]
+    lp = [-torch.rand(4, 50, generator=g) * 3 for _ in range(3)]
+    olds = [x + torch.randn(4, 50, generator=g) * 0.3 for x in lp]
+    advs = [torch.randn(4, 1, generator=g).expand(4, 50) for _ in range(3)]
+
+    def run():
+        out = []
+        ctx = ReductionContext.from_minibatch(masks, group=None)
+        for cfg in (LossConfig(policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-5.0),
+                    LossConfig(policy_loss="kl_cov", kl_cov_ratio=0.05)):
+            s = select_cov_tokens(ctx, cfg, lp, olds, advs, masks, step=2)
+            out.append((_flat(s.selected), {k: float(v) for k, v in s.stats.items()}))
+        for fn in (clip_cov_token_loss, kl_cov_token_loss):
+            a = logp0.clone().requires_grad_(True)
+            tok = fn(LossInputs(a, old, adv, mask, cov_selected=sel),
+                     LossConfig(policy_loss="clip_cov", clip_ratio_low=0.2, clip_ratio_high=0.2))
+            tok.loss.sum().backward()
+            out.append((tok.loss.detach().view(torch.int32), a.grad,
+                        {k: (float(v.value), float(v.weight)) for k, v in tok.stats.items()}))
+        return out
+
+    fast = run()
+    monkeypatch.setattr(masking, "_host_array", lambda x: None)
+    slow = run()
+    for (s1, m1), (s2, m2) in zip(fast[:2], slow[:2]):
+        assert s1.sum() > 0 and torch.equal(s1, s2) and m1 == pytest.approx(m2, rel=1e-12)
+    for (l1, g1, m1), (l2, g2, m2) in zip(fast[2:], slow[2:]):
+        assert torch.equal(l1, l2) and _same_values(g1, g2) and m1 == m2
