@@ -70,8 +70,8 @@ def same_bits(a: Tensor, b: Tensor) -> Tensor:
     arr, other = _host_array(ai), _host_array(bi)
     if arr is None or other is None:
         return ai == bi
-    out = torch.empty(a.shape, dtype=torch.bool)
-    np.equal(arr, other, out=out.numpy())  # numpy's compare: faster on CPU, the same result
+    out = torch.empty(a.shape, dtype=torch.bool, device=a.device)
+    np.equal(arr, other, out=_host_array(out))  # numpy's compare: faster on CPU, the same result
     return out
 
 
@@ -99,7 +99,7 @@ def _host_array(x: Tensor):
     has no type for (bfloat16)."""
     if x.device.type != "cpu" or x.dtype == torch.bfloat16:
         return None
-    return x.detach().numpy()
+    return x.detach().numpy()  # device-spy: ok (CPU tensors only: no device to sync with)
 
 
 def count_true(mask: Tensor) -> Tensor:
@@ -108,7 +108,7 @@ def count_true(mask: Tensor) -> Tensor:
     torch's)."""
     arr = _host_array(mask)
     if arr is not None:
-        return torch.tensor(int(np.count_nonzero(arr)), dtype=torch.int64)
+        return torch.tensor(int(np.count_nonzero(arr)), dtype=torch.int64, device=mask.device)
     return torch.count_nonzero(mask)
 
 
@@ -117,7 +117,8 @@ def counts_f64(*masks: Tensor) -> Tensor:
     :func:`count_true`), on the masks' device."""
     arrs = [_host_array(m) for m in masks]
     if all(a is not None for a in arrs):
-        return torch.tensor([float(np.count_nonzero(a)) for a in arrs], dtype=torch.float64)
+        return torch.tensor([float(np.count_nonzero(a)) for a in arrs], dtype=torch.float64,
+                            device=masks[0].device)
     return torch.stack([torch.count_nonzero(m) for m in masks]).to(torch.float64)
 
 
@@ -134,7 +135,7 @@ def compare(op: str, a: Tensor, b: Tensor | float, out: Tensor | None = None) ->
     if arr is None or (isinstance(b, Tensor) and (b.device.type != "cpu" or b.shape != a.shape)):
         return torch_op(a, b, out=out) if out is not None else torch_op(a, b)
     if out is None:
-        out = torch.empty(a.shape, dtype=torch.bool)
+        out = torch.empty(a.shape, dtype=torch.bool, device=a.device)
     other = _host_array(b) if isinstance(b, Tensor) else np.asarray(b, dtype=arr.dtype)
-    np_op(arr, other, out=out.numpy())
+    np_op(arr, other, out=_host_array(out))
     return out

@@ -306,7 +306,7 @@ def _fmix32_numpy_(h: Tensor, tmp: Tensor, premixed: bool,
     fewer passes over the data)."""
     import numpy as np
 
-    hv, tv = h.numpy().view(np.uint32), tmp.numpy().view(np.uint32)
+    hv, tv = h.numpy().view(np.uint32), tmp.numpy().view(np.uint32)  # device-spy: ok (CPU only)
     for j, (shift, _, mul) in enumerate(steps):
         if not (premixed and j == 0):
             np.right_shift(hv, np.uint32(shift), out=tv)
