@@ -99,7 +99,9 @@ def _host_array(x: Tensor):
     has no type for (bfloat16)."""
     if x.device.type != "cpu" or x.dtype == torch.bfloat16:
         return None
-    return x.detach().numpy()  # device-spy: ok (CPU tensors only: no device to sync with)
+    if x.requires_grad:
+        x = x.detach()
+    return x.numpy()  # device-spy: ok (CPU tensors only: no device to sync with)
 
 
 def count_true(mask: Tensor) -> Tensor:
