@@ -40,6 +40,7 @@ from megatron_rl.loss.masking import (
     counts_f64,
     mask_bits,
     masked_zero,
+    mul_mask_,
     same_bits,
     zero_where_not,
 )
@@ -321,7 +322,7 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         seed = (int(cfg.cov_seed) + int(salt) * 0x9E3779B1) & 0xFFFFFFFF
         _flat_hash_into(high, _scratch("i32_t", n, i32, device), seed, step, ctx, ms)
         # inactive: high = INT32_MIN (``active`` tells them from a hash at the minimum)
-        high.mul_(active).bitwise_xor_(_I32_MIN)
+        mul_mask_(high, active).bitwise_xor_(_I32_MIN)
         active_count = _count(active)
         ratio_k = cfg.clip_cov_ratio
         act_p = active_p

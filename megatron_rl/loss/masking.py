@@ -141,3 +141,14 @@ def compare(op: str, a: Tensor, b: Tensor | float, out: Tensor | None = None) ->
     other = _host_array(b) if isinstance(b, Tensor) else np.asarray(b, dtype=arr.dtype)
     np_op(arr, other, out=_host_array(out))
     return out
+
+
+def mul_mask_(x: Tensor, mask: Tensor) -> Tensor:
+    """``x *= mask`` in place for an integer ``x`` and a bool ``mask`` of its shape (0 where
+    the mask is false). On CPU numpy multiplies by the bool bytes directly; torch first copies
+    the mask into ``x``'s dtype."""
+    xa, ma = _host_array(x), _host_array(mask)
+    if xa is None or ma is None or not x.is_contiguous():
+        return x.mul_(mask)
+    np.multiply(xa, ma, out=xa)
+    return x
