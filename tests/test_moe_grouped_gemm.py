@@ -10,7 +10,7 @@ Transformer Engine is not installable on the CPU box, so the TE path itself runs
 * one 2-rank EP2 job with real SequentialMLP models: their canonical state dict re-keyed into
   grouped names and back loads into a fresh model and gathers bit-exactly; the local names
   :func:`~megatron_rl.models.weights.local_name` makes are the model's own names;
-* load-time errors (dense model, TE missing).
+* load-time errors (dense model, TE missing) and the builder's refusal without TE.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_grouped_names_map_to_canonical_with_ep_offsets():
 def _roundtrip_worker() -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.builder import build_gpt_model, transformer_engine_available
     from megatron_rl.models.config import get_preset
     from megatron_rl.models.weights import (
         _layer_offsets,
@@ -122,6 +122,12 @@ def _roundtrip_worker() -> dict:
 
     runtime.init_parallel(tp=1, pp=1, ep=2, timeout_s=120)
     cfg = get_preset(PRESET)
+    build_error = ""
+    if not transformer_engine_available():  # the builder refuses rather than fall back
+        try:
+            build_gpt_model(cfg.replace(moe_grouped_gemm=True), seed=3)
+        except RuntimeError as exc:
+            build_error = str(exc)
     model = build_gpt_model(cfg, seed=3)
     full = gather_full_state_dict(model)
     offsets = _layer_offsets(model)
@@ -145,7 +151,7 @@ def _roundtrip_worker() -> dict:
            sorted(again) == sorted(full),
            "changed": changed,
            "grouped_experts": sorted(g for g in grouped if is_expert_name(g))[:3],
-           "first": first}
+           "first": first, "te": transformer_engine_available(), "build_error": build_error}
     runtime.shutdown()
     return out
 
@@ -160,18 +166,23 @@ def test_sequential_state_dict_through_grouped_names_is_bit_exact():
         assert r["rebuilt_keys"] == r["full_keys"]
         assert r["changed"] and r["bitexact"]  # the fresh model differed before the load
         assert r["grouped_experts"][0] == "decoder.layers.0.mlp.experts.linear_fc1.weight0"
+        if not r["te"]:
+            assert "model.moe_grouped_gemm=true needs Transformer Engine" in r["build_error"]
 
 
 def test_grouped_gemm_is_checked_at_load():
     from megatron_rl.config.errors import ConfigError
     from megatron_rl.config.load import load_config
-    from megatron_rl.models.builder import transformer_engine_importable
+    from megatron_rl.models.builder import moe_kwargs, transformer_engine_importable
     from megatron_rl.models.config import ModelConfigError, get_preset
 
     with pytest.raises(ConfigError, match=r"model.moe_grouped_gemm=true needs a mixture"):
         load_config(None, ["model.moe_grouped_gemm=true"])
     with pytest.raises(ModelConfigError, match=r"model.moe_grouped_gemm=true needs a mixture"):
         get_preset("tiny").replace(moe_grouped_gemm=True)
+    cfg = get_preset(PRESET)
+    assert moe_kwargs(cfg.replace(moe_grouped_gemm=True), 2)["moe_grouped_gemm"] is True
+    assert moe_kwargs(cfg, 2)["moe_grouped_gemm"] is False
     moe = ["model.preset=tiny-qwen3-moe", "model.moe_grouped_gemm=true"]
     if transformer_engine_importable():
         assert load_config(None, moe).model.moe_grouped_gemm
