@@ -24,6 +24,7 @@ class ModelSection:
     init_weights: str | None = None  # canonical weights (.pt) to start from, e.g. from `sft`
     moe_aux_loss_coeff: float = 0.0  # MoE load-balancing loss (0: off, RL default; docs/moe.md)
     moe_z_loss_coeff: float = 0.0  # MoE router z-loss (0: off, RL default; docs/moe.md)
+    moe_grouped_gemm: bool = False  # MoE experts as TE grouped GEMMs (needs the gpu extra)
 
 
 @dataclass

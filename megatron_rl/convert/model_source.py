@@ -58,20 +58,33 @@ def model_config(model_section) -> ModelConfig:
 
 
 def _with_moe_options(cfg: ModelConfig, model_section) -> ModelConfig:
-    """Apply the run's MoE loss coefficients (``model.moe_aux_loss_coeff``/``moe_z_loss_coeff``;
-    a checkpoint's own pre-training values are not used)."""
+    """Apply the run's MoE options (``model.moe_aux_loss_coeff``/``moe_z_loss_coeff``, a
+    checkpoint's own pre-training values are not used; ``model.moe_grouped_gemm``, which needs
+    Transformer Engine importable here)."""
     from megatron_rl.models.config import ModelConfigError
 
     coeffs = {n: float(getattr(model_section, n, 0.0) or 0.0)
               for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff")}
+    grouped = bool(getattr(model_section, "moe_grouped_gemm", False))
     if not cfg.is_moe:
         for n, v in coeffs.items():
             if v:
                 raise ModelSourceError(f"model.{n}={v} needs a mixture-of-experts model (this "
                                        f"one is {cfg.family}); allowed: 0")
+        if grouped:
+            raise ModelSourceError(f"model.moe_grouped_gemm=true needs a mixture-of-experts "
+                                   f"model (this one is {cfg.family}); allowed: false")
         return cfg
+    if grouped:
+        from megatron_rl.models.builder import transformer_engine_importable
+
+        if not transformer_engine_importable():
+            raise ModelSourceError(
+                "model.moe_grouped_gemm=true needs Transformer Engine (transformer_engine."
+                "pytorch does not import here; install the gpu extra: pip install -e '.[gpu]' "
+                "on a CUDA machine); allowed without it: false (SequentialMLP experts)")
     try:
-        return cfg.replace(**coeffs)
+        return cfg.replace(moe_grouped_gemm=grouped, **coeffs)
     except ModelConfigError as exc:
         raise ModelSourceError(str(exc)) from exc
 

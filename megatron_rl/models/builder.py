@@ -22,15 +22,20 @@ from megatron_rl.models.attention import masked_softmax_extension_available
 from megatron_rl.models.config import ModelConfig, validate_for_layout
 
 
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine can be used (CUDA present and the package importable)."""
-    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+def transformer_engine_importable() -> bool:
+    """True when ``transformer_engine.pytorch`` imports (the gpu extra is installed)."""
+    if importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # noqa: BLE001 - a broken TE install means "not available"
         return False
     return True
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine can be used (CUDA present and the package importable)."""
+    return torch.cuda.is_available() and transformer_engine_importable()
 
 
 def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
@@ -103,7 +108,8 @@ def moe_kwargs(cfg: ModelConfig, ep: int) -> dict[str, Any]:
     function, so it stands for ``norm_topk_prob=True``; ``pre_softmax=True`` (softmax, then top-k
     without renormalising) for ``False``. Tokens travel with the ``alltoall`` dispatcher; no token
     is dropped (no capacity factor). Expert tensor parallelism is 1: experts are split whole over
-    ``expert_parallel_size`` ranks.
+    ``expert_parallel_size`` ranks. ``moe_grouped_gemm`` follows ``cfg.moe_grouped_gemm``
+    (:func:`build_gpt_model` then builds ``TEGroupedMLP`` experts).
     """
     return dict(
         num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,
@@ -114,7 +120,21 @@ def moe_kwargs(cfg: ModelConfig, ep: int) -> dict[str, Any]:
         moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff),
         moe_z_loss_coeff=float(cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff > 0 else None,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False)
+        moe_grouped_gemm=cfg.moe_grouped_gemm, moe_permute_fusion=False, moe_router_fusion=False)
+
+
+def _check_grouped_experts(model: torch.nn.Module) -> None:
+    """With ``moe_grouped_gemm`` every MoE layer must hold ``TEGroupedMLP`` experts: an old TE
+    without ``GroupedLinear`` makes megatron fall back to the legacy ``GroupedMLP``
+    (transformer_engine_spec_provider.py:73-78), whose ``weight1``/``weight2`` tensors
+    (``[H, E*2*ffn]``) models/weights.py does not map."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts") and not isinstance(module, TEGroupedMLP):
+            raise RuntimeError(f"model.moe_grouped_gemm=true built {type(module).__name__} at "
+                               f"{name} (needs TEGroupedMLP: Transformer Engine >= 1.7 with "
+                               "GroupedLinear); allowed with this TE: false")
 
 
 class _HiddenStatesMixin:
@@ -149,12 +169,20 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         torch.manual_seed(seed)
     tcfg = make_transformer_config(cfg, params_dtype, **config_overrides)
     use_te = transformer_engine_available() if use_te is None else use_te
+    if cfg.moe_grouped_gemm and not (use_te and transformer_engine_available()):
+        raise RuntimeError(
+            "model.moe_grouped_gemm=true needs Transformer Engine on a CUDA machine (the gpu "
+            "extra: pip install -e '.[gpu]'); allowed without it: false")
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
+        # moe_grouped_gemm=True: TESpecProvider.grouped_mlp_modules (megatron-core 0.16.1
+        # extensions/transformer_engine_spec_provider.py:61-73) picks TEGroupedMLP with
+        # TEColumn/RowParallelGroupedLinear (transformer/moe/experts.py:512), reached through
+        # gpt_layer_specs.py:171-228 -> get_moe_module_spec_for_backend (moe_module_specs.py:32).
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=cfg.num_experts or None, moe_grouped_gemm=False,
+            num_experts=cfg.num_experts or None, moe_grouped_gemm=cfg.moe_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm)
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -176,6 +204,8 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta))
     model.model_config = cfg
+    if cfg.moe_grouped_gemm:
+        _check_grouped_experts(model)
     if cfg.is_moe:
         from megatron_rl.models.weights import mark_expert_params
 

@@ -45,6 +45,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (RL default: off)
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient (RL default: off)
+    # Experts as Transformer Engine grouped GEMMs (megatron-core TEGroupedMLP) instead of one MLP
+    # per expert (SequentialMLP); same canonical weights (models/weights.py). Needs TE + CUDA.
+    moe_grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
         validate_model_config(self)
@@ -133,6 +136,10 @@ def validate_model_config(cfg: ModelConfig) -> None:
 
 def _validate_moe(cfg: ModelConfig) -> None:
     moe_family = cfg.family in MOE_FAMILIES
+    if cfg.moe_grouped_gemm and not moe_family:
+        raise ModelConfigError(
+            f"model.moe_grouped_gemm=true needs a mixture-of-experts model (model.family in "
+            f"{MOE_FAMILIES}); this one is {cfg.family!r}: set model.moe_grouped_gemm=false")
     if moe_family != (cfg.num_experts > 0):
         raise ModelConfigError(
             f"model.num_experts={cfg.num_experts} does not fit model.family={cfg.family!r}: "

@@ -16,7 +16,10 @@ The canonical state dict is layout-free:
   ``decoder.layers.L.mlp.experts.local_experts.e.*`` with the **global** expert id ``e`` (an
   expert-parallel rank holds experts ``ep_rank * E/EP ...``); experts are never split by tensor
   parallelism (expert tensor parallel size 1). The router is ``decoder.layers.L.mlp.router.weight``
-  ``[E, H]``.
+  ``[E, H]``. With grouped-GEMM experts (``model.moe_grouped_gemm``, megatron-core's
+  ``TEGroupedMLP``) a layer holds local expert slot ``i`` as ``mlp.experts.linear_fc1.weight{i}`` /
+  ``mlp.experts.linear_fc2.weight{i}``; :func:`expert_rest` maps both spellings onto the canonical
+  one (and :func:`local_name` back), with the same tensor layout (``[gate; up]``, ``[H, ffn]``).
 
 This is what lets the same weights run at TP1xPP1, TP2xPP2 or TP4 without re-initialising.
 """
@@ -32,6 +35,17 @@ import torch.distributed as dist
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# megatron-core 0.16.1 transformer/moe/experts.py:512-575 (TEGroupedMLP.__init__) builds
+# ``linear_fc1``/``linear_fc2`` as TEColumn/RowParallelGroupedLinear (extensions/
+# transformer_engine.py:1459-1550, 1809-1900), subclasses of TE's ``GroupedLinear``, which registers
+# one parameter per GEMM: ``weight{i}`` (``bias{i}`` with add_bias_linear) and one
+# ``_extra_state`` per module (``_extra_state{i}`` appear only in sharded_state_dict keys,
+# transformer_engine.py:1780).
+_GROUPED_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_PACKED_RE = re.compile(r"^mlp\.experts\.linear_fc[12]\.(weight|bias)$")
+_ANY_EXPERT_RE = re.compile(
+    r"\.mlp\.experts\.(local_experts\.\d+\.|linear_fc[12]\.(weight|bias)\d+$)")
+_EXTRA_STATE_RE = re.compile(r"(^|\.)_extra_state\d*$")
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -50,26 +64,76 @@ def _layer_offsets(model: torch.nn.Module) -> dict[int, int]:
     return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
 
 
+def expert_rest(rest: str, shift: int, grouped: bool = False) -> str | None:
+    """The one translation of a routed expert's in-layer tensor name (``rest`` follows
+    ``decoder.layers.L.``); None when ``rest`` is not a routed expert's tensor.
+
+    ``rest`` is either spelling: ``mlp.experts.local_experts.{i}.linear_fc1.weight``
+    (SequentialMLP and canonical) or ``mlp.experts.linear_fc1.weight{i}`` (TEGroupedMLP). The
+    result names expert ``i + shift`` in the SequentialMLP/canonical spelling, or with
+    ``grouped`` in the TEGroupedMLP one. Local -> canonical: ``shift`` = this rank's first global
+    expert id; canonical -> local: minus that."""
+    e = _EXPERT_RE.match(rest)
+    if e:
+        idx, fc, kind = int(e.group(1)), *e.group(2).rsplit(".", 1)
+    else:
+        g = _GROUPED_RE.match(rest)
+        if not g:
+            return None
+        fc, kind, idx = g.group(1), g.group(2), int(g.group(3))
+    idx += shift
+    if idx < 0:
+        raise WeightsError(f"expert tensor {rest!r} shifted by {shift} has a negative id")
+    if grouped:
+        return f"mlp.experts.{fc}.{kind}{idx}"
+    return f"mlp.experts.local_experts.{idx}.{fc}.{kind}"
+
+
 def canonical_name(local_name: str, offsets: Mapping[int, int],
                    expert_offset: int = 0) -> str | None:
     """Canonical name of a local parameter name; None for parameters that are not stored
     (``_extra_state`` entries). ``expert_offset``: global id of this rank's first local expert."""
-    if local_name.endswith("_extra_state"):
+    if _EXTRA_STATE_RE.search(local_name):
         return None
     m = _LAYER_RE.match(local_name)
     if not m:
         return local_name
     idx, rest = int(m.group(1)), m.group(2)
     rest = _TE_TO_LOCAL.get(rest, rest)
-    e = _EXPERT_RE.match(rest)
-    if e:
-        rest = f"mlp.experts.local_experts.{expert_offset + int(e.group(1))}.{e.group(2)}"
+    if _PACKED_RE.match(rest):
+        raise WeightsError(f"{local_name}: one packed tensor for all local experts (Transformer "
+                           "Engine's single_grouped_parameter) is not supported; grouped-GEMM "
+                           "experts must expose one weight{i} per expert")
+    rest = expert_rest(rest, expert_offset) or rest
     return f"decoder.layers.{offsets[idx]}.{rest}"
 
 
+def local_name(name: str, offsets: Mapping[int, int], expert_offset: int = 0,
+               num_local_experts: int | None = None, grouped: bool = False) -> str | None:
+    """Inverse of :func:`canonical_name` for the local spec (norms keep their local names): the
+    parameter name of canonical ``name`` on a rank whose stage holds ``offsets`` (local -> global
+    layer) and experts ``expert_offset ...`` (+ ``num_local_experts``); ``grouped`` for
+    TEGroupedMLP names. None when the tensor is not on this rank."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    local = {g: i for i, g in offsets.items()}.get(int(m.group(1)))
+    if local is None:
+        return None
+    rest = m.group(2)
+    e = _EXPERT_RE.match(rest)
+    if e:
+        slot = int(e.group(1)) - expert_offset
+        if slot < 0 or (num_local_experts is not None and slot >= num_local_experts):
+            return None
+        rest = expert_rest(rest, -expert_offset, grouped)
+    return f"decoder.layers.{local}.{rest}"
+
+
 def is_expert_name(name: str) -> bool:
-    """Whether a (local or canonical) parameter name is a routed expert's."""
-    return ".mlp.experts.local_experts." in name
+    """Whether a (local or canonical, SequentialMLP or TEGroupedMLP) parameter name is a routed
+    expert's."""
+    return bool(_ANY_EXPERT_RE.search(name))
 
 
 def expert_id(name: str) -> int | None:
