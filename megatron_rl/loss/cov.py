@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.loss import masking
 from megatron_rl.loss.common import log_ratio, ppo_kl_stat
 from megatron_rl.loss.context import ReductionContext, as_list
 from megatron_rl.loss.masking import (
@@ -552,10 +553,6 @@ def _valid_sum(x: Tensor, valid_bits: Tensor, valid: Tensor) -> Tensor:
     return zero_where_not(x, valid_bits).sum(dtype=torch.float64)
 
 
-def _counts(valid: Tensor, *masks: Tensor) -> Tensor:
-    """fp64 ``[1 + len(masks)]``: the valid count, then each mask's count of valid tokens."""
-    rows = torch.stack([valid] + [m & valid for m in masks])
-    return rows.view(len(masks) + 1, -1).sum(1).double()
 
 
 class _ClipCovLoss(torch.autograd.Function):
@@ -578,21 +575,17 @@ class _ClipCovLoss(torch.autograd.Function):
         loss1 = torch.mul(na, ratio, out=_tmp("cc_l1", logp))
         clamped = torch.clamp(ratio, lo, hi, out=_tmp("cc_c", logp))
         loss2 = torch.mul(na, clamped, out=_tmp("cc_l2", logp))
-        clipped = compare("gt", loss2, loss1)  # maximum's backward: loss1 gets no gradient here
-        valid, sel = valid.contiguous(), sel.contiguous()
-        keep = valid & ~sel
         iw = _INT_OF[logp.dtype]
         grad = ctx.needs_input_grad[0]
-        bools = [valid, keep] + ([keep & ~clipped] if grad else [])
-        words = _words_into("cc_w", torch.stack(bools), iw)  # -1 / 0 words of every mask
+        m = _clip_masks(loss1, loss2, clamped, ratio, valid.contiguous(), sel.contiguous(), grad)
+        words = _words_into("cc_w", m.stacked, iw)  # -1 / 0 words of valid, keep (and kc)
         loss = torch.maximum(loss1, loss2)
         loss.view(iw).bitwise_and_(words[1])
         # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel, clipped
-        stats = torch.cat([_valid_sum_(lr, words[0], valid).neg().view(1),
-                           counts_f64(valid, sel & valid, clipped & valid)])
+        stats = torch.cat([_valid_sum_(lr, words[0], valid).neg().view(1), m.counts])
         if grad:
-            ctx.save_for_backward(_clip_grad_weight(loss1, loss2, clamped, ratio, na,
-                                                    bools[2], words[2]), ratio)
+            w = (na.view(iw) & words[2]).view(na.dtype)
+            ctx.save_for_backward(w.mul_(m.factor), ratio)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
@@ -606,39 +599,89 @@ class _ClipCovLoss(torch.autograd.Function):
         return (grad * w) * ratio, None, None, None, None, None, None
 
 
-def _clip_grad_weight(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tensor, na: Tensor,
-                      kc: Tensor, kc_words: Tensor) -> Tensor:
-    """Per-token ``w`` such that ``(g w) r`` is autograd's gradient of the PPO-clip loss w.r.t.
-    ``logp`` for the upstream gradient ``g``; ``kc``: kept and not clipped (bool; ``kc_words``:
-    its :func:`mask_bits` in the integer type of ``na``'s width).
+@dataclass
+class _ClipMasks:
+    """The bool work of one Clip-Cov forward (see :func:`_clip_masks`)."""
 
-    Autograd's chain: ``maximum`` gives ``g`` to the larger side, ``g / 2`` to each on a tie,
-    nothing to the smaller; each side times ``-A``; ``clamp`` passes its side's share inside
-    the bounds only; the two shares add up; times ``r``. So a clipped or masked token gets 0; a
-    kept one inside the bounds gets ``2 ((g / 2) (-A)) = g (-A)`` (both sides tie and pass);
-    outside the bounds only the unclamped side passes: ``g (-A)``, or ``(g / 2) (-A)`` on a
-    tie. Halving is exact, so ``w = -A`` or ``-A / 2`` gives the same products. Equal values to
-    autograd's, except that a zero may carry the other sign and a non-finite upstream gradient
-    reaches masked tokens (exact for finite ``g`` and ``|A| >= 2**-125``)."""
-    # a tie outside the bounds (inside them the two sides are the same product: a tie);
-    # ``==`` on the bits: it differs from the float one only where a side is NaN
-    iw = _INT_OF[na.dtype]
-    half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
-    w = (na.contiguous().view(iw) & kc_words).view(na.dtype)
-    factor = _tmp("cc_f", w).copy_(half)
-    return w.mul_(factor.mul_(-0.5).add_(1.0))  # 0.5 on those ties, else 1
+    stacked: Tensor  # bool [2 or 3, B, T]: valid, keep = valid & ~sel (and kc = keep & ~clipped)
+    counts: Tensor  # fp64 [3]: #valid, #(sel & valid), #(clipped & valid)
+    factor: Tensor | None  # fp32 [B, T]: 0.5 on kept ties outside the bounds, else 1 (grad only)
 
 
-def _tmp(slot: str, like: Tensor) -> Tensor:
-    """A scratch tensor of ``like``'s shape, dtype and device for a temporary of a fused loss's
-    forward (see :func:`_scratch`: reused on CPU, where a warm buffer saves a trip to memory)."""
-    return _scratch(slot, like.numel(), like.dtype, like.device).view(like.shape)
+def _clip_masks(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tensor, valid: Tensor,
+                sel: Tensor, grad: bool) -> _ClipMasks:
+    """The masks, counts and gradient factor of the PPO-clip loss ``max(loss1, loss2)``
+    (``loss_i = -A r_i``, ``r_1 = r``, ``r_2 = clamp(r)``); one numpy pass per mask on CPU (the
+    same IEEE comparisons, several times cheaper than torch's bool kernels there), torch ops
+    elsewhere.
+
+    The gradient (see :meth:`_ClipCovLoss.backward`) is ``(g w) r`` with ``w = -A * factor`` on
+    the kept, unclipped tokens ``kc`` and 0 elsewhere. Autograd's chain: ``maximum`` gives ``g``
+    to the larger side, ``g / 2`` to each on a tie, nothing to the smaller; each side times
+    ``-A``; ``clamp`` passes its side's share inside the bounds only; the shares add up; times
+    ``r``. So a clipped or masked token gets 0; a kept one inside the bounds gets
+    ``2 ((g / 2) (-A)) = g (-A)`` (both sides tie and pass); outside the bounds only the
+    unclamped side passes: ``g (-A)``, or ``(g / 2) (-A)`` on a tie (factor 0.5). Halving is
+    exact, so the products are autograd's values, except that a zero may carry the other sign
+    and a non-finite upstream gradient reaches masked tokens (exact for finite ``g`` and
+    ``|A| >= 2**-125``). Ties are compared as bits (``==`` differs only where a side is NaN);
+    inside the bounds the two sides are the same product, so ``tie ^ inside`` is a tie outside.
+    """
+    host = [masking.host_array(x) for x in (loss1, loss2, clamped, ratio, valid, sel)]
+    if all(h is not None for h in host):
+        import numpy as np
+
+        l1, l2, c, r, v, s = host
+        clipped = np.greater(l2, l1)  # maximum's backward: loss1 gets no gradient here
+        keep = v & ~s
+        masks = [v, keep]
+        factor = None
+        if grad:
+            kc = keep & ~clipped
+            masks.append(kc)
+            iw = _NP_INT[l1.dtype.itemsize]
+            half = (np.equal(l1.view(iw), l2.view(iw)) ^ np.equal(c.view(iw), r.view(iw))) & kc
+            f = half.astype(l1.dtype)
+            factor = torch.from_numpy(np.add(np.multiply(f, -0.5, out=f), 1.0, out=f))
+        counts = torch.tensor([float(np.count_nonzero(v)), float(np.count_nonzero(s & v)),
+                               float(np.count_nonzero(clipped & v))], dtype=torch.float64,
+                              device=loss1.device)
+        return _ClipMasks(torch.from_numpy(np.stack(masks)), counts, factor)
+    clipped = loss2 > loss1
+    keep = valid & ~sel
+    masks = [valid, keep]
+    factor = None
+    if grad:
+        kc = keep & ~clipped
+        masks.append(kc)
+        half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
+        factor = torch.add(1.0, half.to(loss1.dtype), alpha=-0.5)
+    return _ClipMasks(torch.stack(masks), counts_f64(valid, sel & valid, clipped & valid), factor)
+
+
+_NP_INT = {8: "int64", 4: "int32", 2: "int16"}
+
+
+_TMP: dict[str, Tensor] = {}
+
+
+def _tmp(slot: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A scratch tensor of ``like``'s shape and device (and dtype, unless given) for a temporary
+    of a fused loss's forward (see :func:`_scratch`: reused on CPU, where a warm buffer saves a
+    trip to memory; the last shaped view per slot is kept, as micro-batches mostly repeat their
+    shape). Elsewhere a new tensor."""
+    dtype = like.dtype if dtype is None else dtype
+    if like.device.type != "cpu":
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
+    have = _TMP.get(slot)
+    if have is None or have.shape != like.shape or have.dtype != dtype:
+        have = _TMP[slot] = _scratch(slot, like.numel(), dtype, like.device).view(like.shape)
+    return have
 
 
 def _words_into(slot: str, mask: Tensor, iw: torch.dtype) -> Tensor:
     """:func:`_words` of ``mask`` into a scratch tensor (a temporary of the forward)."""
-    return _scratch(slot, mask.numel(), iw, mask.device).view(mask.shape).copy_(
-        -mask.view(torch.int8))
+    return _tmp(slot, mask, iw).copy_(-mask.view(torch.int8))
 
 
 def _valid_sum_(x: Tensor, valid_bits: Tensor, valid: Tensor) -> Tensor:
@@ -654,11 +697,6 @@ def _words(mask: Tensor, iw: torch.dtype) -> Tensor:
     return (-mask.view(torch.int8)).to(iw)
 
 
-def _valid_counts(valid: Tensor, *masks: Tensor) -> Tensor:
-    """fp64 ``[1 + len(masks)]``: the valid count, then each mask's count of valid tokens
-    (byte sums, int32 accumulators)."""
-    parts = [valid] + [m & valid for m in masks]
-    return torch.stack([p.view(torch.uint8).sum(dtype=torch.int32) for p in parts]).double()
 
 
 def clip_cov_token_loss(inp: LossInputs, cfg: LossParams) -> TokenLoss:

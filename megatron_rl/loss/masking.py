@@ -67,11 +67,11 @@ def same_bits(a: Tensor, b: Tensor) -> Tensor:
     compare, about half the cost of the float one on CPU."""
     a, b = a.contiguous(), b.contiguous()
     ai, bi = a.view(_INT_OF[a.dtype]), b.view(_INT_OF[b.dtype])
-    arr, other = _host_array(ai), _host_array(bi)
+    arr, other = host_array(ai), host_array(bi)
     if arr is None or other is None:
         return ai == bi
     out = torch.empty(a.shape, dtype=torch.bool, device=a.device)
-    np.equal(arr, other, out=_host_array(out))  # numpy's compare: faster on CPU, the same result
+    np.equal(arr, other, out=host_array(out))  # numpy's compare: faster on CPU, the same result
     return out
 
 
@@ -94,7 +94,7 @@ def adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None
     return first.detach().as_strided((n,), (1,))
 
 
-def _host_array(x: Tensor):
+def host_array(x: Tensor):  # noqa: ANN201 (numpy array or None)
     """numpy view of a CPU tensor (shared memory); None for other devices and for dtypes numpy
     has no type for (bfloat16)."""
     if x.device.type != "cpu" or x.dtype == torch.bfloat16:
@@ -108,7 +108,7 @@ def count_true(mask: Tensor) -> Tensor:
     """int64 0-dim number of true entries of a bool ``mask``, on ``mask``'s device (no host
     sync on an accelerator; on CPU numpy's ``count_nonzero``, several times faster than
     torch's)."""
-    arr = _host_array(mask)
+    arr = host_array(mask)
     if arr is not None:
         return torch.tensor(int(np.count_nonzero(arr)), dtype=torch.int64, device=mask.device)
     return torch.count_nonzero(mask)
@@ -117,7 +117,7 @@ def count_true(mask: Tensor) -> Tensor:
 def counts_f64(*masks: Tensor) -> Tensor:
     """fp64 ``[len(masks)]``: the number of true entries of each bool mask (see
     :func:`count_true`), on the masks' device."""
-    arrs = [_host_array(m) for m in masks]
+    arrs = [host_array(m) for m in masks]
     if all(a is not None for a in arrs):
         return torch.tensor([float(np.count_nonzero(a)) for a in arrs], dtype=torch.float64,
                             device=masks[0].device)
@@ -133,13 +133,13 @@ def compare(op: str, a: Tensor, b: Tensor | float, out: Tensor | None = None) ->
     comparison (the same IEEE result, several times faster than torch's bool-output
     kernels), elsewhere torch's."""
     torch_op, np_op = _COMPARE[op]
-    arr = _host_array(a)
+    arr = host_array(a)
     if arr is None or (isinstance(b, Tensor) and (b.device.type != "cpu" or b.shape != a.shape)):
         return torch_op(a, b, out=out) if out is not None else torch_op(a, b)
     if out is None:
         out = torch.empty(a.shape, dtype=torch.bool, device=a.device)
-    other = _host_array(b) if isinstance(b, Tensor) else np.asarray(b, dtype=arr.dtype)
-    np_op(arr, other, out=_host_array(out))
+    other = host_array(b) if isinstance(b, Tensor) else np.asarray(b, dtype=arr.dtype)
+    np_op(arr, other, out=host_array(out))
     return out
 
 
@@ -147,7 +147,7 @@ def mul_mask_(x: Tensor, mask: Tensor) -> Tensor:
     """``x *= mask`` in place for an integer ``x`` and a bool ``mask`` of its shape (0 where
     the mask is false). On CPU numpy multiplies by the bool bytes directly; torch first copies
     the mask into ``x``'s dtype."""
-    xa, ma = _host_array(x), _host_array(mask)
+    xa, ma = host_array(x), host_array(mask)
     if xa is None or ma is None or not x.is_contiguous():
         return x.mul_(mask)
     np.multiply(xa, ma, out=xa)
