@@ -735,24 +735,29 @@ class _KLCovLoss(torch.autograd.Function):
     def forward(ctx, logp: Tensor, old_logp: Tensor, adv: Tensor, sel: Tensor, valid: Tensor,
                 coef: float) -> tuple[Tensor, Tensor]:  # noqa: D102
         ctx.set_materialize_grads(False)
-        lr = logp - old_logp
+        # temporaries that do not leave the forward live in scratch buffers (warm in cache)
+        lr = torch.sub(logp, old_logp, out=_tmp("kl_lr", logp))
         e = torch.exp(lr)
-        na = -adv
-        abs_lr = lr.abs()
+        na = torch.neg(adv, out=_tmp("kl_na", logp))
+        abs_lr = torch.abs(lr, out=_tmp("kl_abs", logp))
         valid, sel = valid.contiguous(), sel.contiguous()
         iw = _INT_OF[logp.dtype]
-        sel_bits, valid_bits = _words(sel, iw), _words(valid, iw)
-        loss = zero_where_not(na * e + zero_where_not(coef * abs_lr, sel_bits), valid_bits)
-        # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel
         sv = sel & valid
-        stats = torch.cat([torch.stack([-_valid_sum(lr, valid_bits, valid),
-                                        _valid_sum(abs_lr, valid_bits, valid)]),
-                           counts_f64(valid, sv)])
+        sel_bits, valid_bits, sv_bits = _words_into("kl_w", torch.stack([sel, valid, sv]), iw)
+        pen = torch.mul(abs_lr, coef, out=_tmp("kl_pen", logp))
+        pen.view(iw).bitwise_and_(sel_bits)
+        loss = torch.mul(na, e).add_(pen)
+        loss.view(iw).bitwise_and_(valid_bits)
         if ctx.needs_input_grad[0]:
             # the gradient's per-token factors: -A on the valid tokens, coef * sign(lr) on the
             # selected ones (0 elsewhere)
-            ctx.save_for_backward(zero_where_not(na, valid_bits), e,
-                                  zero_where_not(lr.sgn() * coef, _words(sv, iw)))
+            g_pen = torch.sgn(lr).mul_(coef)
+            g_pen.view(iw).bitwise_and_(sv_bits)
+            ctx.save_for_backward(zero_where_not(na, valid_bits), e, g_pen)
+        # sum(old - logp) = -sum(lr) exactly (negation is exact); counts: valid, sel
+        stats = torch.cat([torch.stack([_valid_sum_(lr, valid_bits, valid).neg(),
+                                        _valid_sum_(abs_lr, valid_bits, valid)]),
+                           counts_f64(valid, sv)])
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
