@@ -177,10 +177,35 @@ def global_step(mbs, cfg, lib=None, group=None):
     acc.reduce(ctx)
 
 
-def load_baseline(root: str):
+class Baseline:
+    """``megatron_rl.loss`` of another checkout (``lib``) and that checkout's modules
+    (``modules``): its code resolves some names at call time (the package's lazy attributes,
+    the loss registry's ``module:function`` entries), so :meth:`active` puts its modules in
+    ``sys.modules`` while it runs (a few dict updates, negligible next to a mini-batch)."""
+
+    def __init__(self, lib, modules: dict) -> None:
+        self.lib, self.modules = lib, modules
+
+    @contextlib.contextmanager
+    def active(self):
+        saved = {k: sys.modules.get(k) for k in self.modules}
+        sys.modules.update(self.modules)
+        try:
+            yield self.lib
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+
+
+def load_baseline(root: str) -> Baseline:
     """``megatron_rl.loss`` of another checkout ``root`` (e.g. ``git worktree add /tmp/base
-    <commit>``), imported beside this one's for a side-by-side timing."""
+    <commit>``), imported beside this one's for a side-by-side timing, with every module of its
+    ``loss`` package loaded."""
     import importlib
+    import pkgutil
 
     def ours(k: str) -> bool:
         return k == "megatron_rl" or k.startswith("megatron_rl.")
@@ -191,12 +216,23 @@ def load_baseline(root: str):
     sys.path.insert(0, str(pathlib.Path(root).resolve()))
     try:
         lib = importlib.import_module("megatron_rl.loss")
+        for info in pkgutil.iter_modules(lib.__path__):
+            importlib.import_module(f"megatron_rl.loss.{info.name}")
+        for name in getattr(lib, "__all__", []):
+            getattr(lib, name)
+        modules = {k: v for k, v in sys.modules.items() if ours(k)}
     finally:
         sys.path.pop(0)
         for k in [k for k in sys.modules if ours(k)]:
             del sys.modules[k]
         sys.modules.update(saved)
-    return lib
+    return Baseline(lib, modules)
+
+
+def baseline_step(mbs, cfg, base: Baseline, group=None) -> None:
+    """:func:`global_step` with the baseline checkout's code."""
+    with base.active() as lib:
+        global_step(mbs, cfg, lib, group)
 
 
 def selection_only(mbs, cfg):
@@ -289,8 +325,8 @@ def _dp_worker(dp: int, n_micro: int, repeats: int, clock: str, baseline: str | 
                lambda cfg=cfg, name=name: anchor_step(mbs, cfg, ANCHORS[name], dp=True,
                                                       metrics=False)]
         if base is not None:
-            bcfg = base.LossConfig(**kw)
-            fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base, group="default"))
+            bcfg = base.lib.LossConfig(**kw)
+            fns.append(lambda bcfg=bcfg: baseline_step(mbs, bcfg, base, group="default"))
         out[name] = [t for t, _ in timed_side_by_side(fns, repeats)]
     return out
 
@@ -348,8 +384,8 @@ def main() -> None:
                lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name]),
                lambda cfg=cfg, name=name: anchor_step(mbs, cfg, anchors[name], metrics=False)]
         if base is not None:
-            bcfg = base.LossConfig(**vars(cfg))
-            fns.append(lambda bcfg=bcfg: global_step(mbs, bcfg, base))
+            bcfg = base.lib.LossConfig(**vars(cfg))
+            fns.append(lambda bcfg=bcfg: baseline_step(mbs, bcfg, base))
         res = timed_side_by_side(fns, args.repeats)
         (t_sel, s_sel), (t_g, s_g), (t_a, s_a), (t_n, s_n) = res[:4]
         print(f"{name + ' global selection only':<38}{t_sel * 1e3:>16.1f}{s_sel:>12d}")
