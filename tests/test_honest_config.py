@@ -211,6 +211,14 @@ def test_config_changes_and_breaking_fields():
     assert set(ch) == {"trainer.total_steps", "model.preset", "data.seed", "parallel.dp",
                        "loss.overrides.clip_ratio_high"}
     assert {k for k in ch if is_breaking(k)} == {"model.preset", "data.seed"}
+    # a run written before a field existed: absent there and at its default now is no change,
+    # at another value it is one
+    older = json.loads(json.dumps(a))
+    del older["model"]["moe_grouped_gemm"], older["trainer"]["total_steps"]
+    defaults = type(load_config(None, []))().to_dict()
+    assert config_changes(older, a, defaults) == {}
+    assert set(config_changes(older, a)) == {"model.moe_grouped_gemm", "trainer.total_steps"}
+    assert set(config_changes(older, b, defaults)) == set(ch)
 
 
 def test_write_config_keeps_the_previous_one(tmp_path):

@@ -38,10 +38,15 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
-    """``{field: (old, new)}`` of every field whose value differs (missing on one side: None)."""
+def config_changes(old: dict, new: dict, defaults: dict | None = None
+                   ) -> dict[str, tuple[Any, Any]]:
+    """``{field: (old, new)}`` of every field whose value differs (missing on one side: None).
+    With ``defaults`` (a default config's dict), a field the old config does not have (it was
+    written by a release without that field) is no change while its new value is the default."""
     a, b = flatten(old), flatten(new)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    d = flatten(defaults) if defaults is not None else {}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not (k not in a and k in d and b.get(k) == d[k])}
 
 
 def is_breaking(field: str) -> bool:
@@ -79,7 +84,7 @@ def preflight(cfg, log=print) -> str | None:
         return None
     old = _saved_config(t.output_dir)
     if old is not None:
-        changes = config_changes(old, cfg.to_dict())
+        changes = config_changes(old, cfg.to_dict(), type(cfg)().to_dict())
         breaking = {k: v for k, v in changes.items() if is_breaking(k)}
         if breaking:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in breaking.items())
