@@ -42,7 +42,6 @@ from megatron_rl.loss.masking import (
     mask_bits,
     masked_zero,
     mul_mask_,
-    same_bits,
     zero_where_not,
 )
 from megatron_rl.loss.metrics import mean_stat, ratio_stat
@@ -628,35 +627,34 @@ def _clip_masks(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tensor, va
     inside the bounds the two sides are the same product, so ``tie ^ inside`` is a tie outside.
     """
     host = [masking.host_array(x) for x in (loss1, loss2, clamped, ratio, valid, sel)]
-    if all(h is not None for h in host):
-        import numpy as np
-
+    on_host = all(h is not None for h in host)  # numpy arrays and tensors share the operators
+    if on_host:
         l1, l2, c, r, v, s = host
-        clipped = np.greater(l2, l1)  # maximum's backward: loss1 gets no gradient here
-        keep = v & ~s
-        masks = [v, keep]
-        factor = None
-        if grad:
-            kc = keep & ~clipped
-            masks.append(kc)
-            iw = _NP_INT[l1.dtype.itemsize]
-            half = (np.equal(l1.view(iw), l2.view(iw)) ^ np.equal(c.view(iw), r.view(iw))) & kc
-            f = half.astype(l1.dtype)
-            factor = torch.from_numpy(np.add(np.multiply(f, -0.5, out=f), 1.0, out=f))
-        counts = torch.tensor([float(np.count_nonzero(v)), float(np.count_nonzero(s & v)),
-                               float(np.count_nonzero(clipped & v))], dtype=torch.float64,
-                              device=loss1.device)
-        return _ClipMasks(torch.from_numpy(np.stack(masks)), counts, factor)
-    clipped = loss2 > loss1
-    keep = valid & ~sel
-    masks = [valid, keep]
-    factor = None
+        def bits(x):  # the integer view of a float array (of a tensor below)
+            return x.view(_NP_INT[x.dtype.itemsize])
+    else:
+        l1, l2, c, r, v, s = loss1, loss2, clamped, ratio, valid, sel
+        def bits(x):
+            return x.view(_INT_OF[x.dtype])
+    clipped = l2 > l1  # maximum's backward: loss1 gets no gradient here
+    keep = v & ~s
+    masks, sv, cv = [v, keep], s & v, clipped & v
+    half = None
     if grad:
         kc = keep & ~clipped
         masks.append(kc)
-        half = (same_bits(loss1, loss2) ^ same_bits(clamped, ratio)) & kc
-        factor = torch.add(1.0, half.to(loss1.dtype), alpha=-0.5)
-    return _ClipMasks(torch.stack(masks), counts_f64(valid, sel & valid, clipped & valid), factor)
+        half = ((bits(l1) == bits(l2)) ^ (bits(c) == bits(r))) & kc
+    if on_host:
+        import numpy as np
+
+        counts = torch.tensor([float(np.count_nonzero(x)) for x in (v, sv, cv)],
+                              dtype=torch.float64, device=loss1.device)
+        stacked = torch.from_numpy(np.stack(masks))
+        half = None if half is None else torch.from_numpy(half)
+    else:
+        counts, stacked = counts_f64(v, sv, cv), torch.stack(masks)
+    factor = None if half is None else torch.add(1.0, half.to(loss1.dtype), alpha=-0.5)
+    return _ClipMasks(stacked, counts, factor)
 
 
 _NP_INT = {8: "int64", 4: "int32", 2: "int16"}
