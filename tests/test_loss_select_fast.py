@@ -399,18 +399,24 @@ def test_fused_clip_cov_gradient_on_ties_outside_the_clip_bounds():
     assert (b.grad != 0).all() and _same_values(a.grad, b.grad)
 
 
-def test_count_true_counts_eight_bytes_at_a_time_and_falls_back():
-    """``count_true`` equals the bool sum for word-aligned masks (all true, none, random), for
-    sizes and offsets that are not whole words, and for non-contiguous masks."""
-    from megatron_rl.loss.masking import count_true
+def test_count_true_equals_the_bool_sum_on_both_kernels(monkeypatch):
+    """``count_true`` / ``counts_f64`` equal the bool sum (all true, none, random, odd sizes and
+    offsets, non-contiguous masks) through numpy (CPU) and through torch (other devices)."""
+    from megatron_rl.loss import masking
 
     g = torch.Generator().manual_seed(14)
     base = torch.rand(3 * 8192 + 5, generator=g) < 0.4
     cases = [base[:16384], base[8:16392], base[3:16387], base[:8195], base[:100],
              torch.ones(8192, dtype=torch.bool), torch.zeros(8192, dtype=torch.bool),
              base[:16384].view(128, 128).t()]
-    for m in cases:
-        assert int(count_true(m)) == int(m.sum()), m.shape
+    for torch_kernels in (False, True):
+        if torch_kernels:
+            monkeypatch.setattr(masking, "host_array", lambda x: None)
+        for m in cases:
+            assert int(masking.count_true(m)) == int(m.sum()), (m.shape, torch_kernels)
+        counts = masking.counts_f64(*cases[:3])
+        assert counts.dtype == torch.float64
+        assert counts.tolist() == [float(m.sum()) for m in cases[:3]]
 
 
 def test_global_index_of_candidate_positions_matches_the_full_index():
