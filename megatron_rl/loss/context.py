@@ -233,7 +233,7 @@ def _local_counts(masks: list[Tensor], extra: list[list[Tensor]], device: torch.
         tokens = count_true(every)
         nonempty = every.view(torch.uint8).amax(-1).sum(dtype=torch.int32)
     else:
-        tokens = torch.stack([m.view(torch.uint8).sum(dtype=torch.int32) for m in bools]).sum()
+        tokens = torch.stack([count_true(m) for m in bools]).sum()
         nonempty = torch.stack([m.view(torch.uint8).amax(-1).sum(dtype=torch.int32)
                                 for m in bools]).sum()
     head = [tokens.to(device=device, dtype=torch.int64),

@@ -13,8 +13,9 @@ Per mini-batch, before any micro-batch runs backward:
    ``min(max(floor(clip_cov_ratio * N), 1), #candidates)`` candidates uniformly at random,
    the randomness being a hash of (``cov_seed``, step, global token index);
 3. each micro-batch passes its slice as ``LossInputs.cov_selected`` to the loss below, whose
-   fused forward/backward (:class:`_ClipCovLoss`, :class:`_KLCovLoss`) equal autograd through
-   the plain expressions bit for bit and return their metric sums (``ratio`` records).
+   fused forward/backward (:class:`_ClipCovLoss`, :class:`_KLCovLoss`) give autograd's loss
+   through the plain expressions bit for bit and its gradient in value (a zero may carry the
+   other sign), and return their metric sums (``ratio`` records).
 
 Cost on CPU: the selection concatenates the micro-batches once and runs each step on the flat
 tensors (a few dozen kernels per mini-batch instead of a few dozen per micro-batch), in scratch
@@ -300,7 +301,8 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
                                 out=_scratch("i32_t", n, i32, device))
         _order_bits_into(high, bits)
         vbits.bitwise_not_()  # back to the valid words: the active tokens
-        active_count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
+        one_rank = ctx.group is None or ctx.dp_size == 1
+        active_count = ctx.num_tokens if one_rank else count_true(valid)
         ratio_k = cfg.kl_cov_ratio
         act_p = vbits_p
     else:
@@ -323,7 +325,7 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
         _flat_hash_into(high, _scratch("i32_t", n, i32, device), seed, step, ctx, ms)
         # inactive: high = INT32_MIN (``active`` tells them from a hash at the minimum)
         mul_mask_(high, active).bitwise_xor_(_I32_MIN)
-        active_count = _count(active)
+        active_count = count_true(active)
         ratio_k = cfg.clip_cov_ratio
         act_p = active_p
     sel, top = _word_top(ctx, high_p, act_p, n, ms, cov, active_count, ratio_k)
@@ -336,11 +338,6 @@ def select_cov_tokens(ctx: ReductionContext, cfg: LossParams, stat_logp: TensorL
              f"{name}/selected_frac": (num / num_tok).float(),
              f"{name}/candidate_frac": (top.active.double() / num_tok).float()}
     return CovSelection(_unflat(sel, ms), stats)
-
-
-def _count(mask: Tensor) -> Tensor:
-    """int64 0-dim number of true entries of a flat bool ``mask`` (:func:`count_true`)."""
-    return count_true(mask)
 
 
 def _flat_hash_into(h: Tensor, tmp: Tensor, seed: int, step: int | Tensor,
@@ -510,15 +507,16 @@ def entropy_dynamics_diagnostic(ctx: ReductionContext, logp: TensorList, advanta
     mean_lp, mean_a, batch_cov = _cov_means(ctx, lp_l, adv_l, ms)
     n, device = sum(m.numel() for m in ms), ms[0].device
     valid = torch.cat([m.reshape(-1) for m in ms])
-    vbits = mask_bits(valid, torch.float32)
+    n_pad = -(-n // _BLOCK) * _BLOCK  # whole blocks for _word_top; the tail is inactive
+    vbits = torch.zeros(n_pad, dtype=torch.int32, device=device)
+    vbits[:n] = mask_bits(valid, torch.float32)
     cov = (torch.cat([x.reshape(-1).float() for x in lp_l]) - mean_lp).mul_(
         torch.cat([x.reshape(-1).float() for x in adv_l]) - mean_a)
-    bits = cov.view(torch.int32) | vbits.bitwise_not()  # padding: all-ones bits
-    high = _order_bits_into(torch.empty_like(bits), bits)
-    width = min(max(n, 1), _CHUNK)
-    key = _key_into(high, _rev_index(ctx, ms, n, device) & vbits, -(-n // width), width)
-    count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else _count(valid)
-    _, top = _flat_top(ctx, key, n, cov, count, top_frac)
+    bits = cov.view(torch.int32) | vbits[:n].bitwise_not()  # padding: all-ones bits
+    high = torch.full((n_pad,), _I32_MIN, dtype=torch.int32, device=device)
+    _order_bits_into(high[:n], bits)
+    count = ctx.num_tokens if ctx.group is None or ctx.dp_size == 1 else count_true(valid)
+    _, top = _word_top(ctx, high, vbits, n, ms, cov, count, top_frac)
     num = top.count.double()
     return {"entropy_dynamics/batch_cov": batch_cov.float(),
             "entropy_dynamics/cov_mean_all": batch_cov.float(),
@@ -647,8 +645,7 @@ def _clip_masks(loss1: Tensor, loss2: Tensor, clamped: Tensor, ratio: Tensor, va
     if on_host:
         import numpy as np
 
-        counts = torch.tensor([float(np.count_nonzero(x)) for x in (v, sv, cv)],
-                              dtype=torch.float64, device=loss1.device)
+        counts = counts_f64(*(torch.from_numpy(x) for x in (v, sv, cv)))
         stacked = torch.from_numpy(np.stack(masks))
         half = None if half is None else torch.from_numpy(half)
     else:

@@ -94,7 +94,7 @@ def adjacent_view(xs: list[Tensor], dtype: torch.dtype, n: int) -> Tensor | None
     return first.detach().as_strided((n,), (1,))
 
 
-def host_array(x: Tensor):  # noqa: ANN201 (numpy array or None)
+def host_array(x: Tensor) -> np.ndarray | None:
     """numpy view of a CPU tensor (shared memory); None for other devices and for dtypes numpy
     has no type for (bfloat16)."""
     if x.device.type != "cpu" or x.dtype == torch.bfloat16:
