@@ -103,11 +103,8 @@ def _seq_hash_host(seq: Tensor, seed: int, step: int) -> Tensor:
     import numpy as np
 
     def fmix(h):
-        h = h ^ (h >> np.uint32(16))
-        h = h * np.uint32(0x85EBCA6B)
-        h = h ^ (h >> np.uint32(13))
-        h = h * np.uint32(0xC2B2AE35)
-        return h ^ (h >> np.uint32(16))
+        _fmix32_numpy_(h, np.empty_like(h))
+        return h
 
     v = seq.numpy().astype(np.uint64)
     lo = (v & np.uint64(_M32)).astype(np.uint32)
@@ -286,11 +283,13 @@ def fmix32_i32_(h: Tensor, tmp: Tensor, premixed: bool = False) -> Tensor:
     overwritten): the same bits, no new tensors. ``premixed``: ``h`` already went through the
     first step ``h ^ (h >>> 16)``; that step is linear over XOR, so for ``h = a ^ b`` it can be
     taken on ``a`` and ``b`` apart (see :func:`token_hash_parts_premixed`)."""
-    steps = ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35), (16, 0xFFFF, None))
     if h.device.type == "cpu" and h.is_contiguous() and tmp.is_contiguous():
-        _fmix32_numpy_(h, tmp, premixed, steps)
+        import numpy as np
+
+        _fmix32_numpy_(h.numpy().view(np.uint32), tmp.numpy().view(np.uint32),  # device-spy: ok
+                       premixed)  # (CPU tensors only)
         return h
-    for j, (shift, mask, mul) in enumerate(steps):
+    for j, (shift, mask, mul) in enumerate(_FMIX_STEPS):
         if not (premixed and j == 0):
             torch.bitwise_right_shift(h, shift, out=tmp)
             h.bitwise_xor_(tmp.bitwise_and_(mask))
@@ -299,15 +298,16 @@ def fmix32_i32_(h: Tensor, tmp: Tensor, premixed: bool = False) -> Tensor:
     return h
 
 
-def _fmix32_numpy_(h: Tensor, tmp: Tensor, premixed: bool,
-                   steps: tuple[tuple[int, int, int | None], ...]) -> None:
-    """:func:`fmix32_i32_` on CPU through numpy's ``uint32`` views of ``h`` and ``tmp``: its
-    shifts are logical and its products wrap, so no masking step is needed (the same bits,
-    fewer passes over the data)."""
+_FMIX_STEPS = ((16, 0xFFFF, 0x85EBCA6B), (13, 0x7FFFF, 0xC2B2AE35), (16, 0xFFFF, None))
+
+
+def _fmix32_numpy_(hv, tv, premixed: bool = False) -> None:
+    """The murmur3 finaliser in place on a numpy ``uint32`` array ``hv`` (``tv``: a scratch
+    array of its shape): numpy's shifts are logical and its products wrap, so no masking step is
+    needed (the same bits as the int32 tensor rounds, fewer passes over the data)."""
     import numpy as np
 
-    hv, tv = h.numpy().view(np.uint32), tmp.numpy().view(np.uint32)  # device-spy: ok (CPU only)
-    for j, (shift, _, mul) in enumerate(steps):
+    for j, (shift, _, mul) in enumerate(_FMIX_STEPS):
         if not (premixed and j == 0):
             np.right_shift(hv, np.uint32(shift), out=tv)
             np.bitwise_xor(hv, tv, out=hv)
