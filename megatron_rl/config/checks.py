@@ -181,6 +181,30 @@ def check_token_budget(cfg) -> None:
                      "(row-count micro-batches)")
 
 
+def ratio_one_warning(cfg) -> str | None:
+    """One line when a loss that acts through ``pi/pi_old`` gets one on-policy update per step
+    (its ratio is then 1 at every token: see :mod:`megatron_rl.loss.ratio_one`), else None."""
+    from megatron_rl.loss.ratio_one import acting_at_ratio_one, inert_at_ratio_one, updates_per_step
+
+    rows = cfg.trainer.train_batch_size * cfg.rollout.n
+    if updates_per_step(rows, cfg.actor.mini_batch_size, cfg.actor.ppo_epochs) > 1:
+        return None
+    built = cfg.loss.build()
+    inert = inert_at_ratio_one(built)
+    if not inert:
+        return None
+    acting = acting_at_ratio_one(built)
+    if cfg.loss.algorithm == "skywork_or1":
+        acting.append("the adaptive entropy bonus")
+    still = f" (still acting: {'; '.join(acting)})" if acting else ""
+    return (f"[config] warning: loss.algorithm={cfg.loss.algorithm} with actor.mini_batch_size="
+            f"{cfg.actor.mini_batch_size} and actor.ppo_epochs={cfg.actor.ppo_epochs} takes one "
+            f"on-policy update per step ({rows} responses): pi/pi_old = 1 at every token, so "
+            f"{' and '.join(inert)} never act and the update is a plain policy gradient{still}; "
+            f"set actor.mini_batch_size to a divisor of {rows} below it, or actor.ppo_epochs > 1 "
+            "(docs/algorithms-and-losses.md#on-policy-updates-ratio--1)")
+
+
 # ---- advantages ---
 def check_reinforce_pp(cfg) -> None:
     """``trainer.kl_in_reward_coef`` >= 0 and only used where a KL-in-reward term exists."""

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from megatron_rl.config.checks import as_float, check_run_config
+from megatron_rl.config.checks import as_float, check_run_config, ratio_one_warning
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.overrides import (
     OverrideConflict,
@@ -156,4 +156,5 @@ def load_config(path: str | None, overrides: list[str] | None = None,
     cfg = _build(RunConfig, data, "")
     check_run_config(cfg, data)
     validate_run_config(cfg)
+    print_notes([w for w in (ratio_one_warning(cfg),) if w])
     return cfg

@@ -155,6 +155,7 @@ def entropy_controller(cfg: RunConfig) -> Any:
 
 def opt_steps_per_rl_step(cfg: RunConfig) -> int:
     """Optimizer steps one RL step takes (epochs x mini-batches)."""
-    rows = cfg.trainer.train_batch_size * cfg.rollout.n
-    mini = cfg.actor.mini_batch_size or rows
-    return cfg.actor.ppo_epochs * max(1, rows // mini)
+    from megatron_rl.loss.ratio_one import updates_per_step
+
+    return updates_per_step(cfg.trainer.train_batch_size * cfg.rollout.n,
+                            cfg.actor.mini_batch_size, cfg.actor.ppo_epochs)
