@@ -71,6 +71,7 @@ def tiny_train(out, *overrides: str, timeout: int = 800) -> tuple[list[dict], st
            "trainer.plots=false", "trainer.test_freq=3", "trainer.save_freq=3",
            "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
            "rollout.dynamic_sampling=false", "rollout.val_n=1", "actor.micro_batch_size=8",
+           "actor.mini_batch_size=8",
            "sft.steps=10", "data.val_size=8", "rollout.per_request_seed=true",
            "rollout.temperature=0.9", *overrides]
     env = {**os.environ, "PYTHONPATH": root}

@@ -260,7 +260,8 @@ def test_one_step_off_run_killed_mid_way_resumes(tmp_path):
            f"output_dir={tmp_path}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=6",
            "trainer.test_freq=6", "trainer.save_freq=2", "trainer.train_batch_size=4",
            "rollout.n=4", "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
-           "rollout.val_n=1", "actor.micro_batch_size=8", "sft.steps=10", "data.val_size=8",
+           "rollout.val_n=1", "actor.micro_batch_size=8", "actor.mini_batch_size=8", "sft.steps=10",
+           "data.val_size=8",
            "trainer.plots=false", "rollout.max_staleness=1"]
     env = {**os.environ, "PYTHONPATH": root}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,

@@ -228,3 +228,18 @@ def test_active_kl_cov_differs_from_dapo(warm_weights, tmp_path):
     assert dapo[0]["rollout/reward"] == klcov[0]["rollout/reward"]  # the same first rollout
     assert dapo[0]["actor/grad_norm"] != klcov[0]["actor/grad_norm"]
     assert dapo[-1]["policy/entropy"] != klcov[-1]["policy/entropy"]
+
+
+def test_active_docs_table_agrees_with_the_module():
+    """docs/algorithms-and-losses.md names every policy loss in its ratio-1 table, with the
+    module's verdict."""
+    text = open(os.path.join(ROOT, "docs", "algorithms-and-losses.md")).read()
+    section = text.split("## On-policy updates (ratio = 1)")[1].split("\n## ")[0]
+    verdict = {}
+    for line in section.splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| `") and len(cells) >= 3:
+            for name in cells[0].split("(")[0].replace("|", "").split(","):
+                verdict[name.strip().strip("`")] = "acts" in cells[1]
+    for name in set(policy_loss_names()) - {"nll"}:
+        assert verdict.get(name) == RATIO_ONE[name].acts, name

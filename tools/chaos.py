@@ -57,7 +57,7 @@ QUICK = (("embedded", "rank", "KILL", "update"), ("embedded", "launcher", "KILL"
 BASE = ("parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3", "trainer.test_freq=2",
         "trainer.save_freq=1", "trainer.train_batch_size=4", "rollout.n=4",
         "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false", "rollout.val_n=1",
-        "actor.micro_batch_size=8", "sft.steps=3", "data.val_size=8",
+        "actor.micro_batch_size=8", "actor.mini_batch_size=8", "sft.steps=3", "data.val_size=8",
         "rollout.per_request_seed=true", "rollout.temperature=0.9", "trainer.plots=false")
 # Keys that may differ after a fault: wall times and rates, process stats (sys/: resident memory,
 # open files), and the fleet's count of retried requests.

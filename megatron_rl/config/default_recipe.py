@@ -14,7 +14,7 @@ DEFAULT_RECIPE: dict = {
     "rollout": {"n": 8, "temperature": 1.0, "max_new_tokens": 4, "val_temperature": 1.0,
                 "val_n": 4, "dynamic_sampling": True, "gen_batch_size": 16,
                 "max_num_gen_batches": 40},
-    "actor": {"micro_batch_size": 32, "mini_batch_size": 32, "ppo_epochs": 1},
+    "actor": {"micro_batch_size": 16, "mini_batch_size": 32, "ppo_epochs": 1},
     "optim": {"lr": 0.0005, "weight_decay": 0.0, "clip_grad": 1.0},
     "loss": {"algorithm": "dapo"},
     "trainer": {"total_steps": 60, "train_batch_size": 16, "test_freq": 20, "save_freq": 20,

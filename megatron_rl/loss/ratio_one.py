@@ -24,7 +24,8 @@ class RatioOneNote:
     why: str
 
 
-# One entry per registered policy loss (tests/test_recipes_active.py checks the registry is covered).
+# One entry per registered policy loss (tests/test_recipes_active.py checks that, and each entry
+# against the loss's gradient at r = 1).
 RATIO_ONE: dict[str, RatioOneNote] = {
     "ppo": RatioOneNote(False, "the ratio clip (clip_ratio_low/high) and dual clip",
                         "r = 1 lies inside [1-eps_low, 1+eps_high] and below c: no token is "
