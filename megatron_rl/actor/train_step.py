@@ -32,6 +32,7 @@ from megatron_rl.actor.actor_config import ActorConfig, ActorConfigError  # noqa
 from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.micro_batches import (
     budget_micro_batches,
+    dp_host_group,
     global_seq_ids,
 )
 from megatron_rl.actor.precision import bare_model, model_call_kwargs
@@ -334,7 +335,7 @@ class PolicyUpdater:
                     rows = slice(slices[0].start, slices[-1].stop)
                     mbs = budget_micro_batches(batch, rows, budget, global_seq_ids(
                         batch, rows, dp, ps.get_data_parallel_rank()),
-                        ps.get_data_parallel_group(), packed=self.cfg.pack_sequences)
+                        dp_host_group(), packed=self.cfg.pack_sequences)
                 else:
                     mbs = self._micro_batches(batch, slices)
                 history.append(self.train_minibatch(

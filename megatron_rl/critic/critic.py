@@ -37,6 +37,7 @@ from megatron_rl.actor.forward import _position_ids, validate_micro_batches
 from megatron_rl.actor.micro_batches import (
     budget_forward_batches,
     budget_micro_batches,
+    dp_host_group,
     unsplit_rows,
 )
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
@@ -109,8 +110,9 @@ class Critic:
 
         budget, groups = self.actor_cfg.max_tokens_per_micro_batch, None
         if budget:
-            mbs, groups = budget_forward_batches(
-                {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, budget)
+            mbs, groups = budget_forward_batches(  # one count over DP, fillers last
+                {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, budget,
+                group=dp_host_group())
         else:
             mbs = self._micro_batches(batch)
         bsz, seq = validate_micro_batches(mbs, bool(budget))
@@ -239,8 +241,7 @@ class Critic:
             for slices in plan:
                 if budget:  # the value loss is a token mean: no sequence index needed
                     rows = slice(slices[0].start, slices[-1].stop)
-                    mbs = budget_micro_batches(local, rows, budget, None,
-                                               ps.get_data_parallel_group())
+                    mbs = budget_micro_batches(local, rows, budget, None, dp_host_group())
                 else:
                     mbs = [{k: v[s] for k, v in local.items()} for s in slices]
                 metrics = self.train_minibatch(mbs)
