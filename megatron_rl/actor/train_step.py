@@ -35,6 +35,7 @@ from megatron_rl.actor.micro_batches import (
     dp_host_group,
     global_seq_ids,
 )
+from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.actor.precision import bare_model, model_call_kwargs
 from megatron_rl.loss import (
     LossConfig,
@@ -236,7 +237,8 @@ class PolicyUpdater:
             else:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(
                     tokens)
-                hidden = model_chunk(tokens, pos, None, **half_kwargs)
+                hidden = model_chunk(tokens, pos, None, **half_kwargs,  # MoE: padding mask
+                                     **padding_kwargs(model_chunk, mask))
 
             def loss_func(hidden_states):
                 if packed is not None:

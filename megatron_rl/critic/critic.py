@@ -40,6 +40,7 @@ from megatron_rl.actor.micro_batches import (
     dp_host_group,
     unsplit_rows,
 )
+from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import model_call_kwargs, set_precision, wrap_precision
 from megatron_rl.actor.train_step import ActorConfig, minibatch_slices, split_rows
@@ -122,7 +123,8 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call)
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call,
+                                 **padding_kwargs(model_chunk, mask))
             return hidden, lambda h, non_loss_data=True: token_values(model, h, mask)
 
         net.eval()
@@ -178,7 +180,8 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call)
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call,
+                                 **padding_kwargs(model_chunk, mask))
 
             def loss_func(h):
                 vpred = token_values(model, h, mask)
