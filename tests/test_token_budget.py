@@ -276,3 +276,69 @@ def test_token_budget_is_invariant(tp, pp, dp):
     for k, v in plain[-1].items():
         assert budget[-1][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     assert got["critic"]["state_rel"] < 1e-5
+
+
+# ---- forward-only passes with experts: one micro-batch count over DP -------------------------
+MOE_LENGTHS, MOE_SEQ, MOE_BUDGET = [9, 1, 5, 5], 12, 10  # DP2 rows [9, 1] | [5, 5]: 2 vs 1
+
+
+def moe_budget_batch() -> dict:
+    """Four rows whose forward lengths are :data:`MOE_LENGTHS` (row 1 has no response token)."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, VOCAB, (len(MOE_LENGTHS), MOE_SEQ), generator=g)
+    mask = torch.zeros(len(MOE_LENGTHS), MOE_SEQ, dtype=torch.bool)
+    for b, (start, length) in enumerate(zip([3, 0, 2, 1], MOE_LENGTHS)):
+        mask[b, start:length] = length > 1
+    return {"tokens": tokens, "mask": mask,
+            "token_rewards": torch.randn(len(MOE_LENGTHS), MOE_SEQ, generator=g) * mask}
+
+
+def _moe_forward_worker() -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.config.sections import CriticSection
+    from megatron_rl.critic.critic import Critic
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, dp=2, ep=2, timeout_s=60)  # a stuck collective raises
+    r = ps.get_data_parallel_rank()
+    batch = {k: v[2 * r:2 * r + 2] for k, v in moe_budget_batch().items()}
+    model = get_preset("tiny-qwen3-moe")
+    out: dict = {}
+    for budget in (0, MOE_BUDGET):
+        cfg = ActorConfig(micro_batch_size=1, mini_batch_size=4,
+                          max_tokens_per_micro_batch=budget)
+        actor = Actor(model, cfg, OptimConfig(lr=1e-3), loss_config("dapo"), total_steps=1,
+                      seed=7)
+        logp = actor.logprobs(batch)
+        critic = Critic(model, CriticSection(lr=1e-3), cfg, total_steps=1, seed=7)
+        with torch.no_grad():  # the head starts at zero: make the values say something
+            w = critic.model.value_head.weight
+            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(5)))
+        out[budget] = {"logp": logp["logp"], "entropy": logp["entropy"],
+                       "values": critic.values(batch)}
+        del actor, critic
+    runtime.shutdown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_forward_budget_with_experts_agrees_micro_batch_count():
+    """Old/reference log-probs and critic values with a token budget at DP2 x EP2: the ranks
+    cut 2 and 1 micro-batches, but every forward is an all-to-all over both, so they must run
+    the same count (the lighter rank adds a filler). A mismatch hangs or fails the gloo
+    collectives (caught by their 60 s timeout or the launcher's); outputs equal the plain pass."""
+    per_rank = [MOE_LENGTHS[:2], MOE_LENGTHS[2:]]
+    assert [len(token_budget_groups(x, MOE_BUDGET)) for x in per_rank] == [2, 1]
+    assert row_lengths(moe_budget_batch()["mask"]) == MOE_LENGTHS
+    for res in spawn(_moe_forward_worker, 2, (), timeout_s=300):
+        plain, budget = res[0], res[MOE_BUDGET]
+        for k in ("logp", "entropy", "values"):
+            assert budget[k].shape == plain[k].shape == (2, MOE_SEQ), k
+            assert plain[k].abs().sum() > 0, k
+            torch.testing.assert_close(budget[k], plain[k], rtol=1e-5, atol=1e-5, msg=k)

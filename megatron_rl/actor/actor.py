@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.actor.forward import forward_logprob_entropy
-from megatron_rl.actor.micro_batches import budget_forward_batches, unsplit_rows
+from megatron_rl.actor.micro_batches import budget_forward_batches, dp_host_group, unsplit_rows
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import (
     apply_recompute,
@@ -116,8 +116,10 @@ class Actor:
         temp = self.cfg.temperature if temperature is None else temperature
         groups = None
         if self.cfg.max_tokens_per_micro_batch:
+            # every DP rank runs the same count (fillers last; their outputs are dropped)
             mbs, groups = budget_forward_batches(dict(batch), self.cfg.max_tokens_per_micro_batch,
-                                                 packed=self.cfg.pack_sequences)
+                                                 packed=self.cfg.pack_sequences,
+                                                 group=dp_host_group())
         else:
             mbs = self.micro_batches(batch)
         outs = forward_logprob_entropy(model or self.net, mbs,

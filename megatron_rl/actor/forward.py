@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
@@ -91,8 +92,9 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
             routing.before_forward(mb, record_routing)
         if packed is not None:
             hidden = packed.model_forward(model_chunk, i, **call_kwargs)
-        else:
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs)
+        else:  # MoE: right padding stays out of the router's statistics
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs,
+                                 **padding_kwargs(model_chunk, mask))
         if routing is not None:
             routing.after_forward()
 

@@ -12,9 +12,11 @@ row (no response token) has length 1. With ``actor.max_tokens_per_micro_batch = 
 - :func:`balance_over_dp` spreads the rows of one global mini-batch over DP ranks, the same
   number of rows each, so that every rank gets about the same number of tokens (sorted greedy:
   the longest row goes to the rank with the fewest tokens that still has room).
-- every DP rank must run the same number of micro-batches per mini-batch (the pipeline schedule
-  and the gradient all-reduce are collective): :func:`agree_count` takes the maximum over DP and
-  the ranks with fewer micro-batches add empty ones (one row, no response token: zero weight).
+- every DP rank must run the same number of micro-batches (the pipeline schedule, the gradient
+  all-reduce and, with experts, every MoE layer's all-to-all are collective), in the update and
+  in the forward-only passes alike: :func:`fill_to_agreed_count` takes the maximum over DP
+  (:func:`agree_count` over megatron's gloo DP group, :func:`dp_host_group`) and the ranks with
+  fewer micro-batches add empty ones (one row, no response token: zero weight, outputs dropped).
 
 :func:`padding_metrics` defines ``actor/pad_fraction`` (padding tokens / all tokens processed)
 and ``actor/tokens_per_micro_batch`` (tokens processed per micro-batch) for every path.
@@ -122,6 +124,17 @@ def agree_count(count: int, group=None, device: torch.device | str = "cpu") -> i
     return int(t)
 
 
+def dp_host_group():
+    """megatron's gloo data-parallel group (made by ``initialize_model_parallel``): host ints
+    such as micro-batch counts agree over it without a device round trip. None when megatron's
+    parallel state is not initialised (one process)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_data_parallel_group_gloo()
+
+
 def padding_metrics(real_tokens: float, processed_tokens: float, n_micro: float
                     ) -> dict[str, float]:
     """``actor/pad_fraction`` and ``actor/tokens_per_micro_batch`` from summed counts."""
@@ -154,6 +167,15 @@ def empty_micro_batch(batch: dict, seq: int) -> dict:
     return mb
 
 
+def fill_to_agreed_count(mbs: list[dict], batch: dict, seq: int, group=None) -> list[dict]:
+    """``mbs`` plus :func:`empty_micro_batch` fillers (from ``batch``'s row 0, ``[N, seq]``) up to
+    the largest micro-batch count over ``group`` (a gloo group, e.g. :func:`dp_host_group`;
+    None: no agreement). Fillers come last, so callers that keep one output per real micro-batch
+    (:func:`unsplit_rows`) drop theirs."""
+    n = agree_count(len(mbs), group)
+    return mbs + [empty_micro_batch(batch, seq) for _ in range(n - len(mbs))]
+
+
 def unsplit_rows(parts: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], n: int,
                  seq: int) -> torch.Tensor:
     """Inverse of :func:`take_rows` for per-token outputs: ``parts[g]`` ``[B_g, T_g]`` back into
@@ -170,8 +192,8 @@ def budget_micro_batches(batch: dict, rows: slice, budget: int, seq_ids: torch.T
                          group=None, packed: bool = False) -> list[dict]:
     """Token-budget micro-batches of ``batch``'s rows ``rows`` (one mini-batch of this rank),
     each cut to its longest row; ``seq_ids`` ``[rows]`` int64 (their global sequence indices,
-    on the batch's device) travel as ``mb["seq_id"]``. With ``group`` (the DP group) every rank
-    ends with the same count: the maximum over ``group``, filled with :func:`empty_micro_batch`.
+    on the batch's device) travel as ``mb["seq_id"]``. With ``group`` (the gloo DP group,
+    :func:`dp_host_group`) every rank ends with the same count (:func:`fill_to_agreed_count`).
     ``packed``: the budget counts summed lengths (each micro-batch runs as one packed row)."""
     sub = {k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in batch.items()}
     if seq_ids is not None:
@@ -180,18 +202,20 @@ def budget_micro_batches(batch: dict, rows: slice, budget: int, seq_ids: torch.T
     lengths = row_lengths(sub["mask"])
     groups = token_budget_groups(lengths, budget, packed)
     mbs = [take_rows(sub, g, max(lengths[i] for i in g), seq) for g in groups]
-    n = agree_count(len(mbs), group, sub["mask"].device)
-    return mbs + [empty_micro_batch(sub, seq) for _ in range(n - len(mbs))]
+    return fill_to_agreed_count(mbs, sub, seq, group)
 
 
-def budget_forward_batches(batch: dict, budget: int, packed: bool = False
+def budget_forward_batches(batch: dict, budget: int, packed: bool = False, group=None
                            ) -> tuple[list[dict], list[list[int]]]:
-    """Forward-only passes: all of this rank's rows in token-budget micro-batches (no DP
-    agreement needed); returns the micro-batches and their row groups (for :func:`unsplit_rows`)."""
+    """Forward-only passes: all of this rank's rows in token-budget micro-batches; returns the
+    micro-batches and the row groups of the real ones (for :func:`unsplit_rows`). With ``group``
+    (the gloo DP group, :func:`dp_host_group`) every rank runs the same count, fillers last
+    (:func:`fill_to_agreed_count`): with experts each forward is an all-to-all over DP ranks."""
     seq = batch["tokens"].shape[1]
     lengths = row_lengths(batch["mask"])
     groups = token_budget_groups(lengths, budget, packed)
-    return [take_rows(batch, g, max(lengths[i] for i in g), seq) for g in groups], groups
+    mbs = [take_rows(batch, g, max(lengths[i] for i in g), seq) for g in groups]
+    return fill_to_agreed_count(mbs, batch, seq, group), groups
 
 
 def global_seq_ids(batch: dict, rows: slice, dp: int, dp_rank: int) -> torch.Tensor:

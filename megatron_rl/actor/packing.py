@@ -26,6 +26,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_rl.actor.micro_batches import padding_metrics
+from megatron_rl.actor.moe_padding import is_moe, packed_padding_mask
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
@@ -153,8 +154,12 @@ class PackedMicroBatches:
         return sum(p.tokens.shape[1] for p in self.packs)
 
     def model_forward(self, model_chunk: torch.nn.Module, i: int, **kwargs: Any) -> Tensor:
-        """Micro-batch ``i`` through ``model_chunk``: hidden states ``[T, 1, H]`` (last stage)."""
+        """Micro-batch ``i`` through ``model_chunk``: hidden states ``[T, 1, H]`` (last stage).
+        MoE: the filler segment is padding for the router (:mod:`megatron_rl.actor.moe_padding`)."""
         p = self.packs[i]
+        if is_moe(model_chunk):
+            kwargs["padding_mask"] = packed_padding_mask(p.tokens.shape[1], p.used,
+                                                         p.tokens.device)
         return model_chunk(p.tokens, p.position_ids, None, packed_seq_params=p.params, **kwargs)
 
     def index(self, i: int) -> tuple[Tensor, Tensor]:

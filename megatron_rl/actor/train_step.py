@@ -32,8 +32,10 @@ from megatron_rl.actor.actor_config import ActorConfig, ActorConfigError  # noqa
 from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.micro_batches import (
     budget_micro_batches,
+    dp_host_group,
     global_seq_ids,
 )
+from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.actor.precision import bare_model, model_call_kwargs
 from megatron_rl.loss import (
     LossConfig,
@@ -235,7 +237,8 @@ class PolicyUpdater:
             else:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(
                     tokens)
-                hidden = model_chunk(tokens, pos, None, **half_kwargs)
+                hidden = model_chunk(tokens, pos, None, **half_kwargs,  # MoE: padding mask
+                                     **padding_kwargs(model_chunk, mask))
 
             def loss_func(hidden_states):
                 if packed is not None:
@@ -334,7 +337,7 @@ class PolicyUpdater:
                     rows = slice(slices[0].start, slices[-1].stop)
                     mbs = budget_micro_batches(batch, rows, budget, global_seq_ids(
                         batch, rows, dp, ps.get_data_parallel_rank()),
-                        ps.get_data_parallel_group(), packed=self.cfg.pack_sequences)
+                        dp_host_group(), packed=self.cfg.pack_sequences)
                 else:
                     mbs = self._micro_batches(batch, slices)
                 history.append(self.train_minibatch(

@@ -37,8 +37,10 @@ from megatron_rl.actor.forward import _position_ids, validate_micro_batches
 from megatron_rl.actor.micro_batches import (
     budget_forward_batches,
     budget_micro_batches,
+    dp_host_group,
     unsplit_rows,
 )
+from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_rl.actor.precision import model_call_kwargs, set_precision, wrap_precision
 from megatron_rl.actor.train_step import ActorConfig, minibatch_slices, split_rows
@@ -109,8 +111,9 @@ class Critic:
 
         budget, groups = self.actor_cfg.max_tokens_per_micro_batch, None
         if budget:
-            mbs, groups = budget_forward_batches(
-                {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, budget)
+            mbs, groups = budget_forward_batches(  # one count over DP, fillers last
+                {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, budget,
+                group=dp_host_group())
         else:
             mbs = self._micro_batches(batch)
         bsz, seq = validate_micro_batches(mbs, bool(budget))
@@ -120,7 +123,8 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call)
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call,
+                                 **padding_kwargs(model_chunk, mask))
             return hidden, lambda h, non_loss_data=True: token_values(model, h, mask)
 
         net.eval()
@@ -176,7 +180,8 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call)
+            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call,
+                                 **padding_kwargs(model_chunk, mask))
 
             def loss_func(h):
                 vpred = token_values(model, h, mask)
@@ -239,8 +244,7 @@ class Critic:
             for slices in plan:
                 if budget:  # the value loss is a token mean: no sequence index needed
                     rows = slice(slices[0].start, slices[-1].stop)
-                    mbs = budget_micro_batches(local, rows, budget, None,
-                                               ps.get_data_parallel_group())
+                    mbs = budget_micro_batches(local, rows, budget, None, dp_host_group())
                 else:
                     mbs = [{k: v[s] for k, v in local.items()} for s in slices]
                 metrics = self.train_minibatch(mbs)

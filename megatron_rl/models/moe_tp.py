@@ -65,8 +65,9 @@ class _SequenceChunkMixin:
             hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(
                 (pad, *hidden_states.shape[1:]))])
         mine = scatter_to_sequence_parallel_region(hidden_states, group=group)
-        if padding_mask is not None:  # [B, S]: this rank's columns (padding rows are padding)
-            padding_mask = torch.nn.functional.pad(padding_mask, (0, pad), value=False)
+        if padding_mask is not None:  # [B, S], True = padding: this rank's columns (the rows
+            # added above are padding too; megatron counts the valid ones over TP)
+            padding_mask = torch.nn.functional.pad(padding_mask, (0, pad), value=True)
             padding_mask = padding_mask.chunk(tp, dim=1)[group.rank()]
         out, bias = super().forward(mine, padding_mask=padding_mask, **kwargs)
         # backward: each rank keeps its slice's gradient (the output is replicated over TP)
