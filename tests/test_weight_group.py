@@ -68,6 +68,11 @@ def _bound_device_worker() -> dict:
                 raise RuntimeError("inside")
         except RuntimeError:
             out["bound_after_raise"] = default.bound_device_id
+        with unbound_default_group():  # overlapping blocks (two threads' joins): the last restores
+            with unbound_default_group():
+                pass
+            out["bound_after_inner"] = default.bound_device_id
+        out["bound_after_outer"] = default.bound_device_id
         leave_weight_group(pg)
     finally:
         c10d._get_split_source = real
@@ -87,6 +92,8 @@ def test_weight_group_clears_bound_device_and_never_splits():
     assert out["error"] and "already been created" in out["error"]
     assert out["bound_after_error"] == torch.device("cuda", 0)
     assert out["bound_inside"] is None and out["bound_after_raise"] == torch.device("cuda", 0)
+    assert out["bound_after_inner"] is None
+    assert out["bound_after_outer"] == torch.device("cuda", 0)
 
 
 # ---- GPU: real NCCL communicators ---------------------------------------------------------------

@@ -32,27 +32,35 @@ from datetime import timedelta
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
-_BOUND_DEVICE_LOCK = threading.Lock()  # one clear/restore at a time in this process
+_UNBOUND_LOCK = threading.Lock()  # guards _UNBOUND (never held while a group is being made)
+_UNBOUND: dict = {"depth": 0, "saved": None}  # blocks inside unbound_default_group; the binding
 
 
 @contextlib.contextmanager
 def unbound_default_group() -> Iterator[None]:
     """Within the block, the default group (if any) has no ``bound_device_id``, so torch makes
     new groups with their own communicator (store rendezvous) instead of splitting the default
-    one; the previous value is restored on exit, also when the block raises."""
+    one; the binding is restored when the last such block of this process exits, also when it
+    raises. Blocks in several threads overlap safely; none waits for another (a gloo group's
+    helper blocks until every rank joined)."""
     if not dist.is_initialized():
         yield
         return
     from torch.distributed.distributed_c10d import _get_default_group
 
     default = _get_default_group()
-    with _BOUND_DEVICE_LOCK:
-        saved = default.bound_device_id
-        default.bound_device_id = None
-        try:
-            yield
-        finally:
-            default.bound_device_id = saved
+    with _UNBOUND_LOCK:
+        if _UNBOUND["depth"] == 0:
+            _UNBOUND["saved"] = default.bound_device_id
+            default.bound_device_id = None
+        _UNBOUND["depth"] += 1
+    try:
+        yield
+    finally:
+        with _UNBOUND_LOCK:
+            _UNBOUND["depth"] -= 1
+            if _UNBOUND["depth"] == 0:
+                default.bound_device_id, _UNBOUND["saved"] = _UNBOUND["saved"], None
 
 
 def join_weight_group(backend: str, master_address: str, master_port: int, world_size: int,
