@@ -124,6 +124,7 @@ def _nccl_split_worker() -> dict:
     ctl, _ = c10d._new_process_group_helper(1, 0, [], c10d.Backend("nccl"), store,
                                             group_name="mrl_gpu_ctl", backend_options=None,
                                             timeout=timeout, device_id=None)
+    c10d._world.pg_group_ranks[ctl] = {0: 0}  # as join_weight_group registers its group
     ctl.broadcast(t, 0).wait()
     torch.cuda.synchronize(dev)
     out["count_control"] = parent.comm_split_count()
