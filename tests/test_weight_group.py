@@ -102,6 +102,7 @@ def _nccl_split_worker() -> dict:
     ``device_id``); one weight group made by :func:`join_weight_group` and, as the control, one
     made by torch's helper directly (what ``join_weight_group`` did before): the default
     communicator's split count after a broadcast on each."""
+    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     from megatron_rl.parallel import runtime
@@ -120,7 +121,7 @@ def _nccl_split_worker() -> dict:
     out["count_ours"] = parent.comm_split_count()
     out["bound_after"] = str(default.bound_device_id)
     leave_weight_group(pg)
-    store = c10d.PrefixStore("mrl_gpu_ctl", c10d.HashStore())
+    store = c10d.PrefixStore("mrl_gpu_ctl", dist.HashStore())
     ctl, _ = c10d._new_process_group_helper(1, 0, [], c10d.Backend("nccl"), store,
                                             group_name="mrl_gpu_ctl", backend_options=None,
                                             timeout=timeout, device_id=None)
