@@ -395,8 +395,8 @@ def _handoffs() -> dict:
     critic = _critic(total_steps=2)  # a GAE critic moves with the actor
     critic.update(critic.add_advantages(critic_batch()), 0)
     values = critic.values(critic_batch())
-    driver = SimpleNamespace(engine=SimpleNamespace(fleet=SimpleNamespace(urls=[url]))
-                             if rank0 else None)
+    fleet = SimpleNamespace(urls=[url], check_health=lambda: [])  # after each full resume
+    driver = SimpleNamespace(engine=SimpleNamespace(fleet=fleet) if rank0 else None)
     colo = Colocation(cfg, actor, driver, critic)
     seen: dict = {"full": full, "critic_full": device_bytes(critic, "cpu"), "critic": {}}
 

@@ -5,6 +5,7 @@
 ``servers`` lists running ones, starts ``python -m sglang_router.launch_router`` (unless
 ``router_url`` is given) and registers every server through the router's worker API (router 0.3:
 ``POST /workers {"url"}`` -> ``worker_id``, ``GET /workers``, ``DELETE /workers/<worker_id>``).
+With colocated servers the router never probes them by itself (:func:`router_health_checks`).
 :meth:`Fleet.check_health` probes each server's ``/health_generate`` and removes a dead one from
 the router (its requests are retried elsewhere by the client). A dead server this fleet started
 is restarted at once (``restart_dead``, at most ``max_restarts`` times per server) on a new port;
@@ -127,10 +128,11 @@ def server_command(s, port: int, model_path: str, eos_id: int | None) -> list[st
     return cmd + ([] if eos_id is None else ["--eos-id", str(eos_id)]) + extra
 
 
-def router_command(host: str, port: int) -> list[str]:
+def router_command(host: str, port: int, health_checks: bool = True) -> list[str]:
     """``sglang-router`` with no workers yet (they are added through its API); round robin; its
     Prometheus exporter on a free port (the default 29000 is taken by a second router on the
-    same machine, which makes the router exit)."""
+    same machine, which makes the router exit). ``health_checks=False`` (colocated servers):
+    ``--disable-health-check``, no periodic ``/health`` (see :func:`router_health_checks`)."""
     import socket
 
     with socket.socket() as sock:
@@ -138,7 +140,24 @@ def router_command(host: str, port: int) -> list[str]:
         metrics_port = sock.getsockname()[1]
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
             str(port), "--policy", "round_robin", "--worker-startup-timeout-secs", "120",
-            "--log-level", "warn", "--prometheus-port", str(metrics_port)]
+            "--log-level", "warn", "--prometheus-port", str(metrics_port)] + \
+        ([] if health_checks else ["--disable-health-check"])
+
+
+# SGLang >= 0.5.21: "false" makes /health answer without a generation (/health_generate unchanged)
+HEALTH_GENERATION_VAR = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+
+
+def router_health_checks(s) -> bool:
+    """Whether the router may probe the servers' ``/health`` on its own (every 60 s in
+    sglang-router 0.3.2). Not with colocated servers: SGLang 0.5.21's ``/health`` runs a
+    one-token generation, which while the servers' memory is released is a forward on unmapped
+    weights (or trips the idle check of ``release_memory_occupation``); the trainer checks the
+    servers itself after every resume (:class:`megatron_rl.run.colocation.Colocation`). The
+    router still probes ``/health`` once when a server is registered (at start, and when a
+    restarted server rejoins after a sync): colocated servers this fleet starts get
+    :data:`HEALTH_GENERATION_VAR` ``=false``, so that probe runs no generation."""
+    return not getattr(s, "colocate", False)
 
 
 class Fleet:
@@ -181,6 +200,8 @@ class Fleet:
         env = dict(os.environ)
         if gpus := server_gpus(s, i):  # colocate: the trainer's GPUs
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if not router_health_checks(s):  # the router's one /health at registration generates
+            env[HEALTH_GENERATION_VAR] = "false"  # nothing (/health_generate still does)
         self.procs[url] = self._spawn(log_name or f"server{i}",
                                       server_command(s, port, self.model_path, self.eos_id), env)
         self.slot[url] = i
@@ -190,8 +211,8 @@ class Fleet:
         """Start what is missing, wait until healthy, register every server with the router."""
         urls = list(self.s.servers) or [self.start_server(i) for i in range(self.s.num_servers)]
         if self.s.router_url is None:
-            self.router_proc = self._spawn("router", router_command(self.s.host,
-                                                                    self.s.router_port))
+            self.router_proc = self._spawn("router", router_command(
+                self.s.host, self.s.router_port, router_health_checks(self.s)))
         for u in urls:
             wait_healthy(u, self.timeout, self.procs.get(u))
         wait_healthy(self.router_url, self.timeout, self.router_proc)
@@ -219,8 +240,13 @@ class Fleet:
         return http_json("GET", self.router_url + "/workers").get("workers", [])
 
     def add_worker(self, url: str, timeout_s: float = 60.0) -> str:
-        """Register ``url`` with the router and wait until it is listed; returns its id."""
-        reply = http_json("POST", self.router_url + "/workers", {"url": url})
+        """Register ``url`` with the router and wait until it is listed; returns its id. With
+        colocated servers the worker is registered with ``disable_health_check`` (also on a
+        router this fleet did not start, ``router_url``): see :func:`router_health_checks`."""
+        body: dict[str, Any] = {"url": url}
+        if not router_health_checks(self.s):
+            body["disable_health_check"] = True
+        reply = http_json("POST", self.router_url + "/workers", body)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for w in self.router_workers():

@@ -552,6 +552,7 @@ class ServeState:
 
     def server_info(self) -> dict:
         return {"model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
+                "pp_size": 1, "enable_dp_attention": False,  # SGLang's server_args keys
                 "version": "megatron_rl-serve", "weight_version": self.weight_version,
                 "internal_states": [{"paused": not self.running.is_set(),
                                      "num_running_reqs": len(self.inflight),

@@ -66,11 +66,24 @@ class Colocation:
                     if todo:  # only what was released (SGLang refuses the rest)
                         mo.resume_servers(urls, todo)
                     self.servers_released = [t for t in self.servers_released if t not in todo]
+                    if todo and not self.servers_released:
+                        self._check_servers(engine.fleet)
             except Exception as exc:  # noqa: BLE001 - every rank raises below
                 err = f"{action}_memory_occupation: {exc}"
         err = broadcast_object(err)
         if err:
             raise RuntimeError(f"colocation: {err}")
+
+    @staticmethod
+    def _check_servers(fleet) -> None:
+        """Once every region is back: one ``/health_generate`` per server (dead ones leave the
+        router and restart, :meth:`~megatron_rl.rollout.fleet.Fleet.check_health`). The router
+        does not probe colocated servers (its ``/health`` would generate on released memory:
+        :func:`~megatron_rl.rollout.fleet.router_health_checks`), so this is their check."""
+        dead = fleet.check_health()
+        if dead:
+            print(f"[colocation] after the resume, {dead} did not answer; removed from the "
+                  "router", flush=True)
 
     # ---- the loop's hand-offs --------------------------------------------------------------
     def before_engine_start(self) -> None:

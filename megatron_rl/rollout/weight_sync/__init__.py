@@ -45,11 +45,12 @@ def strategy_class(name: str) -> type[SyncStrategy]:
 
 
 def make_strategy(name: str, fleet, sync_dir: str, sender: int = 0) -> SyncStrategy:
-    """Strategy ``name`` pushing to ``fleet``'s current servers."""
+    """Strategy ``name`` pushing to ``fleet``'s current servers. Each server's TP size (payloads
+    per server, ranks in a weight group) is read from its ``/server_info`` when a sync needs it:
+    started and attached servers alike."""
     s = getattr(fleet, "s", None)
-    tp = s.tp_size if s is not None and s.launcher == "sglang" else 1
     strat = strategy_class(name)(list(fleet.urls), sync_dir, sender,
-                                 model_path=getattr(fleet, "model_path", None), server_tp=tp)
+                                 model_path=getattr(fleet, "model_path", None))
     strat.gpus = list(getattr(s, "gpus", None) or [])
     return strat
 

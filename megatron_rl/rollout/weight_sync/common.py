@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -73,6 +74,53 @@ def flush_all(urls: list[str], retries: int = 60, wait_s: float = 1.0) -> None:
             list(pool.map(lambda u: flush_cache(u, retries, wait_s), urls))
 
 
+@dataclass(frozen=True)
+class ServerLayout:
+    """How one server spreads the model over its GPUs, as its ``/server_info`` reports it
+    (SGLang's resolved server arguments, top-level keys)."""
+
+    tp: int = 1  # tp_size: ranks that each hold a shard; every one joins a weight group
+    dp: int = 1  # dp_size: data-parallel replicas inside the server
+    pp: int = 1  # pp_size
+    dp_attention: bool = False  # enable_dp_attention (DP inside the TP ranks)
+
+
+def read_server_layout(url: str, timeout: float = 30.0) -> ServerLayout:
+    """``tp_size``/``dp_size``/``pp_size``/``enable_dp_attention`` of the server at ``url``:
+    ``GET /server_info`` (SGLang 0.5.21, whose ``/get_server_info`` is a deprecated alias),
+    ``/get_server_info`` where ``/server_info`` is missing (older SGLang)."""
+    try:
+        try:
+            info = http_json("GET", url + "/server_info", timeout=timeout)
+        except ServerError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            info = http_json("GET", url + "/get_server_info", timeout=timeout)
+    except ServerError as exc:
+        raise WeightSyncError(f"cannot read the server's TP size: {exc}") from None
+    if not isinstance(info, dict) or "tp_size" not in info:
+        raise WeightSyncError(f"{url}/server_info reports no tp_size: {str(info)[:200]}")
+    return ServerLayout(int(info["tp_size"]), int(info.get("dp_size") or 1),
+                        int(info.get("pp_size") or 1), bool(info.get("enable_dp_attention")))
+
+
+def layout_error(url: str, layout: ServerLayout, strategy: str) -> str | None:
+    """Why ``strategy`` cannot update this server, None when it can. SGLang 0.5.21 refuses
+    tensor and distributed updates with ``dp_size > 1`` unless DP attention is on (an assert in
+    its tokenizer manager), and its ranks join a weight group as ``rank_offset + tp_rank``,
+    which collides across pipeline stages."""
+    if strategy not in ("from_tensor", "from_distributed"):
+        return None
+    if layout.dp > 1 and not layout.dp_attention:
+        return (f"{url} runs dp_size={layout.dp} without --enable-dp-attention: SGLang refuses "
+                f"{strategy} updates there; use rollout.sglang.weight_sync=from_disk or "
+                "one server per replica")
+    if strategy == "from_distributed" and layout.pp > 1:
+        return (f"{url} runs pp_size={layout.pp}: its ranks would join the weight group under "
+                "colliding ranks (rank_offset + tp_rank per stage); use from_disk")
+    return None
+
+
 class SyncStrategy:
     """Base class. ``begin``/``commit``/``resume`` run on the coordinator (one process);
     ``send`` on every sender (one per pipeline stage) in parallel; ``spot_check`` on each sender
@@ -87,15 +135,38 @@ class SyncStrategy:
 
     def __init__(self, urls: list[str], sync_dir: str, sender: int = 0,
                  model_path: str | None = None, spots_per_send: int = 0,
-                 server_tp: int = 1) -> None:
+                 server_tp: int | None = None) -> None:
         self.urls, self.sync_dir, self.sender = list(urls), sync_dir, sender
-        self.server_tp = server_tp  # ranks per server (SGLang --tp-size) in a weight group
+        self.server_tp = server_tp  # ranks of every server; None: each one's /server_info
+        self.server_tps: dict[str, int] = {}  # url -> its tp_size, read once per url
         self.model_path, self.spots_per_send = model_path, spots_per_send
         self.spots: list[tuple[str, list]] = []
         self.flush_retries, self.flush_wait_s = 60, 1.0
         self.sessions: set[str] = set()  # servers with an open weight-update session
         self.no_session: set[str] = set()  # servers without sessions (SGLang <= 0.5.20)
         self.epoch, self.paused = 0, False  # syncs begun; paused between begin and resume
+
+    def tp_of(self, url: str) -> int:
+        """TP ranks of the server at ``url`` (each gets its own tensor payload and joins a weight
+        group): ``server_tp`` when fixed, else the server's ``/server_info`` (read once; a
+        layout this strategy cannot update raises :class:`WeightSyncError`)."""
+        if self.server_tp is not None:
+            return self.server_tp
+        if url not in self.server_tps:
+            layout = read_server_layout(url)
+            err = layout_error(url, layout, self.name)
+            if err:
+                raise WeightSyncError(err)
+            self.server_tps[url] = layout.tp
+        return self.server_tps[url]
+
+    def rank_offsets(self) -> list[int]:
+        """Index of each server's first TP rank when the ranks of ``urls`` are counted in
+        order (``offsets[i] + r`` is rank ``r`` of server ``i``); one more entry: the total."""
+        offsets = [0]
+        for u in self.urls:
+            offsets.append(offsets[-1] + self.tp_of(u))
+        return offsets
 
     # ---- coordinator ---------------------------------------------------------------------------
     def begin(self, version: int) -> None:

@@ -1,9 +1,10 @@
 """``from_distributed``: a process group between each sender and every server.
 
-Once per sender: ``/init_weights_update_group`` to every server (server ``i``'s TP ranks join as
-``1 + i*tp ...``) while the sender joins as rank 0, hosting the ``tcp://`` rendezvous on a free
-port of the interface the servers reach it at (:func:`sender_address`), through the same steps as
-SGLang's ``init_custom_process_group`` (:mod:`.group`; gloo for CPU tensors, NCCL for CUDA ones).
+Once per sender: ``/init_weights_update_group`` to every server (its TP ranks, ``tp_size`` from
+its ``/server_info``, join after those of the servers before it, from rank 1) while the sender
+joins as rank 0, hosting the ``tcp://`` rendezvous on a free port of the interface the servers
+reach it at (:func:`sender_address`), through the same steps as SGLang's
+``init_custom_process_group`` (:mod:`.group`; gloo for CPU tensors, NCCL for CUDA ones).
 Per bucket (inside SGLang's ``/begin_weight_update`` ... ``/end_weight_update`` session):
 ``/update_weights_from_distributed {names, dtypes, shapes, group_name}`` to every server, in
 threads, while the sender broadcasts each tensor from rank 0. One group per pipeline stage
@@ -72,14 +73,16 @@ class FromDistributed(SyncStrategy):
 
     def _init_group(self, backend: str) -> None:
         """(Re)make the group when the servers or the backend changed: POST
-        ``/init_weights_update_group`` to every server (server ``i``'s TP ranks are
-        ``1 + i*tp ...``) while this sender joins as rank 0 through the same rendezvous as
+        ``/init_weights_update_group`` to every server (server ``i``'s TP ranks follow those of
+        the servers before it, each server's TP size from its ``/server_info``; world size
+        ``1 +`` all of them) while this sender joins as rank 0 through the same rendezvous as
         SGLang's ranks (:func:`~megatron_rl.rollout.weight_sync.group.join_weight_group`)."""
         if self.pg is not None and self.group_urls == self.urls and self.backend == backend:
             return
+        offsets = self.rank_offsets()  # each server's tp_size (/server_info)
         self.close()
         self._generation += 1
-        world = 1 + len(self.urls) * self.server_tp
+        world = 1 + offsets[-1]
         addr = sender_address(self.urls, self.address_override)
         port = free_port(addr)
         errs: list[Exception] = []
@@ -88,7 +91,7 @@ class FromDistributed(SyncStrategy):
             try:
                 post_all([u], "/init_weights_update_group",
                          {"master_address": addr, "master_port": port,
-                          "rank_offset": 1 + i * self.server_tp, "world_size": world,
+                          "rank_offset": 1 + offsets[i], "world_size": world,
                           "group_name": self.group_name, "backend": backend})
             except Exception as exc:  # noqa: BLE001 - reported below
                 errs.append(exc)

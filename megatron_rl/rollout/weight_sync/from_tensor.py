@@ -189,14 +189,16 @@ class FromTensor(SyncStrategy):
         self._keep = []
 
     def rank_devices(self, server: int, default: torch.device) -> list[torch.device]:
-        """The device of each TP rank of server ``server`` as this process numbers them:
-        ``gpus[server*tp + r]`` when the fleet placed servers on GPUs this process sees (the
-        buffer is copied there, so each rank reads from its own GPU), else ``default`` (the
+        """The device of each TP rank of server ``server`` (its ``tp_size`` from
+        ``/server_info``) as this process numbers them: ``gpus[first + r]`` (``first``: the
+        ranks of the servers before it) when the fleet placed servers on GPUs this process sees
+        (the buffer is copied there, so each rank reads from its own GPU), else ``default`` (the
         receiver finds the sender's GPU by UUID)."""
-        tp, gpus = self.server_tp, list(getattr(self, "gpus", None) or [])
+        first = self.rank_offsets()[server]
+        tp, gpus = self.tp_of(self.urls[server]), list(getattr(self, "gpus", None) or [])
         out = []
         for r in range(tp):
-            k = server * tp + r
+            k = first + r
             if k < len(gpus) and int(gpus[k]) < torch.cuda.device_count():
                 out.append(torch.device("cuda", int(gpus[k])))
             else:

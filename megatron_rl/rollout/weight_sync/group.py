@@ -11,15 +11,56 @@ goes through the same steps (our own code, for processes without the ``sglang`` 
 trainer's sender (rank 0) and every SGLang rank (``rank_offset + tp_rank``) meet, on NCCL (GPU)
 or gloo (CPU). The host's store holds the same keys but listens on ``master_address`` only
 (:func:`megatron_rl.parallel.netbind.rendezvous_store`), not on every interface.
+
+The group is never split from the trainer's communicator. A default group made with
+``init_process_group(device_id=...)`` (the trainer on NCCL: :func:`megatron_rl.parallel.runtime.
+init_distributed`) carries ``bound_device_id``, and torch's ``_new_process_group_helper`` then
+builds every new NCCL group with ``split_from`` = the default group's communicator (its test
+``is_initialized() and _get_default_group().bound_device_id``, torch 2.13). The first collective
+runs ``ncclCommSplit``, collective over *every* trainer rank, and never publishes the unique id
+that SGLang's ranks (joining without ``device_id``) wait for in the store: both sides hang.
+:func:`unbound_default_group` clears ``bound_device_id`` around the helper call and restores it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+_UNBOUND_LOCK = threading.Lock()  # guards _UNBOUND (never held while a group is being made)
+_UNBOUND: dict = {"depth": 0, "saved": None}  # blocks inside unbound_default_group; the binding
+
+
+@contextlib.contextmanager
+def unbound_default_group() -> Iterator[None]:
+    """Within the block, the default group (if any) has no ``bound_device_id``, so torch makes
+    new groups with their own communicator (store rendezvous) instead of splitting the default
+    one; the binding is restored when the last such block of this process exits, also when it
+    raises. Blocks in several threads overlap safely; none waits for another (a gloo group's
+    helper blocks until every rank joined)."""
+    if not dist.is_initialized():
+        yield
+        return
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    with _UNBOUND_LOCK:
+        if _UNBOUND["depth"] == 0:
+            _UNBOUND["saved"] = default.bound_device_id
+            default.bound_device_id = None
+        _UNBOUND["depth"] += 1
+    try:
+        yield
+    finally:
+        with _UNBOUND_LOCK:
+            _UNBOUND["depth"] -= 1
+            if _UNBOUND["depth"] == 0:
+                default.bound_device_id, _UNBOUND["saved"] = _UNBOUND["saved"], None
 
 
 def join_weight_group(backend: str, master_address: str, master_port: int, world_size: int,
@@ -47,7 +88,7 @@ def join_weight_group(backend: str, master_address: str, master_port: int, world
                                                   world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    with netbind.gloo_interface(_gloo_ifname(master_address, rank)):
+    with netbind.gloo_interface(_gloo_ifname(master_address, rank)), unbound_default_group():
         pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
                                           group_name=group_name, backend_options=None,
                                           timeout=timeout, device_id=None)
