@@ -11,6 +11,8 @@ the varlen kernel and a bf16 update on CUDA."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -161,6 +163,118 @@ def test_sdpa_packed_matches_per_sequence(attention, kind):
     for mode in ("segments", "mask", "sdpa"):
         assert attention[f"{kind}_{mode}"] < 1e-5, attention
     assert attention[f"{kind}_unpacked_differs"] > 1e-2, attention
+
+
+# ---- varlen_attn of older torch: keywords checked, per-sequence fallback (in-process) ----------
+VARLEN_LENS = (5, 9, 3)  # + a filler segment of 3: 20 packed tokens
+
+
+def varlen_2_9(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+               return_aux=None):
+    """torch 2.9's signature (``is_causal``; no ``scale``/``window_size``/``enable_gqa``)."""
+    raise AssertionError("a varlen_attn without scale/window_size must not be called")
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                scale=None, window_size=(-1, -1)):
+    """torch 2.10/2.11's signature (no ``enable_gqa``): causal attention per ``cu_seq_q``
+    segment, computed with SDPA (MHA only)."""
+    assert query.shape[1] == key.shape[1], "MHA only: this varlen_attn has no enable_gqa"
+    assert window_size == (-1, 0)
+    return _sdpa_segments(query, key, value, cu_seq_q, scale)
+
+
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
+                block_table=None, num_splits=None):
+    """torch 2.12+'s signature (the one this project is tested with)."""
+    assert window_size == (-1, 0) and enable_gqa == (query.shape[1] != key.shape[1])
+    return _sdpa_segments(query, key, value, cu_seq_q, scale)
+
+
+def _sdpa_segments(q, k, v, cu, scale) -> torch.Tensor:
+    """``[T, h, D]`` causal attention within each segment of ``cu`` (a stub kernel's output)."""
+    import torch.nn.functional as F
+
+    outs, bounds = [], cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                           enable_gqa=qs.shape[0] != ks.shape[0])
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _standalone_attention(heads: int, groups: int):
+    """An :class:`SDPAttention` built without process groups (TP size 1 given directly)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl.models.attention import SDPAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads,
+                            num_query_groups=groups, kv_channels=16, attention_dropout=0.0)
+    return SDPAttention(cfg, 1, AttnMaskType.causal, "self",
+                        pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+
+
+def _varlen_run(monkeypatch, stub, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      list]:
+    """Packed attention with ``stub`` as the installed ``varlen_attn`` (rows made eligible for
+    it on CPU) and without any: ``(output, per-sequence output, stub calls)``."""
+    from megatron_rl.actor.packing import pack_micro_batch
+    from megatron_rl.models import attention as attn_mod
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return stub(*args, **kwargs)
+
+    spy.__signature__ = inspect.signature(stub)
+    pk = pack_micro_batch(torch.zeros(3, 9, dtype=torch.long), list(VARLEN_LENS), 20)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(20, heads, 16, generator=g)
+    k, v = (torch.randn(20, groups, 16, generator=g) for _ in "kv")
+    mod = _standalone_attention(heads, groups)
+    mod.packed_cpu_mode = "segments"  # the per-sequence path
+    per_sequence = mod(q, k, v, None, packed_seq_params=pk.params)
+    monkeypatch.setattr(attn_mod, "_varlen_attn", spy)
+    monkeypatch.setattr(attn_mod.SDPAttention, "_varlen_eligible",
+                        staticmethod(lambda query, dropout: True))
+    out = mod(q, k, v, None, packed_seq_params=pk.params)
+    return out, per_sequence, calls
+
+
+@pytest.mark.parametrize("stub,heads,groups", [(varlen_2_9, 4, 2), (varlen_2_9, 2, 2),
+                                               (varlen_2_11, 4, 2)])
+def test_varlen_attn_of_older_torch_falls_back_to_per_sequence_path(monkeypatch, stub, heads,
+                                                                   groups):
+    """A ``varlen_attn`` without the keywords a call needs is never called (torch 2.9: no
+    ``scale``/``window_size``; 2.10-2.11 with GQA: no ``enable_gqa``); the packed rows take the
+    per-sequence path and give its output exactly."""
+    out, per_sequence, calls = _varlen_run(monkeypatch, stub, heads, groups)
+    assert calls == []
+    assert torch.equal(out, per_sequence)
+
+
+@pytest.mark.parametrize("stub,heads,groups,keywords", [
+    (varlen_2_11, 2, 2, ["scale", "window_size"]),  # MHA: enable_gqa not needed, not passed
+    (varlen_2_13, 2, 2, ["scale", "window_size"]),
+    (varlen_2_13, 4, 2, ["enable_gqa", "scale", "window_size"])])
+def test_varlen_attn_gets_only_keywords_its_signature_has(monkeypatch, stub, heads, groups,
+                                                          keywords):
+    """A ``varlen_attn`` that takes the call's keywords is called once per forward with exactly
+    those, and its signature is inspected once (cached)."""
+    from megatron_rl.models.attention import varlen_keywords
+
+    varlen_keywords.cache_clear()
+    out, per_sequence, calls = _varlen_run(monkeypatch, stub, heads, groups)
+    assert calls == [keywords]
+    assert torch.allclose(out, per_sequence, atol=1e-5)
+    assert varlen_keywords.cache_info().misses == 1
 
 
 # -------------------------------------------------------------------------------------------------
@@ -331,7 +445,9 @@ def _gpu_worker() -> dict:
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=120)
-    out: dict = {"varlen": attn_mod._varlen_attn is not None}
+    # torch 2.13's varlen_attn takes every keyword of the call (else the per-sequence path runs)
+    out: dict = {"varlen": attn_mod._varlen_attn is not None and attn_mod.varlen_call_kwargs(
+        attn_mod._varlen_attn, 0.25, True) is not None}
     lens = [5, 9, 3]
     pk = pack_micro_batch(torch.zeros(3, 9, dtype=torch.long, device="cuda"), lens, 20)
     mod = _attention_module(4, 2).cuda()
