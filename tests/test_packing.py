@@ -110,8 +110,46 @@ def _attention_worker() -> dict:
         o = mod(q, k, v, None, packed_seq_params=whole.params).reshape(20, -1)
         out[f"{name}_unpacked_differs"] = float((o - ref.detach()).abs().max())
     out["fp64"] = _fp64_model_check()
+    out["rope"] = _host_rope_check()
     runtime.shutdown()
     return out
+
+
+def _host_rope_check() -> dict:
+    """A packed forward of the tiny model (local spec, unfused RoPE) with and without the host
+    copy of ``cu_seqlens`` (:func:`forward_params`): which ``cu_seqlens`` megatron's RoPE got,
+    and whether the hidden states are equal."""
+    from megatron.core.transformer import attention as mc_attention
+
+    from megatron_rl.actor.packing import PackedMicroBatches, forward_params, host_rope_model
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.config import get_preset
+
+    model = build_gpt_model(get_preset("tiny"), seed=3)
+    batch = make_global_batch()
+    pk = PackedMicroBatches([{"tokens": batch["tokens"], "mask": batch["mask"]}], common=False)
+    p = pk.packs[0]
+    seen = []
+    rope = mc_attention.apply_rotary_pos_emb
+
+    def spy(t, freqs, config, cu_seqlens=None, **kwargs):
+        seen.append("host" if cu_seqlens is p.params.host_cu_seqlens else
+                    "device" if cu_seqlens is p.params.cu_seqlens_q else "other")
+        return rope(t, freqs, config, cu_seqlens=cu_seqlens, **kwargs)
+
+    mc_attention.apply_rotary_pos_emb = spy
+    try:
+        hidden = {}
+        with torch.no_grad():
+            for host in (False, True):
+                hidden[host] = model(p.tokens, p.position_ids, None,
+                                     packed_seq_params=forward_params(p.params, host))
+    finally:
+        mc_attention.apply_rotary_pos_emb = rope
+    return {"equal": torch.equal(hidden[True], hidden[False]), "seen": seen,
+            "fusion": model.config.apply_rope_fusion, "flag": host_rope_model(model),
+            "host_device": str(p.params.host_cu_seqlens.device),
+            "host_equal": p.params.host_cu_seqlens.tolist() == p.params.cu_seqlens_q.tolist()}
 
 
 def _fp64_model_check() -> tuple[float, float]:
@@ -163,6 +201,57 @@ def test_sdpa_packed_matches_per_sequence(attention, kind):
     for mode in ("segments", "mask", "sdpa"):
         assert attention[f"{kind}_{mode}"] < 1e-5, attention
     assert attention[f"{kind}_unpacked_differs"] > 1e-2, attention
+
+
+def test_packed_rope_reads_host_cu_seqlens(attention):
+    """Without fused RoPE (no TE), megatron's RoPE on packed rows gets the host copy of
+    ``cu_seqlens`` (no device->host sync on CUDA) and computes the same hidden states."""
+    r = attention["rope"]
+    layers = 4  # the tiny preset; q and k per layer
+    assert r["seen"] == ["device"] * 2 * layers + ["host"] * 2 * layers, r["seen"]
+    assert r["equal"] and r["host_equal"] and r["host_device"] == "cpu"
+    assert r["fusion"] is False and r["flag"] is True
+
+
+def _one_rank_layout(monkeypatch) -> None:
+    """megatron's parallel-state sizes of one rank, without process groups (in-process)."""
+    from megatron.core import parallel_state as ps
+
+    for name in ("get_tensor_model_parallel_world_size", "get_pipeline_model_parallel_world_size",
+                 "get_expert_model_parallel_world_size"):
+        monkeypatch.setattr(ps, name, lambda: 1)
+
+
+def test_builder_sets_rope_fusion_per_availability(monkeypatch):
+    """``apply_rope_fusion`` follows :func:`rope_fusion_available`: on where CUDA is present and
+    megatron-core found TE's fused RoPE (both the ``sbhd`` and the packed ``thd`` kernel), off
+    otherwise (the unfused path then reads ``cu_seqlens`` on the host)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.models import builder
+    from megatron_rl.models.config import get_preset
+
+    _one_rank_layout(monkeypatch)
+    cfg = get_preset("tiny")
+    assert builder.rope_fusion_available() is (torch.cuda.is_available() and
+                                               rope_utils.fused_apply_rotary_pos_emb_thd
+                                               is not None)
+
+    def kernel(*args, **kwargs):  # TE's kernels as megatron-core imports them
+        raise AssertionError("not called while building a config")
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", kernel)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", kernel)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert builder.rope_fusion_available() is True
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)  # an old TE
+    assert builder.rope_fusion_available() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", kernel)
+    assert builder.rope_fusion_available() is False
+    for available in (True, False):
+        monkeypatch.setattr(builder, "rope_fusion_available", lambda a=available: a)
+        assert builder.make_transformer_config(cfg).apply_rope_fusion is available
 
 
 # ---- varlen_attn of older torch: keywords checked, per-sequence fallback (in-process) ----------
@@ -491,3 +580,55 @@ def test_packing_on_cuda():
     assert m1["actor/loss"] == pytest.approx(m0["actor/loss"], rel=2e-2, abs=1e-3)
     assert m1["actor/pad_fraction"] < m0["actor/pad_fraction"]
     assert res["grad"] < 0.1, res["grad"]  # bf16 (padded vs packed kernels round differently)
+
+
+def _rope_sync_worker(fused: bool) -> dict:
+    """On CUDA, the tiny model in bf16: one packed forward (autograd on, as in training) under
+    ``torch.cuda.set_sync_debug_mode("error")``, where any device->host sync raises. ``fused``:
+    megatron's fused RoPE (TE's kernels); else the local spec's unfused RoPE, which reads the
+    host copy of ``cu_seqlens``."""
+    import traceback
+
+    from megatron_rl.actor.packing import PackedMicroBatches, host_rope_model
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=120)
+    model = build_gpt_model(get_preset("tiny"), torch.bfloat16, use_te=None if fused else False,
+                            seed=3, apply_rope_fusion=fused).bfloat16()
+    batch = {k: v.cuda() for k, v in make_global_batch().items()}
+    pk = PackedMicroBatches([{"tokens": batch["tokens"], "mask": batch["mask"]}], common=False)
+    pk.model_forward(model, 0)  # warm-up: lazy device state (RoPE frequencies, cuBLAS handles)
+    torch.cuda.synchronize()
+    error, hidden = None, None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hidden = pk.model_forward(model, 0)
+    except RuntimeError:
+        error = traceback.format_exc()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = {"error": error, "fusion": model.config.apply_rope_fusion,
+           "host_rope": host_rope_model(model),
+           "finite": hidden is not None and bool(torch.isfinite(hidden).all())}
+    runtime.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused_host_cu", "fused_te"])
+def test_packed_forward_rope_has_no_host_syncs_on_cuda(fused):
+    """A packed forward on CUDA makes no device->host sync: with TE's fused RoPE, and without TE
+    with megatron's unfused RoPE reading ``cu_seqlens`` from the host (before: two syncs per
+    RoPE call, q and k, in every layer). The fused case needs TE (skipped without it)."""
+    if fused:
+        from megatron_rl.models.builder import rope_fusion_available
+
+        if not rope_fusion_available():
+            pytest.skip("fused RoPE needs Transformer Engine (megatron-core's fused kernels)")
+    (res,) = spawn(_rope_sync_worker, 1, (fused,), timeout_s=240)
+    assert res["fusion"] is fused and res["host_rope"] is (not fused), res
+    assert res["error"] is None, res["error"]
+    assert res["finite"], res

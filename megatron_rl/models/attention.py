@@ -141,8 +141,10 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError(f"SDPAttention: qkv_format={params.qkv_format!r} "
                                       "(allowed: 'thd')")
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
-        if (getattr(params, "cu_seqlens_q_padded", None) is not None
-                or getattr(params, "cu_seqlens_kv_padded", None) is not None
+        host = getattr(params, "host_cu_seqlens", None)  # the RoPE's host copy (packing.py)
+        padded = (getattr(params, "cu_seqlens_q_padded", None),
+                  getattr(params, "cu_seqlens_kv_padded", None))
+        if (any(c is not None and c is not host for c in padded)
                 or (cu_k is not cu_q and not torch.equal(cu_q, cu_k))):
             raise NotImplementedError("SDPAttention: packed rows need cu_seqlens_q == "
                                       "cu_seqlens_kv and no padded cu_seqlens")
