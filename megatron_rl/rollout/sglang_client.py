@@ -314,13 +314,16 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
 # The probe rule: after a sync every server scores the fixed probe sequence (``probe_length``
 # pseudo-random tokens, teacher forced); the *mean* |engine - actor| log-prob gap over its tokens
 # must be within the tolerance of the run's precisions (the looser side wins). The mean, not the
-# largest gap: random tokens sit at log-probs of -5 to -20, where two correct bf16 kernels differ
-# by up to ~1 on single tokens (the tiny model, bf16 vs fp32 on 64 tokens: mean 0.02, max 0.08; a
-# deep randomly initialised model: mean 0.2-0.5, max 1.8), while weights that are wrong anywhere
-# move every token (one layer or tensor not loaded in the tiny model: mean 0.65-1.3). fp32 on
-# both sides: only summation order differs (measured ~2e-6). fp16 keeps 3 more mantissa bits.
-# A sync one optimizer step stale is below any tolerance here (it moves log-probs by less than
-# bf16 rounding); the probe catches weights that did not arrive or arrived wrong.
+# largest gap: random tokens sit at log-probs of -5 to -20, where correct bf16 arithmetic moves
+# single tokens by up to ~1. Measured on CPU over 64 tokens, same weights: the tiny model in bf16
+# vs fp32, mean 0.02 (largest 0.08); the tiny architecture with sharper logits (init std 0.2),
+# mean 0.09 (largest 0.39); a deep randomly initialised model with very sharp logits (8 layers,
+# std 0.3), two bf16 attention kernels, mean 0.20-0.26 (largest 1.5). Weights that are wrong
+# anywhere move every token: one layer or tensor not loaded, or the previous weights, gives a
+# mean of 0.65-3.3. fp32 on both sides: only summation order differs (measured ~2e-6); fp16 keeps
+# 3 more mantissa bits than bf16. A sync one optimizer step stale is below any tolerance here (it
+# moves log-probs by less than bf16 rounding); the probe catches weights that did not arrive or
+# arrived wrong.
 PROBE_TOLERANCE = {"fp32": 1e-4, "fp16": 0.05, "bf16": 0.25}
 
 
