@@ -19,7 +19,11 @@ so every test here runs TP1xPP1; the multi-rank layouts stay covered by the gloo
   reference log-probs to a resident one, frees its device bytes between passes and keeps its
   device buffer across passes;
 * the tiny main job at TP1xPP1 on one GPU finishes on CUDA in bf16 (read back from its
-  checkpoint) and its training reward goes up.
+  checkpoint) and its training reward goes up;
+* the weight-sync probe rule: the bf16 actor's probe log-probs (the trainer's own probe forward)
+  against an fp32 forward of the same weights by another implementation (the Hugging Face model
+  loaded from the actor's weight stream, as a stand-in for an engine with its own kernels) pass
+  the default bf16 tolerance with a margin; stale weight sets fail it.
 """
 
 from __future__ import annotations
@@ -244,3 +248,54 @@ def test_out_of_range_labels_fail_on_cuda(fused):
     # own process each: a device-side assert leaves the CUDA context unusable
     (out,) = spawn(_bad_label_worker, 1, (fused,), timeout_s=300)
     assert out.startswith("raised"), out
+
+
+def _probe_worker() -> dict:
+    """The bf16 actor's probe log-probs vs fp32 forwards (Hugging Face model, on the actor's
+    device) of: the same weights, the weights of another seed (a missed sync), the same weights
+    with layer 2 from the other seed (a layer not loaded)."""
+    from megatron_rl.config.sections import SGLangSection
+    from megatron_rl.convert.stream import iter_hf_weight_buckets
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.embedded import build_hf_model
+    from megatron_rl.rollout.sampling import teacher_forced_logprobs
+    from megatron_rl.rollout.serve import load_named
+    from megatron_rl.rollout.sglang_client import default_probe_tolerance
+    from megatron_rl.rollout.weight_sync.common import probe_gap, probe_tokens
+    from megatron_rl.rollout.weight_sync.megatron_sync import actor_probe_logprobs
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=300)
+    dev = runtime.device()
+    actor = _actor("bf16")
+    ids = probe_tokens(get_preset("tiny").vocab_size, SGLangSection().probe_length)
+    ref = actor_probe_logprobs(actor, ids)
+    same = build_hf_model(get_preset("tiny"))
+    loaded = load_named(same, [(n, t.float().cpu()) for bucket in
+                               iter_hf_weight_buckets(actor.model) for n, t in bucket])
+    torch.manual_seed(99)
+    other = build_hf_model(get_preset("tiny"))
+    theirs = dict(other.named_parameters())
+    layer = build_hf_model(get_preset("tiny"))
+    load_named(layer, [(n, (theirs[n] if ".layers.2." in n else p).detach().clone())
+                       for n, p in same.named_parameters()])
+    out = {"device": str(dev), "loaded": loaded, "n": len(list(same.parameters())),
+           "tol": default_probe_tolerance("bf16", "bf16"),
+           "dtypes": sorted({str(p.dtype) for p in actor.model.parameters()})}
+    for name, model in (("same", same), ("missed", other), ("layer", layer)):
+        out[name] = tuple(probe_gap(teacher_forced_logprobs(model.to(dev), ids), ref))
+    runtime.shutdown()
+    return out
+
+
+def test_probe_rule_bf16_actor_vs_fp32_forward_on_cuda():
+    """The probe rule on the GPU (docs/gpu.md): bf16 actor vs an fp32 forward of its weights by
+    another implementation passes the default bf16 tolerance with a 2x margin; a missed sync
+    and a layer not loaded fail it. The gaps are printed for the GPU campaign's record."""
+    (res,) = spawn(_probe_worker, 1, (), timeout_s=600)
+    print("probe gaps (mean, max):", {k: res[k] for k in ("same", "missed", "layer")})
+    assert res["device"].startswith("cuda") and res["dtypes"] == ["torch.bfloat16"], res
+    assert res["loaded"] == res["n"], res
+    tol = res["tol"]
+    assert res["same"][0] <= tol / 2, res
+    assert res["missed"][0] > 2 * tol and res["layer"][0] > tol, res

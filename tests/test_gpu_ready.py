@@ -150,17 +150,17 @@ def test_host_group_outlives_the_update_timeout():
 # ---- item 3: probe tolerance from the precisions ----------------------------------------------
 @pytest.mark.parametrize("overrides,want", [
     ([], 1e-4),  # CPU: fp32 actor, our fp32 `serve`
-    (["actor.precision=bf16"], 0.05),
-    (["rollout.sglang.launcher=sglang"], 0.05),  # SGLang serves in bf16
-    (["actor.precision=fp16"], 0.02),
-    (["actor.precision=bf16", "rollout.sglang.probe_tolerance=0.2"], 0.2),  # explicit wins
+    (["actor.precision=bf16"], 0.25),  # the mean gap over the probe (docs/gpu.md)
+    (["rollout.sglang.launcher=sglang"], 0.25),  # SGLang serves in bf16
+    (["actor.precision=fp16"], 0.05),
+    (["actor.precision=bf16", "rollout.sglang.probe_tolerance=0.3"], 0.3),  # explicit wins
 ])
 def test_probe_tolerance_default_follows_precision(overrides, want):
     from megatron_rl.config.load import load_config
     from megatron_rl.rollout.sglang_client import probe_tolerance_of
 
     cfg = load_config(None, ["rollout.engine=sglang", *overrides])
-    assert cfg.rollout.sglang.probe_tolerance == (0.2 if "0.2" in str(overrides) else None)
+    assert cfg.rollout.sglang.probe_tolerance == (0.3 if "0.3" in str(overrides) else None)
     assert probe_tolerance_of(cfg) == want
 
 

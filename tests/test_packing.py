@@ -11,6 +11,8 @@ the varlen kernel and a bf16 update on CUDA."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -108,8 +110,46 @@ def _attention_worker() -> dict:
         o = mod(q, k, v, None, packed_seq_params=whole.params).reshape(20, -1)
         out[f"{name}_unpacked_differs"] = float((o - ref.detach()).abs().max())
     out["fp64"] = _fp64_model_check()
+    out["rope"] = _host_rope_check()
     runtime.shutdown()
     return out
+
+
+def _host_rope_check() -> dict:
+    """A packed forward of the tiny model (local spec, unfused RoPE) with and without the host
+    copy of ``cu_seqlens`` (:func:`forward_params`): which ``cu_seqlens`` megatron's RoPE got,
+    and whether the hidden states are equal."""
+    from megatron.core.transformer import attention as mc_attention
+
+    from megatron_rl.actor.packing import PackedMicroBatches, forward_params, host_rope_model
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.config import get_preset
+
+    model = build_gpt_model(get_preset("tiny"), seed=3)
+    batch = make_global_batch()
+    pk = PackedMicroBatches([{"tokens": batch["tokens"], "mask": batch["mask"]}], common=False)
+    p = pk.packs[0]
+    seen = []
+    rope = mc_attention.apply_rotary_pos_emb
+
+    def spy(t, freqs, config, cu_seqlens=None, **kwargs):
+        seen.append("host" if cu_seqlens is p.params.host_cu_seqlens else
+                    "device" if cu_seqlens is p.params.cu_seqlens_q else "other")
+        return rope(t, freqs, config, cu_seqlens=cu_seqlens, **kwargs)
+
+    mc_attention.apply_rotary_pos_emb = spy
+    try:
+        hidden = {}
+        with torch.no_grad():
+            for host in (False, True):
+                hidden[host] = model(p.tokens, p.position_ids, None,
+                                     packed_seq_params=forward_params(p.params, host))
+    finally:
+        mc_attention.apply_rotary_pos_emb = rope
+    return {"equal": torch.equal(hidden[True], hidden[False]), "seen": seen,
+            "fusion": model.config.apply_rope_fusion, "flag": host_rope_model(model),
+            "host_device": str(p.params.host_cu_seqlens.device),
+            "host_equal": p.params.host_cu_seqlens.tolist() == p.params.cu_seqlens_q.tolist()}
 
 
 def _fp64_model_check() -> tuple[float, float]:
@@ -161,6 +201,169 @@ def test_sdpa_packed_matches_per_sequence(attention, kind):
     for mode in ("segments", "mask", "sdpa"):
         assert attention[f"{kind}_{mode}"] < 1e-5, attention
     assert attention[f"{kind}_unpacked_differs"] > 1e-2, attention
+
+
+def test_packed_rope_reads_host_cu_seqlens(attention):
+    """Without fused RoPE (no TE), megatron's RoPE on packed rows gets the host copy of
+    ``cu_seqlens`` (no device->host sync on CUDA) and computes the same hidden states."""
+    r = attention["rope"]
+    layers = 4  # the tiny preset; q and k per layer
+    assert r["seen"] == ["device"] * 2 * layers + ["host"] * 2 * layers, r["seen"]
+    assert r["equal"] and r["host_equal"] and r["host_device"] == "cpu"
+    assert r["fusion"] is False and r["flag"] is True
+
+
+def _one_rank_layout(monkeypatch) -> None:
+    """megatron's parallel-state sizes of one rank, without process groups (in-process)."""
+    from megatron.core import parallel_state as ps
+
+    for name in ("get_tensor_model_parallel_world_size", "get_pipeline_model_parallel_world_size",
+                 "get_expert_model_parallel_world_size"):
+        monkeypatch.setattr(ps, name, lambda: 1)
+
+
+def test_builder_sets_rope_fusion_per_availability(monkeypatch):
+    """``apply_rope_fusion`` follows :func:`rope_fusion_available`: on where CUDA is present and
+    megatron-core found TE's fused RoPE (both the ``sbhd`` and the packed ``thd`` kernel), off
+    otherwise (the unfused path then reads ``cu_seqlens`` on the host)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.models import builder
+    from megatron_rl.models.config import get_preset
+
+    _one_rank_layout(monkeypatch)
+    cfg = get_preset("tiny")
+    assert builder.rope_fusion_available() is (torch.cuda.is_available() and
+                                               rope_utils.fused_apply_rotary_pos_emb_thd
+                                               is not None)
+
+    def kernel(*args, **kwargs):  # TE's kernels as megatron-core imports them
+        raise AssertionError("not called while building a config")
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", kernel)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", kernel)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert builder.rope_fusion_available() is True
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)  # an old TE
+    assert builder.rope_fusion_available() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", kernel)
+    assert builder.rope_fusion_available() is False
+    for available in (True, False):
+        monkeypatch.setattr(builder, "rope_fusion_available", lambda a=available: a)
+        assert builder.make_transformer_config(cfg).apply_rope_fusion is available
+
+
+# ---- varlen_attn of older torch: keywords checked, per-sequence fallback (in-process) ----------
+VARLEN_LENS = (5, 9, 3)  # + a filler segment of 3: 20 packed tokens
+
+
+def varlen_2_9(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+               return_aux=None):
+    """torch 2.9's signature (``is_causal``; no ``scale``/``window_size``/``enable_gqa``)."""
+    raise AssertionError("a varlen_attn without scale/window_size must not be called")
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                scale=None, window_size=(-1, -1)):
+    """torch 2.10/2.11's signature (no ``enable_gqa``): causal attention per ``cu_seq_q``
+    segment, computed with SDPA (MHA only)."""
+    assert query.shape[1] == key.shape[1], "MHA only: this varlen_attn has no enable_gqa"
+    assert window_size == (-1, 0)
+    return _sdpa_segments(query, key, value, cu_seq_q, scale)
+
+
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
+                block_table=None, num_splits=None):
+    """torch 2.12+'s signature (the one this project is tested with)."""
+    assert window_size == (-1, 0) and enable_gqa == (query.shape[1] != key.shape[1])
+    return _sdpa_segments(query, key, value, cu_seq_q, scale)
+
+
+def _sdpa_segments(q, k, v, cu, scale) -> torch.Tensor:
+    """``[T, h, D]`` causal attention within each segment of ``cu`` (a stub kernel's output)."""
+    import torch.nn.functional as F
+
+    outs, bounds = [], cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                           enable_gqa=qs.shape[0] != ks.shape[0])
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _standalone_attention(heads: int, groups: int):
+    """An :class:`SDPAttention` built without process groups (TP size 1 given directly)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl.models.attention import SDPAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16 * heads, num_attention_heads=heads,
+                            num_query_groups=groups, kv_channels=16, attention_dropout=0.0)
+    return SDPAttention(cfg, 1, AttnMaskType.causal, "self",
+                        pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+
+
+def _varlen_run(monkeypatch, stub, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      list]:
+    """Packed attention with ``stub`` as the installed ``varlen_attn`` (rows made eligible for
+    it on CPU) and without any: ``(output, per-sequence output, stub calls)``."""
+    from megatron_rl.actor.packing import pack_micro_batch
+    from megatron_rl.models import attention as attn_mod
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return stub(*args, **kwargs)
+
+    spy.__signature__ = inspect.signature(stub)
+    pk = pack_micro_batch(torch.zeros(3, 9, dtype=torch.long), list(VARLEN_LENS), 20)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(20, heads, 16, generator=g)
+    k, v = (torch.randn(20, groups, 16, generator=g) for _ in "kv")
+    mod = _standalone_attention(heads, groups)
+    mod.packed_cpu_mode = "segments"  # the per-sequence path
+    per_sequence = mod(q, k, v, None, packed_seq_params=pk.params)
+    monkeypatch.setattr(attn_mod, "_varlen_attn", spy)
+    monkeypatch.setattr(attn_mod.SDPAttention, "_varlen_eligible",
+                        staticmethod(lambda query, dropout: True))
+    out = mod(q, k, v, None, packed_seq_params=pk.params)
+    return out, per_sequence, calls
+
+
+@pytest.mark.parametrize("stub,heads,groups", [(varlen_2_9, 4, 2), (varlen_2_9, 2, 2),
+                                               (varlen_2_11, 4, 2)])
+def test_varlen_attn_of_older_torch_falls_back_to_per_sequence_path(monkeypatch, stub, heads,
+                                                                   groups):
+    """A ``varlen_attn`` without the keywords a call needs is never called (torch 2.9: no
+    ``scale``/``window_size``; 2.10-2.11 with GQA: no ``enable_gqa``); the packed rows take the
+    per-sequence path and give its output exactly."""
+    out, per_sequence, calls = _varlen_run(monkeypatch, stub, heads, groups)
+    assert calls == []
+    assert torch.equal(out, per_sequence)
+
+
+@pytest.mark.parametrize("stub,heads,groups,keywords", [
+    (varlen_2_11, 2, 2, ["scale", "window_size"]),  # MHA: enable_gqa not needed, not passed
+    (varlen_2_13, 2, 2, ["scale", "window_size"]),
+    (varlen_2_13, 4, 2, ["enable_gqa", "scale", "window_size"])])
+def test_varlen_attn_gets_only_keywords_its_signature_has(monkeypatch, stub, heads, groups,
+                                                          keywords):
+    """A ``varlen_attn`` that takes the call's keywords is called once per forward with exactly
+    those, and its signature is inspected once (cached)."""
+    from megatron_rl.models.attention import varlen_keywords
+
+    varlen_keywords.cache_clear()
+    out, per_sequence, calls = _varlen_run(monkeypatch, stub, heads, groups)
+    assert calls == [keywords]
+    assert torch.allclose(out, per_sequence, atol=1e-5)
+    assert varlen_keywords.cache_info().misses == 1
 
 
 # -------------------------------------------------------------------------------------------------
@@ -331,7 +534,9 @@ def _gpu_worker() -> dict:
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=120)
-    out: dict = {"varlen": attn_mod._varlen_attn is not None}
+    # torch 2.13's varlen_attn takes every keyword of the call (else the per-sequence path runs)
+    out: dict = {"varlen": attn_mod._varlen_attn is not None and attn_mod.varlen_call_kwargs(
+        attn_mod._varlen_attn, 0.25, True) is not None}
     lens = [5, 9, 3]
     pk = pack_micro_batch(torch.zeros(3, 9, dtype=torch.long, device="cuda"), lens, 20)
     mod = _attention_module(4, 2).cuda()
@@ -375,3 +580,55 @@ def test_packing_on_cuda():
     assert m1["actor/loss"] == pytest.approx(m0["actor/loss"], rel=2e-2, abs=1e-3)
     assert m1["actor/pad_fraction"] < m0["actor/pad_fraction"]
     assert res["grad"] < 0.1, res["grad"]  # bf16 (padded vs packed kernels round differently)
+
+
+def _rope_sync_worker(fused: bool) -> dict:
+    """On CUDA, the tiny model in bf16: one packed forward (autograd on, as in training) under
+    ``torch.cuda.set_sync_debug_mode("error")``, where any device->host sync raises. ``fused``:
+    megatron's fused RoPE (TE's kernels); else the local spec's unfused RoPE, which reads the
+    host copy of ``cu_seqlens``."""
+    import traceback
+
+    from megatron_rl.actor.packing import PackedMicroBatches, host_rope_model
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=120)
+    model = build_gpt_model(get_preset("tiny"), torch.bfloat16, use_te=None if fused else False,
+                            seed=3, apply_rope_fusion=fused).bfloat16()
+    batch = {k: v.cuda() for k, v in make_global_batch().items()}
+    pk = PackedMicroBatches([{"tokens": batch["tokens"], "mask": batch["mask"]}], common=False)
+    pk.model_forward(model, 0)  # warm-up: lazy device state (RoPE frequencies, cuBLAS handles)
+    torch.cuda.synchronize()
+    error, hidden = None, None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hidden = pk.model_forward(model, 0)
+    except RuntimeError:
+        error = traceback.format_exc()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = {"error": error, "fusion": model.config.apply_rope_fusion,
+           "host_rope": host_rope_model(model),
+           "finite": hidden is not None and bool(torch.isfinite(hidden).all())}
+    runtime.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused_host_cu", "fused_te"])
+def test_packed_forward_rope_has_no_host_syncs_on_cuda(fused):
+    """A packed forward on CUDA makes no device->host sync: with TE's fused RoPE, and without TE
+    with megatron's unfused RoPE reading ``cu_seqlens`` from the host (before: two syncs per
+    RoPE call, q and k, in every layer). The fused case needs TE (skipped without it)."""
+    if fused:
+        from megatron_rl.models.builder import rope_fusion_available
+
+        if not rope_fusion_available():
+            pytest.skip("fused RoPE needs Transformer Engine (megatron-core's fused kernels)")
+    (res,) = spawn(_rope_sync_worker, 1, (fused,), timeout_s=240)
+    assert res["fusion"] is fused and res["host_rope"] is (not fused), res
+    assert res["error"] is None, res["error"]
+    assert res["finite"], res

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,3 +317,144 @@ def test_offpolicy_lag_is_measured_or_refused(server, tmp_path):
     with pytest.raises(ServerError, match="weight version 1"):
         eng.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2), seed=1)
     assert eng.pop_metrics()["rollout/stale_refused"] == 2.0
+
+
+# ---- the weight-sync probe rule (mean gap over the probe, tolerance per precision) -------------
+def _mixed(good: torch.nn.Module, other: torch.nn.Module, part: str | None = None) -> list:
+    """``good``'s weights (one bucket), those whose name contains ``part`` taken from
+    ``other``."""
+    theirs = dict(other.named_parameters())
+    return [(n, (theirs[n] if part is not None and part in n else p).detach().clone())
+            for n, p in good.named_parameters()]
+
+
+def test_probe_passes_a_correct_bf16_sync_and_fails_wrong_weights(server, tmp_path):
+    """The probe rule at its defaults (``probe_length`` tokens, the bf16 tolerance): the actor
+    scores the probe with bf16 kernels and the server (fp32) holds the same weights: a correct
+    sync whose per-token gaps are bf16 rounding, up to ~0.4 on single tokens (the old rule, the
+    largest gap <= 0.05, failed it). Syncs that load wrong weights fail: the previous weights
+    (the sync missed), one layer not loaded, the output layer not loaded."""
+    import copy
+    import dataclasses
+
+    from megatron_rl.rollout.sampling import teacher_forced_logprobs as tfl
+    from megatron_rl.rollout.sglang_client import default_probe_tolerance
+
+    url, state = server
+    original = copy.deepcopy(state.model.state_dict())
+    # sharper than the preset's init (std 0.2): random tokens at log-probs of -14 to -2, as in a
+    # trained model, so bf16 rounding moves them as much as it does there
+    cfg = dataclasses.replace(get_preset("tiny"), init_method_std=0.2)
+    torch.manual_seed(21)
+    actor = build_hf_model(cfg)
+    torch.manual_seed(22)
+    previous = build_hf_model(cfg)
+    ids = probe_tokens(cfg.vocab_size, SGLangSection().probe_length)
+    actor_logp = tfl(copy.deepcopy(actor).to(torch.bfloat16), ids)  # the actor's bf16 kernels
+    tol = default_probe_tolerance("bf16", "bf16")
+    eng = _engine(url, tmp_path)
+    try:
+        push_single_process(eng, [_mixed(actor, previous)], version=1)
+        gap, errors = probe_check([url], ids, actor_logp, tol)
+        assert not errors and 0.0 < gap <= tol / 2, (gap, errors)
+        from megatron_rl.rollout.weight_sync.common import engine_probe_logprobs, probe_gap
+
+        assert probe_gap(engine_probe_logprobs(url, ids), actor_logp).max > 0.05
+        wrong = {"missed": _mixed(previous, actor),
+                 "layer 2 not loaded": _mixed(actor, previous, "layers.2."),
+                 "output layer not loaded": _mixed(actor, previous, "lm_head")}
+        for version, (name, weights) in enumerate(wrong.items(), start=2):
+            push_single_process(eng, [weights], version=version)
+            gap, errors = probe_check([url], ids, actor_logp, tol)
+            assert errors and gap > 2 * tol, (name, gap)
+            assert "on average over 63 tokens" in errors[0]
+    finally:
+        with torch.no_grad():
+            state.model.load_state_dict(original)
+
+
+def test_probe_gap_statistic():
+    """Mean and largest |gap|; a length mismatch or no tokens is infinite; NaN fails any
+    tolerance; the worst of several servers keeps NaN."""
+    import math
+
+    from megatron_rl.rollout.weight_sync.common import (
+        ProbeGap,
+        probe_failure,
+        probe_gap,
+        worst_gap,
+    )
+
+    assert probe_gap([-1.0, -2.5, -3.0], [-1.5, -2.5, -2.0]) == ProbeGap(0.5, 1.0)
+    assert probe_gap([-1.0], [-1.0, -2.0]) == ProbeGap(math.inf, math.inf)
+    assert probe_gap([], []).mean == math.inf
+    nan = probe_gap([float("nan"), -1.0], [-1.0, -1.0])
+    assert probe_failure("u", nan, 10.0, 2) and probe_failure("u", ProbeGap(0.3, 2.0), 0.25, 2)
+    assert probe_failure("u", ProbeGap(0.2, 2.0), 0.25, 2) is None  # one big token: passes
+    assert math.isnan(worst_gap([ProbeGap(0.1, 0.2), nan]).mean)
+    assert worst_gap([ProbeGap(0.1, 0.9), ProbeGap(0.3, 0.4)]) == ProbeGap(0.3, 0.9)
+
+
+def _sync_fleet_probe_worker(sync_dir: str) -> dict:
+    """One gloo rank: the tiny megatron actor synced to our ``serve`` by :func:`sync_fleet`
+    (from_disk, fp32 both sides): a sync whose server skips layer 1's tensors (the sync loaded
+    wrong weights), then a correct sync; the error, the summary and the engine's metrics."""
+    from conftest import serve_tiny
+    from test_actor_layout import loss_config
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.sglang_client import default_probe_tolerance
+    from megatron_rl.rollout.weight_sync.common import WeightSyncError
+    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=2), OptimConfig(lr=1e-3),
+                  loss_config(), total_steps=1, seed=7)
+    out: dict = {}
+    with serve_tiny() as (url, state):
+        eng = _engine(url, Path(sync_dir))
+        eng.probe_length = SGLangSection().probe_length
+        eng.probe_tolerance = default_probe_tolerance("fp32", "fp32")
+        load = state.update_from_disk
+
+        def skip_layer_1(req: dict) -> dict:
+            kept = {n: p.detach().clone() for n, p in state.model.named_parameters()
+                    if ".layers.1." in n}
+            reply = load(req)
+            with torch.no_grad():
+                for n, p in state.model.named_parameters():
+                    if n in kept:
+                        p.copy_(kept[n])
+            return reply
+
+        state.update_from_disk = skip_layer_1
+        try:
+            sync_fleet(actor, eng, fleet_plan(eng), 1, version=1)
+        except WeightSyncError as exc:
+            out["wrong"] = str(exc)
+        out["wrong_metrics"] = eng.pop_metrics()
+        state.update_from_disk = load
+        out["summary"] = sync_fleet(actor, eng, fleet_plan(eng), 1, version=2)
+        out["metrics"] = eng.pop_metrics()
+        out["version"] = eng.weight_version
+    runtime.shutdown()
+    return out
+
+
+def test_sync_fleet_probe_fails_wrong_weights_and_logs_the_gap(tmp_path):
+    """Through the trainer's sync (:func:`sync_fleet`, the real megatron actor): a sync whose
+    server did not load one layer fails on the probe; a correct one passes and its probe gap
+    reaches the rollout metrics (``rollout/weight_sync_probe_gap``, as in metrics.jsonl)."""
+    from megatron_rl.parallel.launch import spawn
+
+    (res,) = spawn(_sync_fleet_probe_worker, 1, (str(tmp_path),), timeout_s=300)
+    assert "probe log-probs differ from the actor's" in res.get("wrong", ""), res
+    assert "on average over 63 tokens" in res["wrong"]
+    assert "rollout/weight_sync_probe_gap" not in res["wrong_metrics"]
+    m = res["metrics"]
+    assert 0.0 <= m["rollout/weight_sync_probe_gap"] <= m["rollout/weight_sync_probe_max_diff"]
+    assert m["rollout/weight_sync_probe_max_diff"] <= 1e-4, m  # fp32 on both sides
+    assert "probe gap" in res["summary"] and res["version"] == 2

@@ -175,10 +175,13 @@ def test_rl_run_through_router_matches_embedded(fleet_run, tmp_path):
                 assert va == vb, k
     trained = [r for r in fl if "rollout/offpolicy_lag" in r]
     assert trained and all(r["rollout/offpolicy_lag"] == 0.0 for r in trained)
-    # every step's sync was verified: probe within 1e-4 (fp32) on both servers
+    # every step's sync was verified: probe within 1e-4 (fp32) on both servers, its mean gap
+    # (the number checked) logged per sync
     synced = [r for r in fl if "rollout/weight_sync_probe_max_diff" in r]
     assert len(synced) >= 2 and all(r["rollout/weight_sync_probe_max_diff"] <= 1e-4
                                     for r in synced)
+    assert all(0.0 <= r["rollout/weight_sync_probe_gap"] <= r["rollout/weight_sync_probe_max_diff"]
+               for r in synced)
     logs = os.listdir(fleet_out / "sglang" / "logs")
     assert sorted(logs) == ["router.log", "server0.log", "server1.log"]
 

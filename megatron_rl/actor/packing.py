@@ -19,6 +19,8 @@ model's FLOPs and activations follow ``T``.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,9 +38,35 @@ Tensor = torch.Tensor
 @dataclass
 class HostPackedSeqParams(PackedSeqParams):
     """:class:`PackedSeqParams` plus the segment lengths as host ints (attention loops over them
-    without a device->host copy per layer)."""
+    without a device->host copy per layer) and ``cu_seqlens`` as a host (CPU int32) tensor."""
 
     seqlens: tuple[int, ...] = ()
+    host_cu_seqlens: Tensor | None = None
+
+
+def forward_params(params: HostPackedSeqParams, host_rope: bool) -> PackedSeqParams:
+    """The packed params a model forward gets. ``host_rope``: megatron-core 0.16's unfused THD
+    RoPE (``rope_utils._apply_rotary_pos_emb_thd``) reads ``cu_seqlens`` with ``.tolist()`` and
+    compares its last entry in an ``if``: with device ``cu_seqlens`` two device->host syncs per
+    call, for q and k, in every layer. It takes the *padded* ``cu_seqlens`` when they are set
+    (``transformer/attention.py``), so these carry the host copy (equal to the unpadded ones:
+    packing pads no sequence) and the RoPE runs without a sync; :class:`~megatron_rl.models.
+    attention.SDPAttention` accepts that copy. TE's attention and fused RoPE need the device
+    ``cu_seqlens``: ``host_rope`` False leaves the params unchanged."""
+    host = params.host_cu_seqlens
+    if not host_rope or host is None:
+        return params
+    return dataclasses.replace(params, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
+
+
+def host_rope_model(model_chunk: torch.nn.Module) -> bool:
+    """Whether ``model_chunk`` (possibly wrapped: DDP, Float16Module) runs the unfused RoPE with
+    SDPAttention (``host_rope_cu_seqlens``, set by :func:`~megatron_rl.models.builder.
+    build_gpt_model`)."""
+    m = model_chunk
+    while not hasattr(m, "host_rope_cu_seqlens") and hasattr(m, "module"):
+        m = m.module
+    return bool(getattr(m, "host_rope_cu_seqlens", False))
 
 
 class PackingBackendError(ValueError):
@@ -105,11 +133,14 @@ def pack_micro_batch(tokens: Tensor, lengths: Sequence[int], total: int) -> Pack
     packed[0, :used] = tokens[rows, cols]
     pos = torch.cat([cols, torch.arange(filler, device=dev)]).unsqueeze(0)
     seqlens = tuple(int(n) for n in lengths if n > 0) + ((filler,) if filler else ())
-    cu = torch.tensor((0, *torch.tensor(seqlens).cumsum(0).tolist()) if seqlens else (0,),
-                      dtype=torch.int32, device=dev)
+    cu_ints = (0, *itertools.accumulate(seqlens))
+    cu = torch.tensor(cu_ints, dtype=torch.int32, device=dev)
+    # the same on the host, for megatron's unfused RoPE (forward_params)
+    host_cu = torch.tensor(cu_ints, dtype=torch.int32, device="cpu")  # device-spy: ok (host cu)
     longest = max(seqlens) if seqlens else 0
     params = HostPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=longest, max_seqlen_kv=longest, seqlens=seqlens)
+                                 max_seqlen_q=longest, max_seqlen_kv=longest, seqlens=seqlens,
+                                 host_cu_seqlens=host_cu)
     return PackedMicroBatch(packed, pos, params, starts, (bsz, seq), used)
 
 
@@ -155,12 +186,16 @@ class PackedMicroBatches:
 
     def model_forward(self, model_chunk: torch.nn.Module, i: int, **kwargs: Any) -> Tensor:
         """Micro-batch ``i`` through ``model_chunk``: hidden states ``[T, 1, H]`` (last stage).
-        MoE: the filler segment is padding for the router (:mod:`megatron_rl.actor.moe_padding`)."""
+        MoE: the filler segment is padding for the router (:mod:`megatron_rl.actor.moe_padding`).
+        On CUDA with the unfused RoPE the RoPE reads ``cu_seqlens`` on the host
+        (:func:`forward_params`)."""
         p = self.packs[i]
         if is_moe(model_chunk):
             kwargs["padding_mask"] = packed_padding_mask(p.tokens.shape[1], p.used,
                                                          p.tokens.device)
-        return model_chunk(p.tokens, p.position_ids, None, packed_seq_params=p.params, **kwargs)
+        host_rope = p.tokens.is_cuda and host_rope_model(model_chunk)
+        return model_chunk(p.tokens, p.position_ids, None,
+                           packed_seq_params=forward_params(p.params, host_rope), **kwargs)
 
     def index(self, i: int) -> tuple[Tensor, Tensor]:
         """``(b, t)`` response positions of micro-batch ``i`` in the rows' view (one host sync

@@ -76,9 +76,8 @@ class SGLangSection:
     max_offpolicy_lag: int = -1  # -1: only measure rollout/offpolicy_lag; >= 0: refuse staler
     weight_sync: str = "from_disk"  # from_disk | from_tensor | from_distributed
     sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
-    probe_tolerance: float | None = None  # max |engine - actor| probe log-prob; None: from the
-    # actor's and the servers' precisions (1e-4 both fp32, 0.05 with bf16; docs/gpu.md)
-    probe_length: int = 16  # tokens of the probe sequence (0: no probe)
+    probe_tolerance: float | None = None  # mean |engine - actor| probe gap; None: by precision
+    probe_length: int = 64  # tokens of the probe sequence (0: no probe)
     spot_checks: int = 0  # /get_weights_by_name checks per sender per sync (Llama/serve only)
     server_threads: int = 1  # torch threads of each started `serve`
     python: str | None = None  # interpreter of started servers (SGLang's venv); None: trainer's

@@ -23,8 +23,10 @@ Shapes: ``query [Sq, B, heads/TP, D]``, ``key``/``value [Sk, B, groups/TP, D]`` 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,28 @@ try:  # FlashAttention's variable-length kernel (torch >= 2.9, CUDA)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - older torch
     _varlen_attn = None
+
+
+@functools.cache
+def varlen_keywords(fn: Callable) -> frozenset[str]:
+    """Names ``fn`` accepts as keywords (its signature, inspected once per function)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: pass no keyword
+        return frozenset()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in kinds)
+
+
+def varlen_call_kwargs(fn: Callable, scale: float, gqa: bool) -> dict[str, Any] | None:
+    """Keywords of a causal ``varlen_attn`` call at ``scale`` (grouped-query when ``gqa``), or
+    None when ``fn`` does not take them all: torch 2.9's ``varlen_attn`` has ``is_causal`` and
+    no ``scale``/``window_size``, 2.10 and 2.11 have no ``enable_gqa`` (2.12 has all three).
+    ``window_size=(-1, 0)``: every earlier token, none later (causal)."""
+    kwargs: dict[str, Any] = {"scale": scale, "window_size": (-1, 0)}
+    if gqa:
+        kwargs["enable_gqa"] = True
+    return kwargs if kwargs.keys() <= varlen_keywords(fn) else None
 
 
 # CPU packed rows of short sequences (mean length <= PACKED_MASK_MEAN_LEN, at most
@@ -106,30 +130,35 @@ class SDPAttention(MegatronModule):
         ``cu_seqlens`` segment, nothing across segments.
 
         CUDA, fp16/bf16, no dropout: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's
-        variable-length kernel). Otherwise one causal attention per segment (SDPA on CUDA). On CPU
-        in megatron's operation order: per segment (``packed_cpu_mode = "segments"``) or with one
-        ``[T, T]`` document-causal mask (``"mask"``; no per-segment Python loop, ``[h, T, T]``
-        scores); ``"auto"`` takes the mask for short sequences (:data:`PACKED_MASK_MEAN_LEN`).
+        variable-length kernel) where the installed torch's takes ``scale``, ``window_size`` and,
+        for GQA, ``enable_gqa`` (:func:`varlen_call_kwargs`). Otherwise one causal attention per
+        segment (SDPA on CUDA). On CPU in megatron's operation order: per segment
+        (``packed_cpu_mode = "segments"``) or with one ``[T, T]`` document-causal mask
+        (``"mask"``; no per-segment Python loop, ``[h, T, T]`` scores); ``"auto"`` takes the mask
+        for short sequences (:data:`PACKED_MASK_MEAN_LEN`).
         """
         if getattr(params, "qkv_format", "thd") != "thd":
             raise NotImplementedError(f"SDPAttention: qkv_format={params.qkv_format!r} "
                                       "(allowed: 'thd')")
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
-        if (getattr(params, "cu_seqlens_q_padded", None) is not None
-                or getattr(params, "cu_seqlens_kv_padded", None) is not None
+        host = getattr(params, "host_cu_seqlens", None)  # the RoPE's host copy (packing.py)
+        padded = (getattr(params, "cu_seqlens_q_padded", None),
+                  getattr(params, "cu_seqlens_kv_padded", None))
+        if (any(c is not None and c is not host for c in padded)
                 or (cu_k is not cu_q and not torch.equal(cu_q, cu_k))):
             raise NotImplementedError("SDPAttention: packed rows need cu_seqlens_q == "
                                       "cu_seqlens_kv and no padded cu_seqlens")
         t = query.shape[0]
         gqa = self.heads != self.groups
         drop = self.dropout if self.training else 0.0
-        if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and drop == 0.0
-                and _varlen_attn is not None):
+        varlen_kwargs = None
+        if _varlen_attn is not None and self._varlen_eligible(query, drop):
+            varlen_kwargs = varlen_call_kwargs(_varlen_attn, self.softmax_scale, gqa)
+        if varlen_kwargs is not None:
             cu = cu_q.to(torch.int32)
             query, key, value = (x.contiguous() for x in (query, key, value))
             out = _varlen_attn(query, key, value, cu, cu, int(params.max_seqlen_q),
-                               int(params.max_seqlen_kv), scale=self.softmax_scale,
-                               window_size=(-1, 0), enable_gqa=gqa)
+                               int(params.max_seqlen_kv), **varlen_kwargs)
             return out.reshape(t, self.heads * self.head_dim)
         seqlens = getattr(params, "seqlens", None) or tuple(
             int(n) for n in (cu_q[1:] - cu_q[:-1]).tolist() if n > 0)
@@ -156,6 +185,12 @@ class SDPAttention(MegatronModule):
                                                    scale=self.softmax_scale, enable_gqa=gqa)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
         return torch.cat(outs) if outs else query.new_zeros(0, self.heads * self.head_dim)
+
+    @staticmethod
+    def _varlen_eligible(query: torch.Tensor, dropout: float) -> bool:
+        """Whether the varlen kernel can take these packed rows: CUDA, fp16/bf16, no dropout
+        (the keywords of the installed torch's ``varlen_attn`` are checked separately)."""
+        return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0
 
     def _megatron_order(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         keep: torch.Tensor | None, causal: bool) -> torch.Tensor:

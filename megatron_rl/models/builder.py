@@ -38,6 +38,18 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available() and transformer_engine_importable()
 
 
+def rope_fusion_available() -> bool:
+    """True when megatron-core's fused RoPE kernels can run: CUDA is present and
+    ``rope_utils`` imported both fused functions (``sbhd`` and packed ``thd``), which megatron-core
+    0.16 takes from its Transformer Engine extension (None without TE)."""
+    if not torch.cuda.is_available():
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return (rope_utils.fused_apply_rotary_pos_emb is not None
+            and rope_utils.fused_apply_rotary_pos_emb_thd is not None)
+
+
 def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
                             **overrides: Any):
     """megatron ``TransformerConfig`` for ``cfg`` in the current parallel layout."""
@@ -67,7 +79,10 @@ def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.
         # The fused softmax needs megatron's compiled extension (not in the wheel); the local
         # spec uses SDPA anyway (models/attention.py).
         masked_softmax_fusion=masked_softmax_extension_available(),
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        # Fused RoPE where TE provides it: the unfused packed (THD) path reads cu_seqlens on the
+        # host (see actor/packing.py forward_params for how it stays sync-free without TE).
+        apply_rope_fusion=rope_fusion_available(), persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         # p2p_communication.py calls torch.cuda.synchronize() after batched P2P when this is on;
         # gloo's P2P is synchronous once waited on, so the sync is not needed on CPU.
@@ -204,6 +219,9 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
         parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope", rotary_base=int(cfg.rope_theta))
     model.model_config = cfg
+    # packed rows: megatron's unfused RoPE may read cu_seqlens from the host (SDPAttention
+    # accepts the host copy; TE's attention and fused RoPE need them on the device)
+    model.host_rope_cu_seqlens = not use_te and not tcfg.apply_rope_fusion
     if cfg.moe_grouped_gemm:
         _check_grouped_experts(model)
     if cfg.is_moe:

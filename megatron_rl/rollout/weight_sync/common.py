@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -342,15 +342,51 @@ def engine_probe_logprobs(url: str, ids: list[int]) -> list[float]:
     return [float(lp) for lp, *_ in lps[1:]]
 
 
+class ProbeGap(NamedTuple):
+    """Engine vs actor log-probs of the probe sequence, one server: ``mean`` |gap| over its
+    tokens (the statistic the sync is checked on) and the largest single-token gap (reported)."""
+
+    mean: float
+    max: float
+
+
+def probe_gap(engine_logp: list[float], actor_logp: list[float]) -> ProbeGap:
+    """:class:`ProbeGap` of two per-token log-prob lists (infinite when their lengths differ or
+    they are empty; NaN stays NaN and fails every tolerance)."""
+    got = torch.tensor(engine_logp, dtype=torch.float64)
+    ref = torch.tensor(actor_logp, dtype=torch.float64)
+    if got.shape != ref.shape or ref.numel() == 0:
+        return ProbeGap(float("inf"), float("inf"))
+    d = (got - ref).abs()
+    return ProbeGap(float(d.mean()), float(d.max()))
+
+
+def probe_failure(url: str, gap: ProbeGap, tol: float, tokens: int) -> str | None:
+    """The error of a server whose mean probe gap is over ``tol`` (or NaN), else None."""
+    if gap.mean <= tol:
+        return None
+    return (f"{url}: probe log-probs differ from the actor's by {gap.mean:.3g} on average over "
+            f"{tokens} tokens (largest {gap.max:.3g}) > {tol:g}")
+
+
+def probe_gaps(urls: list[str], ids: list[int], actor_logp: list[float]
+               ) -> dict[str, ProbeGap]:
+    """:class:`ProbeGap` of every server's teacher-forced log-probs of ``ids`` vs the actor's."""
+    return {u: probe_gap(engine_probe_logprobs(u, ids), actor_logp) for u in urls}
+
+
+def worst_gap(gaps: Iterable[ProbeGap]) -> ProbeGap:
+    """The largest mean and the largest single-token gap over servers (NaN wins)."""
+    gaps = list(gaps)
+    if not gaps:
+        return ProbeGap(0.0, 0.0)
+    return ProbeGap(*(max(vals, key=lambda v: (v != v, v)) for vals in zip(*gaps)))
+
+
 def probe_check(urls: list[str], ids: list[int], actor_logp: list[float], tol: float
                 ) -> tuple[float, list[str]]:
-    """Max |engine - actor| probe log-prob over every server, and the servers over ``tol``."""
-    worst, errors = 0.0, []
-    ref = torch.tensor(actor_logp, dtype=torch.float64)
-    for u in urls:
-        got = torch.tensor(engine_probe_logprobs(u, ids), dtype=torch.float64)
-        d = float((got - ref).abs().max()) if got.shape == ref.shape else float("inf")
-        worst = max(worst, d)
-        if not d <= tol:
-            errors.append(f"{u}: probe log-probs differ from the actor's by {d:.3g} > {tol:g}")
-    return worst, errors
+    """Worst mean |engine - actor| probe log-prob gap over every server, and the servers whose
+    mean gap is over ``tol`` (``rollout.sglang.probe_tolerance``; the rule: docs/gpu.md)."""
+    gaps = probe_gaps(urls, ids, actor_logp)
+    errors = [e for u, g in gaps.items() if (e := probe_failure(u, g, tol, len(actor_logp)))]
+    return worst_gap(gaps.values()).mean, errors

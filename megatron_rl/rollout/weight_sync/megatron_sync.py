@@ -12,7 +12,8 @@ together instead of hanging:
 4. the coordinator compares every server's ``/weights_checker`` checksum (where servers have
    it); every sender spot-checks its tensors with ``/get_weights_by_name`` (when
    ``spot_checks`` > 0); the probe sequence's
-   actor log-probs (last stage) are compared with every server's within ``probe_tolerance``;
+   actor log-probs (last stage) are compared with every server's: the mean gap over the probe
+   tokens must be within ``probe_tolerance`` (logged per sync as ``weight_sync_probe_gap``);
    any failure raises on every rank; the engine's weight version is set.
 """
 
@@ -25,12 +26,15 @@ import torch.distributed as dist
 
 from megatron_rl.rollout.weight_sync import strategy_class
 from megatron_rl.rollout.weight_sync.common import (
+    ProbeGap,
     SyncStrategy,
     WeightSyncError,
     checksum_disagreement,
-    probe_check,
+    probe_failure,
+    probe_gaps,
     probe_tokens,
     weights_checksums,
+    worst_gap,
 )
 
 _SENDERS: dict[tuple, SyncStrategy] = {}
@@ -101,24 +105,35 @@ def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, 
     return total, err
 
 
-def _probe(actor, plan: dict, last_sender: bool) -> tuple[float, str | None]:
-    """Actor log-probs of the probe (collective forward) vs every server's (last stage). Both at
-    temperature 1 (the model's own distribution; the servers' teacher-forced
-    ``input_token_logprobs`` are unscaled), whatever the sampling temperature."""
-    n = plan["probe_length"]
-    if n <= 1:
-        return 0.0, None
-    ids = probe_tokens(actor.model_cfg.vocab_size, n)
+def actor_probe_logprobs(actor, ids: list[int]) -> list[float] | None:
+    """The actor's ``log p(ids[t] | ids[<t])``, t >= 1, at temperature 1 (the model's own
+    distribution; the servers' teacher-forced ``input_token_logprobs`` are unscaled): a
+    collective forward over the model-parallel group; host floats on the last stage, None
+    elsewhere."""
     rows = max(1, actor.cfg.micro_batch_size)
     tokens = torch.tensor([ids] * rows, dtype=torch.long)
     mask = torch.ones_like(tokens, dtype=torch.bool)
     mask[:, 0] = False
     out = actor.logprobs({"tokens": tokens, "mask": mask}, compute_entropy=False, temperature=1.0)
-    if out is None or not last_sender:
-        return 0.0, None
-    ref = out["logp"][0, 1:].detach().float().cpu().tolist()
-    worst, errors = probe_check(plan["urls"], ids, ref, plan["probe_tolerance"])
-    return worst, "; ".join(errors) or None
+    if out is None:
+        return None
+    return out["logp"][0, 1:].detach().float().cpu().tolist()
+
+
+def _probe(actor, plan: dict, last_sender: bool) -> tuple[ProbeGap, str | None]:
+    """Actor log-probs of the probe (collective forward) vs every server's (last stage): the
+    worst :class:`ProbeGap` and the servers over ``probe_tolerance`` (mean gap)."""
+    n = plan["probe_length"]
+    if n <= 1:
+        return ProbeGap(0.0, 0.0), None
+    ids = probe_tokens(actor.model_cfg.vocab_size, n)
+    ref = actor_probe_logprobs(actor, ids)
+    if ref is None or not last_sender:
+        return ProbeGap(0.0, 0.0), None
+    gaps = probe_gaps(plan["urls"], ids, ref)
+    errors = [e for u, g in gaps.items()
+              if (e := probe_failure(u, g, plan["probe_tolerance"], len(ref)))]
+    return worst_gap(gaps.values()), "; ".join(errors) or None
 
 
 def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str | None:
@@ -168,7 +183,7 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
                 errs.append(f"weights_checker: {exc!r}")
     errs = errs + _agree(errs[0] if errs and coord is not None else None, mp)
     dt = time.perf_counter() - t0
-    diffs: list = [0.0] * dist.get_world_size(mp)
+    diffs: list = [(0.0, 0.0)] * dist.get_world_size(mp)
     if not errs:
         try:
             spot = "; ".join(sender.spot_check()) if sender is not None else ""
@@ -177,11 +192,11 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
         try:
             worst, perr = _probe(actor, plan, tp0 and ps.is_pipeline_last_stage())
         except Exception as exc:  # noqa: BLE001
-            worst, perr = float("inf"), f"probe on stage {stage}: {exc!r}"
+            worst, perr = ProbeGap(float("inf"), float("inf")), f"probe on stage {stage}: {exc!r}"
         errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
         if sender is not None and hasattr(sender, "release_buffers"):
             sender.release_buffers()  # every server has generated since: copies are done
-        dist.all_gather_object(diffs, worst, group=mp)
+        dist.all_gather_object(diffs, tuple(worst), group=mp)
     byte_list: list = [None] * dist.get_world_size(mp)
     dist.all_gather_object(byte_list, sent, group=mp)
     if errs:
@@ -190,7 +205,8 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
         return None
     total = sum(byte_list)
     engine.weight_version = version
-    engine.note_sync({"weight_sync_probe_max_diff": max(diffs), "weight_sync_s": dt,
-                      "weight_sync_gbps": total / dt / 1e9})
-    return f"{plan['strategy']} v{version}: {total} bytes in {dt:.2f}s, probe max diff " \
-           f"{max(diffs):.2e}"
+    gap = worst_gap(ProbeGap(*d) for d in diffs)
+    engine.note_sync({"weight_sync_probe_gap": gap.mean, "weight_sync_probe_max_diff": gap.max,
+                      "weight_sync_s": dt, "weight_sync_gbps": total / dt / 1e9})
+    return f"{plan['strategy']} v{version}: {total} bytes in {dt:.2f}s, probe gap " \
+           f"{gap.mean:.2e} (largest {gap.max:.2e})"
