@@ -196,6 +196,19 @@ def _short_run(recipe: str, out, weights: str) -> list[dict]:
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+@pytest.fixture(scope="module")
+def short_runs(warm_weights, tmp_path_factory):
+    """``recipe -> metrics rows`` of its short run from the shared warm start (each run once)."""
+    cache: dict[str, list[dict]] = {}
+
+    def get(recipe: str) -> list[dict]:
+        if recipe not in cache:
+            cache[recipe] = _short_run(recipe, tmp_path_factory.mktemp(recipe), warm_weights)
+        return cache[recipe]
+
+    return get
+
+
 def _derived(row: dict) -> dict:
     out = dict(row)
     if "erc/kept_frac" in row:
@@ -207,8 +220,8 @@ def _derived(row: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(ACTIVE_METRICS))
-def test_active_mechanism_acts_in_recipe(recipe, warm_weights, tmp_path):
-    rows = [_derived(r) for r in _short_run(recipe, tmp_path, warm_weights)]
+def test_active_mechanism_acts_in_recipe(recipe, short_runs):
+    rows = [_derived(r) for r in short_runs(recipe)]
     steps = [r for r in rows if "policy/ppo_kl" in r]
     assert len(steps) == 2
     for r in steps:
@@ -218,13 +231,11 @@ def test_active_mechanism_acts_in_recipe(recipe, warm_weights, tmp_path):
 
 
 @pytest.mark.slow
-def test_active_kl_cov_differs_from_dapo(warm_weights, tmp_path):
+def test_active_kl_cov_differs_from_dapo(short_runs):
     """With one update per step the two recipes logged identical metrics at every step; now the
     KL-Cov penalty acts from the second update on, so the first step's update differs."""
-    dapo = [r for r in _short_run("tiny_dapo", tmp_path / "dapo", warm_weights)
-            if "policy/ppo_kl" in r]
-    klcov = [r for r in _short_run("tiny_kl_cov", tmp_path / "kl_cov", warm_weights)
-             if "policy/ppo_kl" in r]
+    dapo = [r for r in short_runs("tiny_dapo") if "policy/ppo_kl" in r]
+    klcov = [r for r in short_runs("tiny_kl_cov") if "policy/ppo_kl" in r]
     assert dapo[0]["rollout/reward"] == klcov[0]["rollout/reward"]  # the same first rollout
     assert dapo[0]["actor/grad_norm"] != klcov[0]["actor/grad_norm"]
     assert dapo[-1]["policy/entropy"] != klcov[-1]["policy/entropy"]
