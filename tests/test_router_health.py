@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 
 import psutil
@@ -33,6 +33,7 @@ from megatron_rl.rollout.fleet import (
     router_command,
     router_health_checks,
 )
+from megatron_rl.testing.http_stub import serve_handler
 
 FLAG = "--disable-health-check"
 
@@ -66,13 +67,8 @@ def stand_in_router():
             bodies.append(json.loads(self.rfile.read(n)))
             self._reply({"status": "accepted", "worker_id": f"w{len(bodies) - 1}"})
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", bodies
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with serve_handler(Handler) as url:
+        yield url, bodies
 
 
 @pytest.mark.parametrize("colocate", [True, False])

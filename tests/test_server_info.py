@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +25,7 @@ from megatron_rl.rollout.weight_sync.common import (
     WeightSyncError,
     read_server_layout,
 )
+from megatron_rl.testing.http_stub import serve_handler
 
 
 @contextlib.contextmanager
@@ -59,13 +59,8 @@ def stand_in(info: dict, server_info_path: str = "/server_info"):
             posts.setdefault(self.path, []).append(json.loads(self.rfile.read(n) or b"{}"))
             self._reply(200, {"success": True, "message": ""})
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", posts
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with serve_handler(Handler) as url:
+        yield url, posts
 
 
 def _attached_fleet(urls: list[str]) -> SimpleNamespace:
