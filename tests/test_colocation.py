@@ -360,6 +360,30 @@ def test_cuda_offload_frees_device_memory_and_round_trips():
 
 
 # ---- the hand-offs of one colocated step, in order (1 rank, our serve in-process) ----------
+def _log_handoffs(colo) -> list:
+    """Record, in order, the actor's offloads/onloads that moved something and (rank 0) the
+    servers' release/resume requests: ``[("offload", groups) | ("release", tags) | ...]``."""
+    from megatron_rl.rollout import memory_occupation as mo
+
+    events: list = []
+
+    def spy(name: str, fn, arg: int):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if arg < 0 and out:  # an actor move: the groups that moved
+                events.append((name, sorted(out)))
+            elif arg >= 0:  # a server request: its tags (None: all)
+                events.append((name, args[arg] if args[arg] is None else list(args[arg])))
+            return out
+        return call
+
+    colo.offload.offload = spy("offload", colo.offload.offload, -1)
+    colo.offload.onload = spy("onload", colo.offload.onload, -1)
+    mo.release_servers = spy("release", mo.release_servers, 1)
+    mo.resume_servers = spy("resume", mo.resume_servers, 1)
+    return events
+
+
 def _handoffs() -> dict:
     import threading
     from types import SimpleNamespace
@@ -409,11 +433,18 @@ def _handoffs() -> dict:
     colo.before_engine_start()
     seen["start"] = device_bytes(actor, "cpu")
     critic_bytes("start")
+    seen["events"] = events = _log_handoffs(colo)
 
-    def fake_sync(tag: str) -> None:  # what the weight sync sees (collective, like the real one)
+    def fake_sync(tag: str, hooks=None) -> None:  # the weight sync's steps (collective)
+        if hooks is not None:
+            hooks.before_send()
         seen[tag] = (device_bytes(actor, "cpu"), released(), colo.offload.offloaded_groups)
         critic_bytes(tag)
+        events.append(("send", tag))
         runtime.broadcast_object(None)
+        if hooks is not None:  # the weights are loaded; then the probe, with the KV cache
+            hooks.after_send()
+        seen[tag + "/probe"] = (device_bytes(actor, "cpu"), released())
 
     colo.sync(fake_sync, "first_sync")
     seen["rollout"] = (device_bytes(actor, "cpu"), released())
@@ -441,9 +472,11 @@ def _handoffs() -> dict:
 def test_colocated_handoffs_in_order(roundtrips):
     for s in roundtrips["handoffs"]:  # every rank, in step with rank 0's server calls
         assert s["start"] == 0  # offloaded before the servers start
-        for tag in ("first_sync", "sync"):  # the sync: parameters only, servers resumed
+        for tag in ("first_sync", "sync"):  # the send: parameters only, servers hold weights
             held, rel, groups = s[tag]
-            assert 0 < held < s["full"] and rel == [] and groups == ["grads", "optimizer"]
+            assert 0 < held < s["full"] and groups == ["grads", "optimizer"]
+            assert rel == ["cuda_graph", "kv_cache"]
+            assert s[tag + "/probe"] == (0, [])  # the probe: actor gone, servers whole
         assert s["rollout"] == (0, [])  # rollout: nothing of the actor, servers whole
         assert s["update"] == (s["full"], ["cuda_graph", "kv_cache", "weights"])
         held, rel, groups = s["save"]  # a save: params + optimizer, servers drop the KV cache
@@ -453,3 +486,26 @@ def test_colocated_handoffs_in_order(roundtrips):
         assert c["update"] == s["critic_full"] > 0 and s["critic_values_kept"]
         assert c["start"] == c["first_sync"] == c["rollout"] == c["sync"] == 0
         assert 0 < c["save"] < s["critic_full"] and c["after_save"] == 0
+
+
+def test_colocated_sync_order_weights_send_offload_then_kv_cache(roundtrips):
+    """The colocated sync in slime's and verl's order: the servers' weights come back (the
+    first sync: freshly started servers release their KV cache and CUDA graphs instead), the
+    actor's parameters come back, the weights are sent, the parameters leave, and only then the
+    servers resume their KV cache and CUDA graphs."""
+    kv = ["kv_cache", "cuda_graph"]
+    for rank, s in enumerate(roundtrips["handoffs"]):
+        ev = s["events"]
+        n = 1 if rank == 0 else 0  # rank 0 talks to the servers
+
+        def sync(tag: str, before: list, n: int = n) -> list:
+            return [*before, ("send", tag), ("offload", ["params"]), *[("resume", kv)] * n]
+
+        first = sync("first_sync", [*[("release", kv)] * n, ("onload", ["params"])])
+        assert ev[:len(first)] == first
+        rest = ev[len(first):]  # after the rollout: the servers release all, the actor returns
+        assert rest[:n + 1] == [*[("release", ["kv_cache", "weights", "cuda_graph"])] * n,
+                                ("onload", ["grads", "optimizer", "params"])]
+        # the parameters stayed on the device since the update
+        step = sync("sync", [("offload", ["grads", "optimizer"]), *[("resume", ["weights"])] * n])
+        assert rest[n + 1:n + 1 + len(step)] == step
