@@ -20,7 +20,9 @@ import os
 import pytest
 import torch
 
+from megatron_rl.models.config import get_preset
 from megatron_rl.parallel.launch import spawn
+from megatron_rl.plan.inputs import PlanInputs
 
 CASES = (("fp32", False), ("bf16", True))  # (precision, use_distributed_optimizer)
 
@@ -101,6 +103,7 @@ def _worker() -> dict:
     runtime.init_parallel(tp=2, pp=1, dp=1, timeout_s=120)
     out = {case: _roundtrip(*case) for case in CASES}
     out["handoffs"] = _handoffs()
+    out["stream"] = _stream_sender_pass()
     runtime.shutdown()
     return out
 
@@ -509,3 +512,130 @@ def test_colocated_sync_order_weights_send_offload_then_kv_cache(roundtrips):
         # the parameters stayed on the device since the update
         step = sync("sync", [("offload", ["grads", "optimizer"]), *[("resume", ["weights"])] * n])
         assert rest[n + 1:n + 1 + len(step)] == step
+
+
+# ---- from_tensor's buckets: one alive at a time, as the planner counts --------------------
+def test_from_tensor_frees_each_colocated_bucket_after_its_request():
+    """The CUDA-IPC path of ``from_tensor`` (torch codec, requests stubbed) keeps exactly one
+    flattened bucket alive at every request and none after the send: a sender that kept each
+    bucket until the probe held 1, 2, 3, ... (its whole weights at the end)."""
+    from megatron_rl.convert.stream import bucketize
+    from megatron_rl.testing.ipc_sender import sender_pass
+
+    def gathered():
+        for i in range(10):
+            yield f"w{i}", torch.full((50_000,), float(i))
+
+    run = sender_pass(bucketize(gathered(), 450_000))  # 2 tensors a bucket: 5 buckets
+    assert run["err"] is None and run["sent"] == 10 * 200_000
+    assert run["flats_at_post"] == [1] * 10 and run["flats_after"] == 0  # 2 servers x 5
+
+
+def _stream_sender_pass() -> dict:
+    """The real weight stream of a TP2 fp32 actor (``iter_hf_weight_buckets``, gathers) through
+    the sync loop into ``from_tensor``'s CUDA-IPC path on TP rank 0 (requests stubbed): the
+    peak of new bytes alive on each rank."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.convert.stream import iter_hf_weight_buckets
+    from megatron_rl.testing.ipc_sender import LiveBytes, sender_pass
+
+    actor = _actor("fp32", False)
+    buckets = iter_hf_weight_buckets(actor.model, 2**20, broadcast_pp=False)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        run = sender_pass(buckets)
+    else:  # the other TP rank gathers with it
+        live = LiveBytes()
+        for b in buckets:
+            live.probe()
+            del b
+        run = {"peak": live.peak, "err": None, "flats_at_post": [1], "sent": 0}
+    return run
+
+
+def test_colocated_sync_bucket_bytes_of_the_real_stream_within_the_plan(roundtrips):
+    """The real stream at TP2 (gathered tensors) keeps no more than the planner's weight-sync
+    buffers on either rank, and rank 0's sender one flattened bucket at a time."""
+    from megatron_rl.plan.memory import sync_transient_bytes
+
+    x = PlanInputs(model=get_preset("tiny"), tp=2, pp=1, dp=1, precision="fp32",
+                   sync_bucket_mb=1, colocate=True)
+    runs = roundtrips["stream"]
+    assert runs[0]["err"] is None and runs[0]["sent"] == 657_536 * 4  # the whole tiny model
+    assert set(runs[0]["flats_at_post"]) == {1}
+    for run in runs:
+        assert 2**20 < run["peak"] <= sync_transient_bytes(x)
+
+
+# ---- host buffers of the offload: one exact buffer per group -------------------------------
+class _Cudart:
+    """Stand-in for ``torch.cuda.cudart()`` on a machine without CUDA: records page-locking."""
+
+    calls: list = []
+
+    class cudaError:  # noqa: N801 - the name torch's binding has
+        success = 0
+
+    @staticmethod
+    def cudaHostRegister(ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        _Cudart.calls.append(("register", ptr, size))
+        return 0
+
+    @staticmethod
+    def cudaHostUnregister(ptr: int) -> int:  # noqa: N802
+        _Cudart.calls.append(("unregister", ptr))
+        return 0
+
+    @staticmethod
+    def cudaGetErrorString(err: int) -> str:  # noqa: N802
+        return f"error {err}"
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_offload_pinned_pool_is_one_exact_buffer_per_group(monkeypatch, pin):
+    """Each group's storages go to slices of ONE host buffer of exactly the sum of their sizes
+    at 256-byte aligned offsets (torch's pinned allocator would round each allocation up to a
+    power of two: up to 2x), reused while the group keeps its size; a group that grows (the
+    optimizer's moments after the first step) gets one new exact buffer, the old one unlocked
+    first. With ``pin`` every buffer is page-locked once (``cudaHostRegister``)."""
+    from megatron_rl.actor.offload import StorageOffloader, aligned
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart)
+    _Cudart.calls = []
+    g = torch.Generator().manual_seed(0)
+    groups = {"params": [torch.randn(1000, generator=g), torch.randn(3, generator=g),
+                         torch.arange(70_001)],
+              "optimizer": [torch.randn(257, generator=g, dtype=torch.float64)]}
+    store = StorageOffloader(pin=pin)
+
+    def cycle(groups: dict) -> dict:
+        want = {k: [t.clone() for t in ts] for k, ts in groups.items()}
+        where = {}
+        for k, ts in groups.items():
+            store.offload(k, {i: t.untyped_storage() for i, t in enumerate(ts)})
+            assert all(t.untyped_storage().nbytes() == 0 for t in ts)
+            hosts = [s.host.untyped_storage() for s in store.slots[k]]
+            exact = sum(aligned(w.untyped_storage().nbytes()) for w in want[k])
+            assert {h.data_ptr() for h in hosts} == {hosts[0].data_ptr()}  # one buffer
+            assert hosts[0].nbytes() == exact
+            assert [s.host.data_ptr() - hosts[0].data_ptr() for s in store.slots[k]] == \
+                [sum(aligned(w.untyped_storage().nbytes()) for w in want[k][:i])
+                 for i in range(len(ts))]
+            where[k] = (hosts[0].data_ptr(), exact)
+        for k, ts in groups.items():
+            store.onload(k)
+            assert all(torch.equal(a, b) for a, b in zip(ts, want[k]))
+        return where
+
+    first = cycle(groups)
+    assert cycle(groups) == cycle(groups) == first  # reused: no new buffer per step
+    assert store.host_bytes() == sum(n for _, n in first.values())
+    groups["optimizer"].append(torch.randn(5000, generator=g))  # the moments appear
+    grown = cycle(groups)
+    assert grown["params"] == first["params"] and grown["optimizer"][1] == 2304 + 20224
+    if pin:
+        (pp, pn), (op, on), (np_, nn) = first["params"], first["optimizer"], grown["optimizer"]
+        assert _Cudart.calls == [("register", pp, pn), ("register", op, on), ("unregister", op),
+                                 ("register", np_, nn)]
+    else:
+        assert _Cudart.calls == []
