@@ -639,3 +639,121 @@ def test_offload_pinned_pool_is_one_exact_buffer_per_group(monkeypatch, pin):
                                  ("register", np_, nn)]
     else:
         assert _Cudart.calls == []
+
+
+# ---- on a GPU: the colocated sender's peak and the pinned host bytes ------------------------
+def _gpu_sender_worker(n: int, elems: int, bucket: int) -> dict:
+    """``n`` fp32 "parameters" of ``elems`` each on the GPU; the sync loop streams fresh copies
+    of them (TP-gathered tensors) in buckets of ``bucket`` bytes into ``from_tensor``'s CUDA-IPC
+    path with torch's own IPC reductions; each request goes to a receiver process that opens
+    the handle, copies the bytes, drops the handle and answers (SGLang's TP worker, without
+    SGLang). The device memory the pass added at its peak, and what it left."""
+    from megatron_rl.convert.stream import bucketize
+    from megatron_rl.testing.ipc_sender import ipc_receiver, sender_pass
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=ipc_receiver, args=(child,), daemon=True)
+    proc.start()
+    weights = [torch.full((elems,), float(i), device="cuda") for i in range(n)]
+    got: list[int] = []
+
+    def post(body: dict) -> dict:  # one server, TP 1: its payload, answered once released
+        (payload,) = body["serialized_named_tensors"]
+        conn.send(payload)
+        got.append(conn.recv())
+        return {"success": True}
+
+    def gathered():
+        for i, w in enumerate(weights):
+            yield f"w{i}", w.clone()
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run = sender_pass(bucketize(gathered(), bucket), urls=("http://server",), post=post)
+    torch.cuda.synchronize()
+    out = {"peak": torch.cuda.max_memory_allocated() - base, "weights": base,
+           "left": torch.cuda.memory_allocated() - base, "received": sum(got),
+           "err": run["err"], "flats_at_post": run["flats_at_post"]}
+    conn.send(None)
+    proc.join(timeout=60)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_colocated_sender_peak_is_weights_plus_the_plans_bucket_buffers():
+    """On the GPU, with a real CUDA-IPC receiver: ``torch.cuda.max_memory_allocated`` over the
+    sender's pass stays within the weights + the planner's sync buffers (a bucket, its flattened
+    copy, the next gathered tensor) for 512 MiB sent in 64 MiB buckets, and everything is freed
+    once the receiver dropped its handles (no block left in CUDA IPC's limbo). A sender that kept
+    its buckets until the probe would add the whole 512 MiB."""
+    from megatron_rl.plan.memory import sync_buffer_bytes
+
+    n, elems, bucket = 16, 8 * 2**20, 64 * 2**20  # 16 x 32 MiB, two per bucket
+    r = spawn(_gpu_sender_worker, 1, args=(n, elems, bucket), timeout_s=600)[0]
+    assert r["err"] is None and r["received"] == n * elems * 4
+    assert r["flats_at_post"] == [1] * (n // 2)
+    assert r["peak"] <= sync_buffer_bytes(bucket, elems * 4, pp=1) + 2 * 2**20  # + rounding
+    assert r["left"] == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _host_allocator_bytes() -> int:
+    """Bytes torch's pinned (caching host) allocator holds, where torch reports them."""
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+    return int(stats.get("allocated_bytes.current", 0))
+
+
+def _gpu_pinned_worker() -> dict:
+    """Storages of known sizes just above powers of two (the worst case of a power-of-two
+    rounding) on the GPU, offloaded and onloaded three times: per cycle the bytes moved, the
+    pinned host bytes (torch's host allocator + the offload's own page-locked buffers), the
+    process's resident memory, whether every host slice is pinned and the round trip exact."""
+    from megatron_rl.actor.offload import StorageOffloader
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [2**k + 2**(k - 3) for k in range(22, 30)]  # 4.5 MiB ... 576 MiB, 1.12 GiB in all
+    tensors = [torch.empty(s, dtype=torch.uint8, device="cuda").random_(0, 256, generator=gen)
+               for s in sizes]
+    sums = [t.sum(dtype=torch.int64).item() for t in tensors]
+    warm = StorageOffloader(pin=True)  # the copy paths and the CUDA host state, once
+    small = torch.ones(2**20, dtype=torch.uint8, device="cuda")
+    warm.offload("w", {0: small.untyped_storage()})
+    warm.onload("w")
+    torch.cuda.synchronize()
+    rss0, host0 = _rss_bytes(), _host_allocator_bytes()
+    store = StorageOffloader(pin=True)
+    cycles = []
+    for _ in range(3):
+        moved = store.offload("params", {i: t.untyped_storage() for i, t in enumerate(tensors)})
+        cycles.append({
+            "moved": moved, "pinned": _host_allocator_bytes() - host0 + store.host_bytes(),
+            "host_allocator": _host_allocator_bytes() - host0, "rss": _rss_bytes() - rss0,
+            "all_pinned": all(s.host.is_pinned() for s in store.slots["params"]),
+            "buffer": store.slots["params"][0].host.data_ptr()})
+        store.onload("params")
+        cycles[-1]["exact"] = [t.sum(dtype=torch.int64).item() for t in tensors] == sums
+    return {"total": sum(sizes), "cycles": cycles}
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_host_bytes_match_the_model_and_stay_flat():
+    """Offloading 1.12 GiB of storages sized just above powers of two takes at most 1.05x their
+    bytes of pinned host memory (torch's pinned allocator would take ~1.8x: it rounds every
+    allocation up to a power of two), counted by torch's host allocator stats + the offload's
+    page-locked buffers and seen in the process's resident memory; three offload/onload cycles
+    reuse the same buffer and stay flat."""
+    r = spawn(_gpu_pinned_worker, 1, timeout_s=600)[0]
+    first = r["cycles"][0]
+    for c in r["cycles"]:
+        assert c["moved"] == r["total"] and c["exact"] and c["all_pinned"]
+        assert c["pinned"] <= 1.05 * c["moved"]
+        assert c["rss"] <= 1.05 * c["moved"] + 64 * 2**20
+        assert c["buffer"] == first["buffer"]  # the same buffer, not a new one per cycle
+        assert abs(c["host_allocator"] - first["host_allocator"]) <= 2**20
+        assert abs(c["rss"] - first["rss"]) <= 32 * 2**20

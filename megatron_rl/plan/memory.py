@@ -289,9 +289,14 @@ def sync_transient_bytes(x: PlanInputs) -> float:
     on this GPU for a server rank here: ``(pp + 1) * max(bucket, T) + T``. Every buffer is freed
     once its request returns, so nothing grows with the number of buckets. (At TP 1 most tensors
     of a bucket are views of the parameters: the real figure is lower by up to a bucket.)"""
-    t = stream_tensor_bytes(x)
-    bucket = max(float(x.sync_bucket_mb * 2**20), t)
-    return (x.pp + 1) * bucket + t
+    return sync_buffer_bytes(x.sync_bucket_mb * 2**20, stream_tensor_bytes(x), x.pp)
+
+
+def sync_buffer_bytes(bucket: float, tensor: float, pp: int) -> float:
+    """:func:`sync_transient_bytes` for a bucket of ``bucket`` bytes, a largest streamed tensor
+    of ``tensor`` bytes and ``pp`` pipeline stages: ``(pp + 1) * max(bucket, tensor) +
+    tensor``."""
+    return (pp + 1) * max(float(bucket), float(tensor)) + float(tensor)
 
 
 def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],

@@ -120,9 +120,10 @@ def ipc_receiver(conn) -> None:
         if own is None or own.numel() < flat.numel():
             own = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
         own[:flat.numel()].copy_(flat)
-        n = flat.numel()
+        n, cuda = flat.numel(), flat.is_cuda
         del got, flat
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         conn.send(n)
 
 
