@@ -243,6 +243,30 @@ def test_serve_weight_sync_after_resume_restores_exact_weights(server, tmp_path)
     assert not errors
 
 
+def test_colocated_sync_health_check_does_not_generate_while_kv_released(server, tmp_path):
+    """During the colocated sync the servers' KV cache is released (a generation is refused,
+    as it would run on released memory in SGLang): the sync's health check then checks the
+    processes only and keeps the server; the probe generates after the KV cache is back."""
+    from megatron_rl.config.sections import SGLangSection
+    from megatron_rl.rollout.fleet import Fleet, ServerError, http_json
+    from megatron_rl.rollout.memory_occupation import release_servers, resume_servers
+    from megatron_rl.run.colocation import Colocation
+
+    url, _ = server
+    fleet = Fleet(SGLangSection(servers=[url], router_url=url), "preset:tiny", 1,
+                  str(tmp_path / "logs"))
+    fleet.workers = {url: "direct"}
+    release_servers([url], ["kv_cache", "cuda_graph"])
+    try:
+        with pytest.raises(ServerError):
+            http_json("GET", url + "/health_generate", timeout=10)
+        assert Colocation.servers_generate is False  # what sync_weights reads from its hooks
+        assert fleet.check_health(generate=False) == [] and fleet.urls == [url]
+    finally:
+        resume_servers([url], ["kv_cache", "cuda_graph"])
+    assert fleet.check_health() == [] and fleet.urls == [url]
+
+
 # ---- the colocated loop through our serve fleet and the real router --------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
@@ -447,6 +471,7 @@ def _handoffs() -> dict:
         runtime.broadcast_object(None)
         if hooks is not None:  # the weights are loaded; then the probe, with the KV cache
             hooks.after_send()
+        runtime.broadcast_object(None)  # the sync's agreement before its probe
         seen[tag + "/probe"] = (device_bytes(actor, "cpu"), released())
 
     colo.sync(fake_sync, "first_sync")

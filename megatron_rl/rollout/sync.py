@@ -14,7 +14,9 @@ def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str
     the other replicas hold identical weights and skip the gathers entirely, except, with MoE
     expert parallelism, the ranks holding the experts replica 0 gathers. Returns the engine's
     checksum on the engine's rank, None elsewhere. ``hooks`` (``before_send()`` /
-    ``after_send()``, no collectives; colocation) run on every rank around the send: for an
+    ``after_send()``, no collectives; colocation) run on every rank around the send (with
+    ``hooks.servers_generate`` False the servers' KV cache is released until ``after_send``: the
+    fleet's health check before the sync checks their processes only): for an
     SGLang fleet ``after_send`` comes after the weights are loaded and before the probe (see
     :mod:`megatron_rl.rollout.weight_sync.megatron_sync`), for other engines after the update.
     """
@@ -24,7 +26,9 @@ def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
-    plan = broadcast_object(fleet_plan(engine) if torch.distributed.get_rank() == 0 else None)
+    generate = getattr(hooks, "servers_generate", True)  # False: KV cache released (colocated)
+    plan = broadcast_object(fleet_plan(engine, generate) if torch.distributed.get_rank() == 0
+                            else None)
     if plan is not None:
         return sync_fleet_retrying(actor, engine, plan, bucket_mb, version, hooks=hooks)
     if hooks is not None:

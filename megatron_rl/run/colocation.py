@@ -37,6 +37,9 @@ class Colocation:
     """The colocated step's memory hand-offs (module docstring) around one rank's actor (and
     critic)."""
 
+    servers_generate = False  # as the sync's hooks: the servers' KV cache is released until
+    # after_send, so the sync's health check must not generate
+
     def __init__(self, cfg, actor, driver, critic=None) -> None:
         s = cfg.rollout.sglang
         self.enabled = cfg.rollout.engine == "sglang" and s.colocate

@@ -45,13 +45,15 @@ from megatron_rl.rollout.weight_sync.common import (
 _SENDERS: dict[tuple, SyncStrategy] = {}
 
 
-def fleet_plan(engine) -> dict | None:
-    """What every rank needs to know about the fleet (rank 0), None for other engines."""
+def fleet_plan(engine, generate: bool = True) -> dict | None:
+    """What every rank needs to know about the fleet (rank 0), None for other engines. The
+    fleet's health check first (``generate=False``: servers whose KV cache is released, checked
+    by their process only; the probe generates once they have it back)."""
     if engine is None or getattr(engine, "sync", None) is None:
         return None
     from megatron_rl.rollout.weight_sync import sync_targets
 
-    engine.fleet.check_health()
+    engine.fleet.check_health(generate=generate)
     s = engine.sync
     return {"strategy": s.name, "urls": sync_targets(engine.fleet), "sync_dir": s.sync_dir,
             "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
