@@ -387,9 +387,13 @@ def test_cuda_offload_frees_device_memory_and_round_trips():
 
 
 # ---- the hand-offs of one colocated step, in order (1 rank, our serve in-process) ----------
-def _log_handoffs(colo) -> list:
+def _log_handoffs(colo, released=None, kv_out: list | None = None) -> list:
     """Record, in order, the actor's offloads/onloads that moved something and (rank 0) the
-    servers' release/resume requests: ``[("offload", groups) | ("release", tags) | ...]``."""
+    servers' release/resume requests: ``[("offload", groups) | ("release", tags) | ...]``. With
+    ``released`` (another rank than 0), its parameters' offload is slow and appends to ``kv_out``
+    whether the servers' KV cache was still released when it finished."""
+    import time
+
     from megatron_rl.rollout import memory_occupation as mo
 
     events: list = []
@@ -406,6 +410,18 @@ def _log_handoffs(colo) -> list:
 
     colo.offload.offload = spy("offload", colo.offload.offload, -1)
     colo.offload.onload = spy("onload", colo.offload.onload, -1)
+    if released is not None:  # after a rank's parameters left: the servers' KV cache still out?
+        offload = colo.offload.offload
+
+        def late_offload(groups=("params", "grads", "optimizer")):
+            if list(groups) == ["params"]:
+                time.sleep(0.3)  # a slow rank: rank 0 must wait for it before resuming
+            out = offload(groups)
+            if out and list(groups) == ["params"]:
+                kv_out.append("kv_cache" in released())
+            return out
+
+        colo.offload.offload = late_offload
     mo.release_servers = spy("release", mo.release_servers, 1)
     mo.resume_servers = spy("resume", mo.resume_servers, 1)
     return events
@@ -460,7 +476,9 @@ def _handoffs() -> dict:
     colo.before_engine_start()
     seen["start"] = device_bytes(actor, "cpu")
     critic_bytes("start")
-    seen["events"] = events = _log_handoffs(colo)
+    seen["kv_out_after_offload"] = []
+    seen["events"] = events = _log_handoffs(colo, None if rank0 else released,
+                                            seen["kv_out_after_offload"])
 
     def fake_sync(tag: str, hooks=None) -> None:  # the weight sync's steps (collective)
         if hooks is not None:
@@ -537,6 +555,8 @@ def test_colocated_sync_order_weights_send_offload_then_kv_cache(roundtrips):
         # the parameters stayed on the device since the update
         step = sync("sync", [("offload", ["grads", "optimizer"]), *[("resume", ["weights"])] * n])
         assert rest[n + 1:n + 1 + len(step)] == step
+        if rank:  # a slow rank's parameters left before rank 0 resumed the KV cache (a barrier)
+            assert s["kv_out_after_offload"] == [True, True]
 
 
 # ---- from_tensor's buckets: one alive at a time, as the planner counts --------------------

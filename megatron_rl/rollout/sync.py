@@ -14,7 +14,7 @@ def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str
     the other replicas hold identical weights and skip the gathers entirely, except, with MoE
     expert parallelism, the ranks holding the experts replica 0 gathers. Returns the engine's
     checksum on the engine's rank, None elsewhere. ``hooks`` (``before_send()`` /
-    ``after_send()``, no collectives; colocation) run on every rank around the send (with
+    ``after_send()``, each once on every rank; colocation) run around the send (with
     ``hooks.servers_generate`` False the servers' KV cache is released until ``after_send``: the
     fleet's health check before the sync checks their processes only): for an
     SGLang fleet ``after_send`` comes after the weights are loaded and before the probe (see

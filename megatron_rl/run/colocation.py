@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from megatron_rl.parallel.runtime import broadcast_object
+from megatron_rl.parallel.runtime import broadcast_object, host_group
 
 SYNC_RELEASED = ("kv_cache", "cuda_graph")  # released on the servers while the weights are sent
 
@@ -85,21 +85,26 @@ class Colocation:
         return None
 
     def _servers(self, action: str, tags: list[str] | None) -> None:
-        """:meth:`_server_call` on rank 0, then every rank raises its error (a broadcast: no rank
-        moves memory before the servers have)."""
+        """:meth:`_server_call` on rank 0, then every rank raises its error. A resume waits for
+        every rank first (all have moved their memory off the device), and the broadcast makes
+        every rank wait for the servers (none moves memory onto the device before they have
+        released theirs)."""
+        if action == "resume":
+            _barrier()
         err = broadcast_object(self._server_call(action, tags))
         if err:
             raise RuntimeError(f"colocation: {err}")
 
     # ---- the loop's hand-offs --------------------------------------------------------------
     def before_engine_start(self) -> None:
-        """The actor leaves the device before the servers start (they size their KV cache from
-        the free memory)."""
+        """The actor leaves the device on every rank before rank 0 starts the servers (they size
+        their KV cache from the free memory)."""
         if self.enabled:
             import torch.distributed as dist
 
             moved = self.offload.offload()
             critic = self._critic("offload")
+            _barrier()
             if dist.get_rank() == 0:
                 print("[colocation] rank 0 actor offloaded to the host: " + ", ".join(
                     f"{g} {n / 2**20:.1f} MiB" for g, n in moved.items()) + (
@@ -135,15 +140,20 @@ class Colocation:
         self._servers("resume", None)
         return out
 
-    # ---- hooks of the weight sync (every rank, no collectives) ---------------------------
+    # ---- hooks of the weight sync (every rank, once per attempt) --------------------------
     def before_send(self) -> None:
         """The actor's parameters on the device (again, when a failed sync is retried)."""
         self.offload.onload(["params"])
 
     def after_send(self) -> None:
-        """The weights are loaded: the parameters leave the device, then rank 0 resumes the
-        servers' KV cache and CUDA graphs (what it released), so the probe can generate."""
-        self.offload.offload(["params"])
+        """The weights are loaded: the parameters leave the device on every rank, then (once all
+        have: a host-group barrier; the sync calls this exactly once on every rank) rank 0
+        resumes the servers' KV cache and CUDA graphs (what it released), so the probe can
+        generate."""
+        try:
+            self.offload.offload(["params"])
+        finally:  # every rank reaches the barrier, also after a failed offload
+            _barrier()
         err = self._server_call("resume", None)
         if err:
             raise RuntimeError(f"colocation: {err}")
@@ -164,3 +174,10 @@ class Colocation:
             self.offload.offload(["params", "optimizer"])
             self._critic("offload", ["params", "optimizer"])
             self._servers("resume", ["kv_cache"])
+
+
+def _barrier() -> None:
+    """Every rank of the job has got here (host group)."""
+    import torch.distributed as dist
+
+    dist.barrier(group=host_group())

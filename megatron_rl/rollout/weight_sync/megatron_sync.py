@@ -20,9 +20,10 @@ together instead of hanging:
    actor log-probs (last stage) are compared with every server's within ``probe_tolerance``;
    any failure raises on every rank; the engine's weight version is set.
 
-``hooks`` (optional) is any object with ``before_send()`` and ``after_send()``, called on every
-rank of the job (DP replicas other than 0 included) once per attempt; neither may run a
-collective.
+``hooks`` (optional) is any object with ``before_send()`` and ``after_send()``, each called
+exactly once per attempt on every rank of the job (DP replicas other than 0 included, which call
+them without waiting for replica 0's send): ``after_send`` may wait for every rank on the host
+group (colocation does, before the servers resume), ``before_send`` must not.
 """
 
 from __future__ import annotations
