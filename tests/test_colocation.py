@@ -564,8 +564,9 @@ def test_from_tensor_frees_each_colocated_bucket_after_its_request():
     """The CUDA-IPC path of ``from_tensor`` (torch codec, requests stubbed) keeps exactly one
     flattened bucket alive at every request and none after the send: a sender that kept each
     bucket until the probe held 1, 2, 3, ... (its whole weights at the end)."""
+    from ipc_sender import sender_pass
+
     from megatron_rl.convert.stream import bucketize
-    from megatron_rl.testing.ipc_sender import sender_pass
 
     def gathered():
         for i in range(10):
@@ -580,10 +581,10 @@ def _stream_sender_pass() -> dict:
     """The real weight stream of a TP2 fp32 actor (``iter_hf_weight_buckets``, gathers) through
     the sync loop into ``from_tensor``'s CUDA-IPC path on TP rank 0 (requests stubbed): the
     peak of new bytes alive on each rank."""
+    from ipc_sender import LiveBytes, sender_pass
     from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets
-    from megatron_rl.testing.ipc_sender import LiveBytes, sender_pass
 
     actor = _actor("fp32", False)
     buckets = iter_hf_weight_buckets(actor.model, 2**20, broadcast_pp=False)
@@ -693,8 +694,9 @@ def _gpu_sender_worker(n: int, elems: int, bucket: int) -> dict:
     path with torch's own IPC reductions; each request goes to a receiver process that opens
     the handle, copies the bytes, drops the handle and answers (SGLang's TP worker, without
     SGLang). The device memory the pass added at its peak, and what it left."""
+    from ipc_sender import ipc_receiver, sender_pass
+
     from megatron_rl.convert.stream import bucketize
-    from megatron_rl.testing.ipc_sender import ipc_receiver, sender_pass
 
     ctx = torch.multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -357,10 +357,10 @@ def test_plan_colocated_sync_buffers_equal_the_from_tensor_sender_peak():
     model's largest tensor, counted through the garbage collector. A sender that kept every
     flattened bucket until the probe held one more bucket per request."""
     import torch
+    from ipc_sender import sender_pass
 
     from megatron_rl.convert.stream import bucketize
     from megatron_rl.plan.memory import stream_tensor_bytes, sync_transient_bytes
-    from megatron_rl.testing.ipc_sender import sender_pass
 
     x = PlanInputs(model=get_preset("tiny"), tp=2, pp=1, dp=1, precision="fp32",
                    sync_bucket_mb=1, colocate=True)
