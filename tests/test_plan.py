@@ -325,9 +325,12 @@ def test_colocated_layout_memory_is_the_peak_of_its_phases(capsys):
     assert p.server["weights (bf16)"] == weights
     params = stage_params(m, 2, 1, 0) * 2
     reserve = RUNTIME_RESERVE_GIB * GIB
+    emb = m.vocab_size * m.hidden_size * 2  # the largest tensor the stream gathers (> a bucket)
+    sync = {"weight sync (actor params + server weights + sync buffers)":
+            params + weights + SERVER_RESERVE_GIB * GIB + reserve + 2 * emb + emb}
     want = {"rollout (server budget + trainer runtime)": budget + reserve,
             "update (actor + released server)": sep.actor_total + SERVER_RESERVE_GIB * GIB,
-            "weight sync (actor params + server + bucket)": params + budget + reserve + 64 * 2**20}
+            **sync}
     assert p.colocated == pytest.approx(want)
     assert p.colocated_peak == max(want.values())
     assert p.fits  # the peak fits ...
@@ -336,12 +339,42 @@ def test_colocated_layout_memory_is_the_peak_of_its_phases(capsys):
     swap = 2 * sum(optimizer_state_bytes(stage_params(m, 2, 1, 0), x).values()) / \
         (HOST_LINK_GBPS * 1e9)
     assert p.seconds["colocation swaps (host<->device)"] == pytest.approx(swap)
-    # a larger server budget makes the sync phase the peak, and it stops fitting
-    big = make_plan(dataclasses.replace(x, server_mem_fraction=0.95))
-    assert max(big.colocated, key=big.colocated.get).startswith("weight sync")
+    # the servers' KV cache is released during the sync: a larger budget grows the rollout
+    # phase only, until it no longer fits
+    big = make_plan(dataclasses.replace(x, server_mem_fraction=0.99))
+    assert max(big.colocated, key=big.colocated.get).startswith("rollout")
+    assert {k: v for k, v in big.colocated.items() if k.startswith("weight sync")} == \
+        pytest.approx(sync)
     assert not big.fits
     with pytest.raises(PlanError, match="colocate: 8 servers x TP2 need 16 GPUs"):
         make_plan(dataclasses.replace(x, servers=8))
+
+
+def test_plan_colocated_sync_buffers_equal_the_from_tensor_sender_peak():
+    """The planner's weight-sync buffers equal the bytes the real sender path keeps at its peak:
+    the sync's own loop and ``from_tensor``'s CUDA-IPC path (torch codec, requests stubbed) fed
+    by the stream's ``bucketize`` over fresh tensors (TP-gathered ones) of the size of the tiny
+    model's largest tensor, counted through the garbage collector. A sender that kept every
+    flattened bucket until the probe held one more bucket per request."""
+    import torch
+    from ipc_sender import sender_pass
+
+    from megatron_rl.convert.stream import bucketize
+    from megatron_rl.plan.memory import stream_tensor_bytes, sync_transient_bytes
+
+    x = PlanInputs(model=get_preset("tiny"), tp=2, pp=1, dp=1, precision="fp32",
+                   sync_bucket_mb=1, colocate=True)
+    t = int(stream_tensor_bytes(x))
+    assert t == 2 * 256 * 128 * 4 and 2**20 % t == 0  # fc1 [2F, H] in fp32: 4 per bucket
+
+    def gathered():
+        for i in range(3 * 2**20 // t):  # three full buckets
+            yield f"w{i}", torch.full((t // 4,), float(i))
+
+    run = sender_pass(bucketize(gathered(), x.sync_bucket_mb * 2**20))
+    assert run["err"] is None and run["sent"] == 3 * 2**20
+    # a bucket, its flattened copy and the next tensor (already gathered): 2 MiB + 256 KiB
+    assert run["peak"] == sync_transient_bytes(x) == 2 * 2**20 + t
 
 
 def test_plan_cli_reads_colocate_from_the_config(capsys):

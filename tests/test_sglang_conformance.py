@@ -167,8 +167,8 @@ def test_sender_address_is_the_routed_interface_not_the_hosts_file(monkeypatch):
 @pytest.mark.gpu
 def test_from_tensor_cuda_payload_per_tp_rank_kept_alive():
     """Each TP rank gets its own serialized handle of the flattened bucket (on its own GPU where
-    the fleet placed it), with SGLang's device-UUID reductions, and the buffers stay referenced
-    after the POST."""
+    the fleet placed it), with SGLang's device-UUID reductions, and every buffer is handed to the
+    caller's list (``FromTensor`` drops them once the requests returned)."""
     pytest.importorskip("sglang")
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket

@@ -2,8 +2,10 @@
 device between update and rollout, and come back bit for bit.
 
 It works on tensor *storages*, not on tensors: every storage the actor reaches on its device is
-copied byte for byte into a host buffer (pinned when CUDA is available; allocated once and reused
-every step) and then resized to 0 bytes, which frees its device memory while every tensor that
+copied byte for byte into its slice of one host buffer per group (:class:`HostBuffer`: exactly the
+sum of the group's storages at 256-byte aligned offsets, page-locked when CUDA is available;
+allocated once and reused every step while the group's total stays the same) and then resized to
+0 bytes, which frees its device memory while every tensor that
 views it -- megatron DDP's ``param_data``/``grad_data`` buffers, the parameters and ``main_grad``
 views into them, bucket views, the optimizer's fp32 main parameters and Adam moments -- stays the
 same Python object. Onload resizes each storage back and copies the bytes in. Nothing is rebuilt,
@@ -23,6 +25,7 @@ device for the weight sync while gradients and optimizer state are already gone)
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -108,40 +111,115 @@ def _as_bytes(st: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
 
 
+_ALIGN = 256  # bytes: every region of a flat buffer starts at a CUDA-friendly alignment
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`_ALIGN`."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def group_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of storages of ``sizes`` bytes packed one after the other at 256-byte aligned
+    offsets, and the buffer size they need: ``sum(aligned(n))``."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += aligned(n)
+    return offsets, total
+
+
+def _cudart_check(err, what: str) -> None:
+    cudart = torch.cuda.cudart()
+    if err != cudart.cudaError.success:
+        raise RuntimeError(f"{what} failed: {cudart.cudaGetErrorString(err)}")
+
+
+def _unregister(ptr: int) -> None:
+    _cudart_check(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+class HostBuffer:
+    """One contiguous ``uint8`` host buffer of exactly ``nbytes`` bytes (host memory, not pinned
+    memory from torch's caching host allocator: that one rounds every block up to a power of two
+    and keeps freed blocks cached, up to 2x the bytes). With ``pin`` its pages are page-locked with
+    ``cudaHostRegister`` (``tensor.is_pinned()`` is then true and copies to and from the device
+    run asynchronously) and unlocked by :meth:`free` or when the buffer is collected."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = nbytes
+        self.data: torch.Tensor | None = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        self.pinned = bool(pin and nbytes)
+        self._unpin = None
+        if self.pinned:
+            ptr = self.data.data_ptr()
+            _cudart_check(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0),
+                          "cudaHostRegister")
+            self._unpin = weakref.finalize(self, _unregister, ptr)
+            self._unpin.atexit = False  # the process is going away: nothing to unlock
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The bytes ``[offset, offset + nbytes)`` of the buffer (a view, no copy)."""
+        assert self.data is not None, "HostBuffer used after free()"
+        return self.data[offset:offset + nbytes]
+
+    def free(self) -> None:
+        """Unlock the pages and drop the buffer (its memory returns to the OS once no view of
+        it is left)."""
+        if self._unpin is not None:
+            self._unpin()
+        self.data = None
+
+
 @dataclass
 class _Slot:
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor  # uint8 [nbytes] on the host (pinned with CUDA)
+    host: torch.Tensor  # uint8 [nbytes]: this storage's slice of the group's HostBuffer
 
 
 @dataclass
 class StorageOffloader:
-    """Offloads/onloads named groups of storages; host buffers are reused across steps while a
-    group's storage sizes stay the same."""
+    """Offloads/onloads named groups of storages into one :class:`HostBuffer` per group, sliced
+    into a view per storage; a group's buffer is reused while its total size stays the same, and
+    replaced by one of the new exact size (the old one freed first) when it changes (the
+    optimizer state after the first step)."""
 
     pin: bool = field(default_factory=torch.cuda.is_available)
     slots: dict[str, list[_Slot]] = field(default_factory=dict)
-    _pool: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    buffers: dict[str, HostBuffer] = field(default_factory=dict)
 
     def offloaded(self, group: str) -> bool:
         return group in self.slots
 
+    def host_bytes(self) -> int:
+        """Bytes of every group's host buffer (what the offload holds in host memory)."""
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def host_buffer(self, group: str, nbytes: int) -> HostBuffer:
+        """The group's buffer of exactly ``nbytes`` bytes: the existing one when it has that size,
+        else a new one (the old one freed before the new one is allocated)."""
+        buf = self.buffers.get(group)
+        if buf is not None and buf.nbytes == nbytes:
+            return buf
+        if buf is not None:
+            del self.buffers[group]
+            buf.free()
+        buf = self.buffers[group] = HostBuffer(nbytes, self.pin)
+        return buf
+
     def offload(self, group: str, storages: dict[int, torch.UntypedStorage]) -> int:
-        """Copy every storage of ``group`` to the host and free it on the device. Returns the
-        bytes moved. The host copies are complete when this returns."""
+        """Copy every storage of ``group`` into its slice of the group's host buffer and free it on
+        the device. Returns the bytes moved. The host copies are complete when this returns."""
         if group in self.slots:
             raise RuntimeError(f"offload group {group!r} is already offloaded")
-        pool = self._pool.get(group, [])
         sts = list(storages.values())
         sizes = [st.nbytes() for st in sts]
-        if [h.numel() for h in pool] != sizes:
-            pool = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-                    for n in sizes]
-            self._pool[group] = pool
-        slots = [_Slot(st, n, h) for st, n, h in zip(sts, sizes, pool)]
+        offsets, total = group_layout(sizes)
+        buf = self.host_buffer(group, total)
+        slots = [_Slot(st, n, buf.view(off, n)) for st, n, off in zip(sts, sizes, offsets)]
         for s in slots:
-            s.host.copy_(_as_bytes(s.storage), non_blocking=self.pin)
+            s.host.copy_(_as_bytes(s.storage), non_blocking=buf.pinned)
         _synchronize(sts)
         for s in slots:
             s.storage.resize_(0)
@@ -153,13 +231,14 @@ class StorageOffloader:
         slots = self.slots.pop(group, None)
         if slots is None:
             return 0
+        pinned = self.buffers[group].pinned
         for s in slots:
             if s.storage.nbytes() != 0:
                 raise RuntimeError(f"offload group {group!r}: a storage was re-allocated while "
                                    "offloaded (something used the actor between offload and "
                                    "onload)")
             s.storage.resize_(s.nbytes)
-            _as_bytes(s.storage).copy_(s.host, non_blocking=self.pin)
+            _as_bytes(s.storage).copy_(s.host, non_blocking=pinned)
         _synchronize([s.storage for s in slots])
         return sum(s.nbytes for s in slots)
 
@@ -210,9 +289,6 @@ class ActorOffload:
         return [g for g in GROUPS if self.store.offloaded(g)]
 
 
-_ALIGN = 256  # bytes: every region of the flat buffer starts at a CUDA-friendly alignment
-
-
 class FrozenModelOffload:
     """A frozen model (the reference policy) whose weights live in host memory between passes.
 
@@ -220,7 +296,8 @@ class FrozenModelOffload:
     256-byte aligned offsets, into ONE flat device buffer (a ``uint8`` storage that is created
     once and kept for the model's life: its tensors are re-pointed into it with ``set_``, so every
     parameter stays the same Python object and views that shared a storage still share it), and
-    its bytes are copied once into a host buffer of the same size (pinned when CUDA is available).
+    its bytes are copied once into a :class:`HostBuffer` of the same size (page-locked when CUDA
+    is available).
     The weights never change, so:
 
     - :meth:`offload` only resizes the device buffer to 0 bytes (no copy back; its memory returns
@@ -245,12 +322,13 @@ class FrozenModelOffload:
             st = t.untyped_storage()
             if storage_key(t) not in regions:
                 regions[storage_key(t)] = (st, total)
-                total += -(-st.nbytes() // _ALIGN) * _ALIGN
+                total += aligned(st.nbytes())
         self.nbytes = total
         flat = torch.empty(total, dtype=torch.uint8, device=self.device)
         for st, off in regions.values():
             flat[off:off + st.nbytes()].copy_(_as_bytes(st))
-        self.host = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+        self.host_buffer = HostBuffer(total, self.pin)  # exact size (no power-of-two rounding)
+        self.host = self.host_buffer.view(0, total)
         self.host.copy_(flat)
         self.storage = flat.untyped_storage()
         with torch.no_grad():
@@ -273,5 +351,5 @@ class FrozenModelOffload:
         memory; stream-ordered before any kernel that reads them)."""
         if not self.onloaded:
             self.storage.resize_(self.nbytes)
-            _as_bytes(self.storage).copy_(self.host, non_blocking=self.pin)
+            _as_bytes(self.storage).copy_(self.host, non_blocking=self.host_buffer.pinned)
             self.onloaded = True

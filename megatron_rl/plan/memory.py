@@ -13,7 +13,8 @@
   configured concurrency at full length, against the ``mem_fraction_static`` budget;
 * with ``rollout.sglang.colocate`` (servers on the actor's GPUs, taking turns): each phase of the
   colocated step on one shared GPU -- rollout (the server's static budget), update (the actor;
-  the server released), weight sync (the actor's parameters + the resumed server) -- and their
+  the server released), weight sync (the actor's parameters + the server's weights + the sync's
+  buffers; its KV cache comes back only after the actor's parameters left) -- and their
   **peak**, not their sum, against the GPU; plus the time of the host<->device swaps;
 * the step time from FLOPs at a stated MFU (communication is not modelled).
 
@@ -263,17 +264,55 @@ def server_breakdown(x: PlanInputs) -> dict[str, Any]:
             "weights_fit": weights < budget, "kv_fits": need <= pool}
 
 
+def stream_tensor_bytes(x: PlanInputs) -> float:
+    """The largest tensor the weight stream (:mod:`megatron_rl.convert.stream`) makes at once on
+    a sender GPU, in the training dtype: a canonical tensor gathered over TP (the embedding /
+    output layer ``[V, H]``, QKV, fc1 ``[2F, H]``, ...), or one MoE expert slot gathered over EP
+    (``ep`` experts' fc1)."""
+    m = x.model
+    d, h = m.kv_channels, m.hidden_size
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
+    elems = [m.vocab_size * h, (q + 2 * kv) * h, q * h]
+    if m.is_moe:
+        elems += [m.num_experts * h, x.ep * 2 * m.moe_intermediate_size * h]
+    else:
+        elems += [2 * m.intermediate_size * h]
+    return float(max(elems) * _dtype_bytes(x.precision))
+
+
+def sync_transient_bytes(x: PlanInputs) -> float:
+    """Bytes the colocated weight sync (``from_tensor``) holds on one shared GPU besides the
+    actor's parameters and the server's weights: the bucket being sent and its flattened copy
+    (each ``max(bucket, T)``: a tensor larger than ``rollout.weight_sync_bucket_mb`` is sent
+    alone), the next tensor the stream has already gathered (``T``,
+    :func:`stream_tensor_bytes`), and the flattened copy each other pipeline stage's sender puts
+    on this GPU for a server rank here: ``(pp + 1) * max(bucket, T) + T``. Every buffer is freed
+    once its request returns, so nothing grows with the number of buckets. (At TP 1 most tensors
+    of a bucket are views of the parameters: the real figure is lower by up to a bucket.)"""
+    return sync_buffer_bytes(x.sync_bucket_mb * 2**20, stream_tensor_bytes(x), x.pp)
+
+
+def sync_buffer_bytes(bucket: float, tensor: float, pp: int) -> float:
+    """:func:`sync_transient_bytes` for a bucket of ``bucket`` bytes, a largest streamed tensor
+    of ``tensor`` bytes and ``pp`` pipeline stages: ``(pp + 1) * max(bucket, tensor) +
+    tensor``."""
+    return (pp + 1) * max(float(bucket), float(tensor)) + float(tensor)
+
+
 def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
                      server: dict[str, Any]) -> dict[str, float]:
     """Bytes on one shared GPU in each phase of the colocated step (megatron_rl/run/colocation.py):
     rollout = the server's static budget (weights + KV pool) + the trainer's runtime reserve
     (the actor is on the host); update = the actor's whole breakdown + a released server's
-    reserve; weight sync = the actor's parameters (training dtype) + the resumed server + one
-    bucket (grads and optimizer state are already on the host)."""
+    reserve; weight sync = the actor's parameters (training dtype) + the server's weights (its KV
+    cache and CUDA graphs stay released until the parameters have left) + a released server's
+    reserve + the trainer's runtime reserve + the sync's buffers (:func:`sync_transient_bytes`;
+    grads and optimizer state are already on the host)."""
     budget = server["weights (bf16)"] + server["kv_pool"]
     reserve = RUNTIME_RESERVE_GIB * GIB if x.device == "gpu" else 0.0
     params = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
     return {"rollout (server budget + trainer runtime)": budget + reserve,
             "update (actor + released server)": sum(actor.values()) + SERVER_RESERVE_GIB * GIB,
-            "weight sync (actor params + server + bucket)": params + budget + reserve
-            + x.sync_bucket_mb * 2**20}
+            "weight sync (actor params + server weights + sync buffers)":
+                params + server["weights (bf16)"] + SERVER_RESERVE_GIB * GIB + reserve
+                + sync_transient_bytes(x)}

@@ -286,17 +286,19 @@ class Fleet:
         """Servers currently registered."""
         return list(self.workers)
 
-    def check_health(self, timeout_s: float = 10.0) -> list[str]:
-        """Probe ``/health_generate`` of every server; remove the dead ones. Returns them."""
+    def check_health(self, timeout_s: float = 10.0, generate: bool = True) -> list[str]:
+        """Probe ``/health_generate`` of every server; remove the dead ones. Returns them. With
+        ``generate=False`` (servers whose KV cache is released: a generation would run on
+        released memory) only a started server's process is checked."""
         with self._health_lock:
-            return self._check_health(timeout_s)
+            return self._check_health(timeout_s, generate)
 
-    def _check_health(self, timeout_s: float) -> list[str]:
+    def _check_health(self, timeout_s: float, generate: bool = True) -> list[str]:
         dead = []
         for u in self.urls:
             proc = self.procs.get(u)
             alive = proc is None or proc.poll() is None
-            if alive:
+            if alive and generate:
                 try:
                     http_json("GET", u + "/health_generate", timeout=timeout_s)
                 except ServerError:

@@ -7,13 +7,18 @@ import torch.distributed
 from megatron_rl.parallel.runtime import broadcast_object
 
 
-def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
+def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str | None:
     """Stream HF-named buckets out of the Megatron actor into the engine.
 
     Collective over the model-parallel group of DP replica 0 only (the engine's rank is there);
     the other replicas hold identical weights and skip the gathers entirely, except, with MoE
     expert parallelism, the ranks holding the experts replica 0 gathers. Returns the engine's
-    checksum on the engine's rank, None elsewhere.
+    checksum on the engine's rank, None elsewhere. ``hooks`` (``before_send()`` /
+    ``after_send()``, each once on every rank; colocation) run around the send (with
+    ``hooks.servers_generate`` False the servers' KV cache is released until ``after_send``: the
+    fleet's health check before the sync checks their processes only): for an
+    SGLang fleet ``after_send`` comes after the weights are loaded and before the probe (see
+    :mod:`megatron_rl.rollout.weight_sync.megatron_sync`), for other engines after the update.
     """
     from megatron.core import parallel_state as ps
 
@@ -21,20 +26,28 @@ def sync_weights(actor, engine, bucket_mb: int, version: int) -> str | None:
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
-    plan = broadcast_object(fleet_plan(engine) if torch.distributed.get_rank() == 0 else None)
+    generate = getattr(hooks, "servers_generate", True)  # False: KV cache released (colocated)
+    plan = broadcast_object(fleet_plan(engine, generate) if torch.distributed.get_rank() == 0
+                            else None)
     if plan is not None:
-        return sync_fleet_retrying(actor, engine, plan, bucket_mb, version)
+        return sync_fleet_retrying(actor, engine, plan, bucket_mb, version, hooks=hooks)
+    if hooks is not None:
+        hooks.before_send()
+    out = None
     if ps.get_data_parallel_rank() != 0:
         if serves_expert_gathers(actor.model):
             for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True):
                 pass
-        return None
-    buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
-    if engine is not None:
-        return engine.update_weights(as_engine_dtype(buckets, engine), version)
-    for _ in buckets:
-        pass
-    return None
+    else:
+        buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
+        if engine is not None:
+            out = engine.update_weights(as_engine_dtype(buckets, engine), version)
+        else:
+            for _ in buckets:
+                pass
+    if hooks is not None:
+        hooks.after_send()
+    return out
 
 
 def as_engine_dtype(buckets, engine):
@@ -50,7 +63,7 @@ def as_engine_dtype(buckets, engine):
 
 
 def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
-                        retries: int = 1) -> str | None:
+                        retries: int = 1, hooks=None) -> str | None:
     """:func:`~megatron_rl.rollout.weight_sync.megatron_sync.sync_fleet`, run again on the
     surviving servers when servers died during it (the coordinator's health check removed them
     from the router and restarted them; a log line says so), restarted servers included; those
@@ -64,7 +77,7 @@ def sync_fleet_retrying(actor, engine, plan: dict, bucket_mb: int, version: int,
     for attempt in range(retries + 1):
         err, out = None, None
         try:
-            out = sync_fleet(actor, engine, plan, bucket_mb, version)
+            out = sync_fleet(actor, engine, plan, bucket_mb, version, hooks=hooks)
         except WeightSyncError as exc:
             err = exc
         decision = None

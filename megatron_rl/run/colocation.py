@@ -5,9 +5,15 @@ take turns with the device memory (docs/colocation.md). One step:
     release servers, onload actor  /release_memory_occupation (all tags); params, grads, optimizer
     old/ref log-probs, update      the actor alone on the device
     offload grads + optimizer      only the actor's parameters stay
-    resume servers, weight sync    /resume_memory_occupation; the weights go by from_tensor
-                                   (CUDA IPC on GPU) and are verified by the probe
-    offload parameters             the actor is off the device; the next rollout starts
+    servers: weights only          /resume_memory_occupation ["weights"] (KV cache and CUDA graphs
+                                   stay released; at the first sync they are released first)
+    weight sync                    the weights go by from_tensor (CUDA IPC on GPU)
+    offload parameters             inside the sync, once the weights are loaded
+    servers: KV cache, CUDA graphs /resume_memory_occupation ["kv_cache", "cuda_graph"]; then the
+                                   probe verifies the sync and the next rollout starts
+
+This is the order slime and verl use: the sync's peak is the actor's parameters + the servers'
+weights + the sync's buffers, never the KV cache on top.
 
 A GAE critic (``trainer.advantage: gae``) is on the device only for the values and the update: it
 comes back with the actor after the rollout and leaves whole before the weight sync. A checkpoint
@@ -22,12 +28,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
-from megatron_rl.parallel.runtime import broadcast_object
+from megatron_rl.parallel.runtime import broadcast_object, host_group
+
+SYNC_RELEASED = ("kv_cache", "cuda_graph")  # released on the servers while the weights are sent
 
 
 class Colocation:
     """The colocated step's memory hand-offs (module docstring) around one rank's actor (and
     critic)."""
+
+    servers_generate = False  # as the sync's hooks: the servers' KV cache is released until
+    # after_send, so the sync's health check must not generate
 
     def __init__(self, cfg, actor, driver, critic=None) -> None:
         s = cfg.rollout.sglang
@@ -49,28 +60,40 @@ class Colocation:
         return getattr(self.critic_offload, action)(*([groups] if groups else []))
 
     # ---- servers (rank 0 posts; every rank waits for it) ----------------------------------
-    def _servers(self, action: str, tags: list[str] | None) -> None:
+    def _server_call(self, action: str, tags: list[str] | None) -> str | None:
+        """Rank 0: release ``tags`` (None: all) the servers hold, or resume ``tags`` (None: all)
+        they have released -- SGLang refuses the rest; the error, if any. Other ranks: None."""
         from megatron_rl.rollout import memory_occupation as mo
 
-        err = None
         engine = self.driver.engine
-        if engine is not None:  # rank 0
-            try:
-                urls = engine.fleet.urls
-                if action == "release":
-                    mo.release_servers(urls, tags)
-                    self.servers_released = sorted({*self.servers_released,
-                                                    *mo.resolve_tags(tags)})
-                else:
-                    todo = list(tags or self.servers_released)
-                    if todo:  # only what was released (SGLang refuses the rest)
-                        mo.resume_servers(urls, todo)
-                    self.servers_released = [t for t in self.servers_released if t not in todo]
-                    if todo and not self.servers_released:
-                        self._check_servers(engine.fleet)
-            except Exception as exc:  # noqa: BLE001 - every rank raises below
-                err = f"{action}_memory_occupation: {exc}"
-        err = broadcast_object(err)
+        if engine is None:
+            return None
+        try:
+            wanted = mo.resolve_tags(tags)
+            if action == "release":
+                todo = [t for t in wanted if t not in self.servers_released]
+                if todo:
+                    mo.release_servers(engine.fleet.urls, todo)
+                self.servers_released = sorted({*self.servers_released, *todo})
+            else:
+                todo = [t for t in wanted if t in self.servers_released]
+                if todo:
+                    mo.resume_servers(engine.fleet.urls, todo)
+                self.servers_released = [t for t in self.servers_released if t not in todo]
+                if todo and not self.servers_released:  # every region is back
+                    self._check_servers(engine.fleet)
+        except Exception as exc:  # noqa: BLE001 - every rank raises below
+            return f"{action}_memory_occupation: {exc}"
+        return None
+
+    def _servers(self, action: str, tags: list[str] | None) -> None:
+        """:meth:`_server_call` on rank 0, then every rank raises its error. A resume waits for
+        every rank first (all have moved their memory off the device), and the broadcast makes
+        every rank wait for the servers (none moves memory onto the device before they have
+        released theirs)."""
+        if action == "resume":
+            _barrier()
+        err = broadcast_object(self._server_call(action, tags))
         if err:
             raise RuntimeError(f"colocation: {err}")
 
@@ -87,13 +110,14 @@ class Colocation:
 
     # ---- the loop's hand-offs --------------------------------------------------------------
     def before_engine_start(self) -> None:
-        """The actor leaves the device before the servers start (they size their KV cache from
-        the free memory)."""
+        """The actor leaves the device on every rank before rank 0 starts the servers (they size
+        their KV cache from the free memory)."""
         if self.enabled:
             import torch.distributed as dist
 
             moved = self.offload.offload()
             critic = self._critic("offload")
+            _barrier()
             if dist.get_rank() == 0:
                 print("[colocation] rank 0 actor offloaded to the host: " + ", ".join(
                     f"{g} {n / 2**20:.1f} MiB" for g, n in moved.items()) + (
@@ -110,17 +134,42 @@ class Colocation:
                 self._critic("onload")
 
     def sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` (the weight sync) with only the actor's parameters on the
-        device and the servers resumed; the parameters leave afterwards."""
+        """``fn(*args, hooks=self, **kwargs)`` (the weight sync,
+        :func:`~megatron_rl.rollout.sync.sync_weights`) in the order slime and verl use: the
+        gradients and optimizer state (and the critic) leave; the servers hold only their weights
+        (KV cache and CUDA graphs released where held, weights resumed); the actor's parameters
+        come back; the weights are sent; :meth:`after_send` (called by the sync once the weights
+        are loaded, before its probe) offloads the parameters and gives the servers their KV
+        cache and CUDA graphs back."""
         if not self.enabled:
             return fn(*args, **kwargs)
         self._critic("offload")
         self.offload.offload(["grads", "optimizer"])
+        self._servers("release", list(SYNC_RELEASED))  # the first sync: servers start whole
+        self._servers("resume", ["weights"])
         self.offload.onload(["params"])
-        self._servers("resume", None)  # whatever rank 0 released
-        out = fn(*args, **kwargs)
-        self.offload.offload(["params"])
+        out = fn(*args, hooks=self, **kwargs)
+        self.offload.offload(["params"])  # no-ops when after_send ran
+        self._servers("resume", None)
         return out
+
+    # ---- hooks of the weight sync (every rank, once per attempt) --------------------------
+    def before_send(self) -> None:
+        """The actor's parameters on the device (again, when a failed sync is retried)."""
+        self.offload.onload(["params"])
+
+    def after_send(self) -> None:
+        """The weights are loaded: the parameters leave the device on every rank, then (once all
+        have: a host-group barrier; the sync calls this exactly once on every rank) rank 0
+        resumes the servers' KV cache and CUDA graphs (what it released), so the probe can
+        generate."""
+        try:
+            self.offload.offload(["params"])
+        finally:  # every rank reaches the barrier, also after a failed offload
+            _barrier()
+        err = self._server_call("resume", None)
+        if err:
+            raise RuntimeError(f"colocation: {err}")
 
     @contextlib.contextmanager
     def resident(self):
@@ -138,3 +187,10 @@ class Colocation:
             self.offload.offload(["params", "optimizer"])
             self._critic("offload", ["params", "optimizer"])
             self._servers("resume", ["kv_cache"])
+
+
+def _barrier() -> None:
+    """Every rank of the job has got here (host group)."""
+    import torch.distributed as dist
+
+    dist.barrier(group=host_group())

@@ -4,8 +4,10 @@ Each bucket is flattened once (one contiguous byte buffer + ``[name, dtype, shap
 On GPU the buffer's CUDA IPC handle goes through SGLang's own serializer
 (``MultiprocessingSerializer`` of a ``FlattenedTensorBucket``, ``load_format="flattened_bucket"``;
 needs the ``sglang`` package in the trainer's environment), with SGLang's
-``monkey_patch_torch_reductions`` applied, one payload per TP rank of each server, and the
-buffers kept alive until the sync has been verified.
+``monkey_patch_torch_reductions`` applied, one payload per TP rank of each server. Each bucket's
+buffers are dropped as soon as its requests return: CUDA IPC counts references (torch's
+``CudaIPCSentData``), so the block stays allocated until every receiver has released its handle
+(after synchronizing its stream), and one flattened bucket at a time is alive on the sender.
 
 On CPU (our ``serve``) nothing is flattened: the request carries this process's pid and every
 tensor's address (``load_format="megatron_rl_vm"``) and the servers copy each tensor straight
@@ -24,6 +26,7 @@ import atexit
 import json
 import os
 import uuid
+from typing import Any
 
 import torch
 
@@ -101,6 +104,7 @@ class FromTensor(SyncStrategy):
     name = "from_tensor"
     needs_session = True
     transport = "auto"  # CPU: "auto" (servers read this process, else shm files) | "shm"
+    codec = None  # CUDA buckets: flatten + serialize (None: SGLangCodec)
 
     def send_bucket(self, bucket: Bucket, version: int) -> None:
         """CPU: the servers read the tensors straight out of this process (one copy,
@@ -179,15 +183,6 @@ class FromTensor(SyncStrategy):
         for slot in getattr(self, "_slots", []):
             slot.free()
 
-    def start_send(self, version: int) -> None:
-        self.release_buffers()  # the previous sync's buffers: verified (probed) since
-
-    def release_buffers(self) -> None:
-        """Drop the CUDA buffers handed to the servers. SGLang answers a tensor update before
-        its copy kernels have run, so every buffer of a sync stays alive until the servers have
-        generated since (the verification probe) or until the next sync starts."""
-        self._keep = []
-
     def rank_devices(self, server: int, default: torch.device) -> list[torch.device]:
         """The device of each TP rank of server ``server`` (its ``tp_size`` from
         ``/server_info``) as this process numbers them: ``gpus[first + r]`` (``first``: the
@@ -206,37 +201,62 @@ class FromTensor(SyncStrategy):
         return out
 
     def _send_cuda(self, bucket: Bucket) -> None:
-        """CUDA IPC through SGLang's own serializer: ``monkey_patch_torch_reductions`` (handles
-        carry the device UUID; SGLang's receivers map it to their own device index), one payload
-        per TP rank of every server (``serialized_named_tensors[tp_rank]``: each rank
-        deserializes only its own, for CUDA-IPC refcounting), buffers kept alive after the POST
-        (:meth:`release_buffers`)."""
-        if not hasattr(self, "_keep"):
-            self._keep = []
+        """CUDA IPC through SGLang's own serializer (:attr:`codec`, default :class:`SGLangCodec`:
+        handles carry the device UUID; SGLang's receivers map it to their own device index), one
+        payload per TP rank of every server (``serialized_named_tensors[tp_rank]``: each rank
+        deserializes only its own, for CUDA-IPC refcounting). The flattened bucket and its copies
+        are dropped when the requests return: a server still holding a handle keeps its block
+        allocated (CUDA IPC reference counting), so nothing is freed under a receiver, and no more
+        than one bucket's buffers are alive here."""
+        buffers: list[torch.Tensor] = []
         bodies = tensor_update_bodies(bucket, [self.rank_devices(i, bucket[0][1].device)
-                                               for i in range(len(self.urls))], self._keep)
+                                               for i in range(len(self.urls))], buffers,
+                                      self.codec)
         post_each(list(zip(self.urls, bodies)),
                   lambda ub: post_all([ub[0]], "/update_weights_from_tensor", ub[1]))
+        buffers.clear()  # this bucket's last references here
+
+
+class SGLangCodec:
+    """SGLang's ``FlattenedTensorBucket`` (one contiguous buffer + metadata) and
+    ``MultiprocessingSerializer`` (a CUDA IPC handle, base64) for ``load_format=
+    "flattened_bucket"``, with ``monkey_patch_torch_reductions`` for CUDA tensors (handles name
+    the device by UUID). Needs the ``sglang`` package in the trainer's environment."""
+
+    def __init__(self) -> None:
+        try:
+            from sglang.srt.utils import MultiprocessingSerializer
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        except ImportError as exc:
+            raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
+                               "trainer's environment (CUDA IPC handles are made by its "
+                               "serializer); use from_disk or from_distributed") from exc
+        self._serializer, self._bucket = MultiprocessingSerializer, FlattenedTensorBucket
+        self._patch = monkey_patch_torch_reductions
+
+    def flatten(self, bucket: Bucket) -> tuple[torch.Tensor, Any]:
+        """``(flat buffer on the bucket's device, metadata)``: a new buffer of the bucket's
+        bytes."""
+        if bucket[0][1].is_cuda:  # handles carry device UUIDs (the patch is for CUDA tensors)
+            self._patch()
+        fb = self._bucket(named_tensors=[(n, t.detach()) for n, t in bucket])
+        return fb.get_flattened_tensor(), fb.get_metadata()
+
+    def serialize(self, flat: torch.Tensor, meta: Any) -> str:
+        """One TP rank's payload: ``{"flattened_tensor", "metadata"}``, serialized."""
+        return self._serializer.serialize({"flattened_tensor": flat, "metadata": meta},
+                                          output_str=True)
 
 
 def tensor_update_bodies(bucket: Bucket, devices_per_server: list[list[torch.device]],
-                         keep: list) -> list[dict]:
+                         keep: list, codec=None) -> list[dict]:
     """``/update_weights_from_tensor`` bodies, one per server: the bucket flattened once
-    (SGLang's ``FlattenedTensorBucket``), copied to each TP rank's device where that differs,
-    serialized once per rank by SGLang's ``MultiprocessingSerializer`` (base64) with
-    ``monkey_patch_torch_reductions`` applied. Every buffer is appended to ``keep``."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    except ImportError as exc:
-        raise RuntimeError("from_tensor with CUDA tensors needs the sglang package in the "
-                           "trainer's environment (CUDA IPC handles are made by its "
-                           "serializer); use from_disk or from_distributed") from exc
-    if bucket[0][1].is_cuda:  # handles carry device UUIDs (the patch is for CUDA tensors)
-        monkey_patch_torch_reductions()
-    fb = FlattenedTensorBucket(named_tensors=[(n, t.detach()) for n, t in bucket])
-    flat, meta = fb.get_flattened_tensor(), fb.get_metadata()
+    (``codec.flatten``, default :class:`SGLangCodec`), copied to each TP rank's device where that
+    differs, serialized once per rank (``codec.serialize``). Every buffer is appended to ``keep``
+    (the caller drops them once the requests returned)."""
+    codec = codec if codec is not None else SGLangCodec()
+    flat, meta = codec.flatten(bucket)
     bodies = []
     for devices in devices_per_server:
         payloads = []
@@ -245,8 +265,7 @@ def tensor_update_bodies(bucket: Bucket, devices_per_server: list[list[torch.dev
             if t.is_cuda:
                 torch.cuda.current_stream(t.device).synchronize()  # written before read
             keep.append(t)
-            payloads.append(MultiprocessingSerializer.serialize(
-                {"flattened_tensor": t, "metadata": meta}, output_str=True))
+            payloads.append(codec.serialize(t, meta))
         bodies.append({"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
                        "flush_cache": False})
     return bodies

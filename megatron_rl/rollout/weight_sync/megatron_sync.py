@@ -7,14 +7,24 @@ together instead of hanging:
 1. coordinator (global rank 0): health check, ``begin`` (pause + flush on every server);
 2. every rank streams its stage's HF buckets (``iter_hf_weight_buckets(broadcast_pp=False)``:
    gathered once per TP group); TP rank 0 of each stage sends them, stages in parallel;
-3. coordinator: ``commit`` (load / set version / flush), then ``resume`` (continue generation:
-   a paused server answers no probe; the synchronous trainer sends no rollout meanwhile);
-4. the coordinator compares every server's ``/weights_checker`` checksum (where servers have
+3. the actor's log-probs of the probe sequence (last stage; a collective forward while the
+   parameters are still on the device);
+4. coordinator: ``commit`` (load / set version / flush); then ``hooks.after_send()`` on every
+   rank (colocation: the actor's parameters leave the device and the servers get their KV cache
+   and CUDA graphs back, :mod:`megatron_rl.run.colocation`); then ``resume`` (continue
+   generation: a paused server answers no probe; the synchronous trainer sends no rollout
+   meanwhile);
+5. the coordinator compares every server's ``/weights_checker`` checksum (where servers have
    it); every sender spot-checks its tensors with ``/get_weights_by_name`` (when
    ``spot_checks`` > 0); the probe sequence's
    actor log-probs (last stage) are compared with every server's: the mean gap over the probe
    tokens must be within ``probe_tolerance`` (logged per sync as ``weight_sync_probe_gap``);
    any failure raises on every rank; the engine's weight version is set.
+
+``hooks`` (optional) is any object with ``before_send()`` and ``after_send()``, each called
+exactly once per attempt on every rank of the job (DP replicas other than 0 included, which call
+them without waiting for replica 0's send): ``after_send`` may wait for every rank on the host
+group (colocation does, before the servers resume), ``before_send`` must not.
 """
 
 from __future__ import annotations
@@ -40,13 +50,15 @@ from megatron_rl.rollout.weight_sync.common import (
 _SENDERS: dict[tuple, SyncStrategy] = {}
 
 
-def fleet_plan(engine) -> dict | None:
-    """What every rank needs to know about the fleet (rank 0), None for other engines."""
+def fleet_plan(engine, generate: bool = True) -> dict | None:
+    """What every rank needs to know about the fleet (rank 0), None for other engines. The
+    fleet's health check first (``generate=False``: servers whose KV cache is released, checked
+    by their process only; the probe generates once they have it back)."""
     if engine is None or getattr(engine, "sync", None) is None:
         return None
     from megatron_rl.rollout.weight_sync import sync_targets
 
-    engine.fleet.check_health()
+    engine.fleet.check_health(generate=generate)
     s = engine.sync
     return {"strategy": s.name, "urls": sync_targets(engine.fleet), "sync_dir": s.sync_dir,
             "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
@@ -80,7 +92,8 @@ def _sender(plan: dict, stage: int, coordinator: SyncStrategy | None) -> SyncStr
 
 
 def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, str | None]:
-    """Drain ``buckets`` (collective) while the sender pushes them; (bytes, error)."""
+    """Drain ``buckets`` (collective) while the sender pushes them; (bytes, error). Each bucket is
+    dropped before the next one is made (the stream then holds one bucket at a time)."""
     total, err = 0, None
     if sender is not None:
         sender.spots = []
@@ -89,14 +102,14 @@ def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, 
         except Exception as exc:  # noqa: BLE001
             err = f"stage {sender.sender}: {exc!r}"
     for bucket in buckets:
-        if sender is None or err is not None:
-            continue
-        try:
-            sender._remember_spots(bucket)
-            sender.send_bucket(bucket, version)
-            total += sum(t.numel() * t.element_size() for _, t in bucket)
-        except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
-            err = f"stage {sender.sender}: {exc!r}"
+        if sender is not None and err is None:
+            try:
+                sender._remember_spots(bucket)
+                sender.send_bucket(bucket, version)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+            except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
+                err = f"stage {sender.sender}: {exc!r}"
+        del bucket  # before the stream makes the next one
     if sender is not None:  # also after an error: releases files and pending posts
         try:
             sender.finish_send(version)
@@ -120,15 +133,23 @@ def actor_probe_logprobs(actor, ids: list[int]) -> list[float] | None:
     return out["logp"][0, 1:].detach().float().cpu().tolist()
 
 
-def _probe(actor, plan: dict, last_sender: bool) -> tuple[ProbeGap, str | None]:
-    """Actor log-probs of the probe (collective forward) vs every server's (last stage): the
-    worst :class:`ProbeGap` and the servers over ``probe_tolerance`` (mean gap)."""
+def _actor_probe(actor, plan: dict, last_sender: bool) -> tuple[list[int], list[float] | None]:
+    """``(probe ids, the actor's log-probs of them)`` (a collective forward on every rank, run
+    while the parameters are on the device; the log-probs on the last stage's sender, None
+    elsewhere or when the probe is off)."""
     n = plan["probe_length"]
     if n <= 1:
-        return ProbeGap(0.0, 0.0), None
+        return [], None
     ids = probe_tokens(actor.model_cfg.vocab_size, n)
     ref = actor_probe_logprobs(actor, ids)
-    if ref is None or not last_sender:
+    return ids, (ref if last_sender else None)
+
+
+def _engine_probe(plan: dict, ids: list[int], ref: list[float] | None
+                  ) -> tuple[ProbeGap, str | None]:
+    """Every server's probe log-probs against the actor's ``ref`` (where this rank has them):
+    the worst :class:`ProbeGap` and the servers over ``probe_tolerance`` (mean gap)."""
+    if ref is None:
         return ProbeGap(0.0, 0.0), None
     gaps = probe_gaps(plan["urls"], ids, ref)
     errors = [e for u, g in gaps.items()
@@ -136,52 +157,78 @@ def _probe(actor, plan: dict, last_sender: bool) -> tuple[ProbeGap, str | None]:
     return worst_gap(gaps.values()), "; ".join(errors) or None
 
 
-def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str | None:
+def _hook(hooks, name: str) -> str | None:
+    """``hooks.<name>()`` (when there are hooks); its error as a string."""
+    if hooks is None:
+        return None
+    try:
+        getattr(hooks, name)()
+    except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
+        return f"{name} on rank {dist.get_rank()}: {exc!r}"
+    return None
+
+
+def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=None
+               ) -> str | None:
     """The verified sync (module docstring); a summary on rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
 
     if ps.get_data_parallel_rank() != 0:
+        err = _hook(hooks, "before_send")
         if serves_expert_gathers(actor.model):  # MoE: replica 0's stream gathers our experts
             for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False):
                 pass
+        err = _hook(hooks, "after_send") or err
+        if err:  # not a sync failure (rank 0 decides those): this rank's own state is wrong
+            raise RuntimeError(f"weight sync v{version}: {err}")
         return None
     mp = ps.get_model_parallel_group()
     coord = engine.sync if dist.get_rank() == 0 else None
     t0 = time.perf_counter()
-    err = None
-    if coord is not None:
+    err = _hook(hooks, "before_send")
+    if coord is not None and err is None:
         coord.urls = list(plan["urls"])
         try:
             coord.begin(version)
         except Exception as exc:  # noqa: BLE001
             err = f"begin: {exc!r}"
     if errs := _agree(err, mp):
+        _hook(hooks, "after_send")
         raise WeightSyncError(f"weight sync v{version}: {errs}")
     stage = ps.get_pipeline_model_parallel_rank()
     tp0 = ps.get_tensor_model_parallel_rank() == 0
     sender = _sender(plan, stage, coord if stage == 0 else None) if tp0 else None
     buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False)
     sent, err = _send_all(sender, buckets, version)
+    del buckets
     errs = _agree(err, mp)
-    if not errs and coord is not None:
+    ids, ref, local = [], None, []  # local: this rank's errors until the next agreement
+    if not errs:
+        try:  # while the actor's parameters are still on the device
+            ids, ref = _actor_probe(actor, plan, tp0 and ps.is_pipeline_last_stage())
+        except Exception as exc:  # noqa: BLE001
+            local.append(f"probe on stage {stage}: {exc!r}")
+    if not errs and not local and coord is not None:
         try:
             coord.commit(version)
         except Exception as exc:  # noqa: BLE001
-            errs = [f"commit: {exc!r}"]
+            local.append(f"commit: {exc!r}")
+    if herr := _hook(hooks, "after_send"):  # colocation: parameters out, KV cache back
+        local.append(herr)
     # generation continues before the checks: a paused server answers no probe (as SGLang)
     if coord is not None:
         try:
             coord.resume()
         except Exception as exc:  # noqa: BLE001
-            errs.append(f"resume: {exc!r}")
-        if not errs:
+            local.append(f"resume: {exc!r}")
+        if not errs and not local:
             try:
-                errs += checksum_disagreement(weights_checksums(coord.urls))
+                local += checksum_disagreement(weights_checksums(coord.urls))
             except Exception as exc:  # noqa: BLE001
-                errs.append(f"weights_checker: {exc!r}")
-    errs = errs + _agree(errs[0] if errs and coord is not None else None, mp)
+                local.append(f"weights_checker: {exc!r}")
+    errs = errs + _agree("; ".join(local) or None, mp)
     dt = time.perf_counter() - t0
     diffs: list = [(0.0, 0.0)] * dist.get_world_size(mp)
     if not errs:
@@ -190,12 +237,10 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int) -> str |
         except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
             spot = f"spot check on stage {stage}: {exc!r}"
         try:
-            worst, perr = _probe(actor, plan, tp0 and ps.is_pipeline_last_stage())
+            worst, perr = _engine_probe(plan, ids, ref)
         except Exception as exc:  # noqa: BLE001
             worst, perr = ProbeGap(float("inf"), float("inf")), f"probe on stage {stage}: {exc!r}"
         errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
-        if sender is not None and hasattr(sender, "release_buffers"):
-            sender.release_buffers()  # every server has generated since: copies are done
         dist.all_gather_object(diffs, tuple(worst), group=mp)
     byte_list: list = [None] * dist.get_world_size(mp)
     dist.all_gather_object(byte_list, sent, group=mp)
