@@ -67,7 +67,7 @@ class AnyDeviceSender(FromTensor):
     included, with a :class:`TorchCodec`."""
 
     def __init__(self, urls: list[str]) -> None:
-        super().__init__(urls, "/unused")
+        super().__init__(urls, "/unused", server_tp=1)  # stand-in servers: no /server_info
         self.codec = TorchCodec()
 
     def send_bucket(self, bucket, version: int) -> None:

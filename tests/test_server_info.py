@@ -77,7 +77,7 @@ SGLANG_TP1 = {**SGLANG_TP2, "tp_size": 1}
 
 def test_from_tensor_server_info_tp2_gets_two_payloads(monkeypatch):
     """The TP2 server gets one payload per TP rank, the TP1 server one."""
-    def bodies(bucket, devices_per_server, keep):  # SGLang's serializer is not installed here
+    def bodies(bucket, devices_per_server, keep, codec=None):  # no SGLang serializer here
         return [{"serialized_named_tensors": [f"handle-{d}" for d in devices],
                  "load_format": "flattened_bucket", "flush_cache": False}
                 for devices in devices_per_server]

@@ -60,9 +60,12 @@ class Colocation:
         return getattr(self.critic_offload, action)(*([groups] if groups else []))
 
     # ---- servers (rank 0 posts; every rank waits for it) ----------------------------------
-    def _server_call(self, action: str, tags: list[str] | None) -> str | None:
+    def _server_call(self, action: str, tags: list[str] | None, check: bool = True
+                     ) -> str | None:
         """Rank 0: release ``tags`` (None: all) the servers hold, or resume ``tags`` (None: all)
-        they have released -- SGLang refuses the rest; the error, if any. Other ranks: None."""
+        they have released -- SGLang refuses the rest; the error, if any. Other ranks: None.
+        ``check``: once every region is back, :meth:`_check_servers` (it generates: not while
+        the fleet is paused)."""
         from megatron_rl.rollout import memory_occupation as mo
 
         engine = self.driver.engine
@@ -80,7 +83,7 @@ class Colocation:
                 if todo:
                     mo.resume_servers(engine.fleet.urls, todo)
                 self.servers_released = [t for t in self.servers_released if t not in todo]
-                if todo and not self.servers_released:  # every region is back
+                if check and todo and not self.servers_released:  # every region is back
                     self._check_servers(engine.fleet)
         except Exception as exc:  # noqa: BLE001 - every rank raises below
             return f"{action}_memory_occupation: {exc}"
@@ -162,12 +165,14 @@ class Colocation:
         """The weights are loaded: the parameters leave the device on every rank, then (once all
         have: a host-group barrier; the sync calls this exactly once on every rank) rank 0
         resumes the servers' KV cache and CUDA graphs (what it released), so the probe can
-        generate."""
+        generate. No health check here: the fleet is paused until the sync continues generation
+        (a generation would wait, and the server would be taken for dead); the sync's probe,
+        which generates on every server after that, is their check."""
         try:
             self.offload.offload(["params"])
         finally:  # every rank reaches the barrier, also after a failed offload
             _barrier()
-        err = self._server_call("resume", None)
+        err = self._server_call("resume", None, check=False)
         if err:
             raise RuntimeError(f"colocation: {err}")
 
