@@ -76,6 +76,10 @@ RECIPES: dict[str, dict] = {
                    dppo_ratio_cap=20.0, dppo_sq_log_ratio_coef=0.0),
     "dppo_kl": row("dppo_kl", 3.0, 20.0, dppo_kl_delta_low=0.05, dppo_kl_delta_high=0.05,
                    dppo_ratio_cap=20.0, dppo_sq_log_ratio_coef=0.0),
+    # BAPO: WooooDyy/BAPO recipe/bapo/config/bapo_trainer.yaml on verl's vanilla loss
+    "bapo": row("bapo", 3.0, 20.0, bapo_target=1.0, bapo_low_start=0.6, bapo_low_max=0.8,
+                bapo_low_step=0.05, bapo_high_start=1.2, bapo_high_max=2.0,
+                bapo_high_step=0.05),
 }
 
 

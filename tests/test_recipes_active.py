@@ -23,6 +23,7 @@ from megatron_rl.loss import (
     policy_loss_names,
     select_cov_tokens,
 )
+from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.ratio_one import (
     RATIO_ONE,
     acting_at_ratio_one,
@@ -55,8 +56,12 @@ def _on_policy_grad(name: str, erc: bool = False, cov_frac: float = 0.25) -> tor
     sel = None
     if name in ("clip_cov", "kl_cov"):
         sel = select_cov_tokens(ctx, cfg, logp, logp, adv, mask).selected[0]
+    bounds = None
+    if name == "bapo":
+        bounds = bapo_bounds(ctx, cfg, logp, logp, adv, mask).bounds
     x = logp.clone().requires_grad_(True)
-    inp = LossInputs(x, logp, adv, mask, entropy=ent, old_entropy=ent, cov_selected=sel)
+    inp = LossInputs(x, logp, adv, mask, entropy=ent, old_entropy=ent, cov_selected=sel,
+                     bapo_bounds=bounds)
     compute_loss(inp, cfg, ctx).loss.backward()
     return x.grad
 
@@ -148,7 +153,7 @@ def test_active_warning_printed_once_at_load(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["tiny_dapo", "tiny_dapo_erc", "tiny_aspo", "tiny_gppo",
                                     "tiny_grpo", "tiny_kl_cov", "tiny_clip_cov", "tiny_dppo",
-                                    "tiny_gmpo", "tiny_sapo"])
+                                    "tiny_gmpo", "tiny_sapo", "tiny_bapo"])
 def test_active_recipes_take_several_updates_per_step(recipe, tmp_path):
     cfg = load_config(f"examples/{recipe}.yaml", [f"output_dir={tmp_path}"])
     rows = cfg.trainer.train_batch_size * cfg.rollout.n

@@ -46,11 +46,15 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
+from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.context import rank_token_bound
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
 COV_LOSSES = ("clip_cov", "kl_cov")
+# losses whose per-mini-batch statistics need the current weights' log-probs (a no-grad pre-pass
+# for every update but the first of an RL step, where they are old_logp)
+PREPASS_LOSSES = COV_LOSSES + ("bapo",)
 
 
 class NonFiniteError(RuntimeError):
@@ -149,10 +153,13 @@ class PolicyUpdater:
         return [_take(batch, s) for s in slices]
 
     def _cov_prepass(self, mbs: list[dict], first_update: bool) -> list[dict] | None:
-        """The current weights' log-probs for Clip-Cov/KL-Cov statistics when they are not the
-        old ones: a pipeline pass, so every stage runs it (outputs on the last stage)."""
+        """The current weights' log-probs for Clip-Cov/KL-Cov statistics and BAPO's bound search
+        when they are not the old ones: a pipeline pass, so every stage runs it (outputs on the
+        last stage)."""
         cfg = self.loss_cfg
-        if cfg.policy_loss not in COV_LOSSES or first_update or cfg.cov_stat_source == "old_logp":
+        if cfg.policy_loss not in PREPASS_LOSSES or first_update:
+            return None
+        if cfg.policy_loss in COV_LOSSES and cfg.cov_stat_source == "old_logp":
             return None
         return forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
                                        compute_entropy=False,
@@ -172,6 +179,16 @@ class PolicyUpdater:
                                 [mb["mask"] for mb in mbs], step, salt=salt)
         return sel.selected, sel.stats
 
+    def _bapo_bounds(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None):
+        """BAPO's ``[2]`` ratio bounds of this mini-batch (None for other losses) and metrics."""
+        if self.loss_cfg.policy_loss != "bapo":
+            return None, {}
+        olds = [mb["old_logp"] for mb in mbs]
+        stat = olds if prepass is None else [o["logp"] for o in prepass]
+        out = bapo_bounds(ctx, self.loss_cfg, stat, olds, [mb["advantages"] for mb in mbs],
+                          [mb["mask"] for mb in mbs])
+        return out.bounds, out.stats
+
     def train_minibatch(self, mbs: list[dict], step: int, first_update: bool,
                         diagnose: bool | None = None, salt: int = 0) -> dict[str, float]:
         """Forward/backward all micro-batches of one mini-batch, then one guarded optimizer step.
@@ -186,7 +203,7 @@ class PolicyUpdater:
         cfg, n_micro = self.loss_cfg, len(mbs)
         bsz = max(mb["tokens"].shape[0] for mb in mbs)  # the shapes differ only with a token
         seq = max(mb["tokens"].shape[1] for mb in mbs)  # budget (variable_seq_lengths)
-        ctx = selected = None
+        ctx = selected = bounds = None
         cov_stats: dict = {}
         acc = MetricAccumulator()
         losses: list[torch.Tensor] = []
@@ -207,6 +224,8 @@ class PolicyUpdater:
                 masks, extra_masks=extra, rank_numel_bound=bound,
                 seq_ids=[mb["seq_id"] for mb in mbs] if budget else None)
             selected, cov_stats = self._cov_selection(mbs, ctx, prepass, step, salt)
+            bounds, bapo_stats = self._bapo_bounds(mbs, ctx, prepass)
+            cov_stats = {**cov_stats, **bapo_stats}
             diagnose = first_update if diagnose is None else diagnose
             if diagnose and cfg.policy_loss != "nll":  # §12 diagnostic, every epoch-0 mini-batch
                 cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
@@ -250,7 +269,8 @@ class PolicyUpdater:
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
                     cov_selected=None if selected is None else selected[i],
-                    positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp")), cfg, ctx,
+                    positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp"),
+                    bapo_bounds=bounds), cfg, ctx,
                     entropy_coeff=alpha)
                 acc.update(out.stats)
                 losses.append(out.loss.detach())

@@ -61,6 +61,9 @@ RATIO_ONE: dict[str, RatioOneNote] = {
                             "pi = pi_old: every token is inside the region, none is masked"),
     "dppo_kl": RatioOneNote(False, "the binary-KL trust region",
                             "pi = pi_old: every token is inside the region, none is masked"),
+    "bapo": RatioOneNote(False, "the adaptive ratio bounds (bapo_*) and the dual clip",
+                         "every searched bound satisfies c_low <= 1 <= c_high: r = 1 reaches "
+                         "neither bound, the gradient is -A grad(logp)"),
     "nll": RatioOneNote(True, "the supervised NLL", "it does not use the ratio"),
 }
 

@@ -32,6 +32,7 @@ class LossInputs:
     cov_selected: Tensor | None = None
     positive: Tensor | None = None
     rollout_logp: Tensor | None = None  # the rollout engine's log-probs (mismatch correction)
+    bapo_bounds: Tensor | None = None  # [2] fp32 (c_low, c_high) of the mini-batch (BAPO only)
 
 
 @dataclass
