@@ -27,6 +27,7 @@ from megatron_rl.loss import (
 )
 from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.context import rank_token_bound
+from megatron_rl.loss.siren import SirenTerm, siren_select
 
 B, T = 8, 12
 ATOL = 1e-6
@@ -71,6 +72,9 @@ CASES: dict[str, dict] = {
     # BAPO: bounds searched over the whole mini-batch (stops mid-search on this data)
     "bapo": dict(policy_loss="bapo", bapo_target=0.135, bapo_low_start=0.7, bapo_low_max=0.9,
                  bapo_high_start=1.05, bapo_high_max=1.5, bapo_high_step=0.02),
+    # SIREN: peak-entropy tokens above the mini-batch's 0.6 quantile, anchored at 1.0
+    "siren_dapo": dict(policy_loss="dapo", clip_ratio_high=0.28, siren_coef=0.5,
+                       siren_quantile=0.6, siren_anchor=1.0),
     # off-policy correction (rollout_logp passed): bounds narrow enough that each one bites
     "ppo_rollout_none": dict(policy_loss="ppo", rollout_correction="none"),
     "ppo_tis_seq_mean": dict(policy_loss="ppo", rollout_correction="tis",
@@ -141,6 +145,13 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
         found = bapo_bounds(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
                             [mb["adv"] for mb in mbs], masks)
         bounds, sel_stats = found.bounds, found.stats
+    siren = [None] * n_micro
+    if cfg.siren_coef > 0:  # entropies of the current weights (the trainer's pre-pass)
+        sirens = siren_select(ctx, cfg, [mb["ent"] for mb in mbs], masks)
+        gap = sirens.h_sel - cfg.siren_anchor
+        siren = [SirenTerm(s, gap, sirens.n_sel) for s in sirens.selected]
+        selected = sirens.selected
+        sel_stats = {"siren/selected_entropy": sirens.h_sel.float()}
     diag = entropy_dynamics_diagnostic(ctx, [mb["logp"] for mb in mbs], [mb["adv"] for mb in mbs],
                                        masks, top_frac=0.05)
     acc = MetricAccumulator()
@@ -148,8 +159,12 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
     for i, mb in enumerate(mbs):
         logp = mb["logp"] + w * mb["feat"]
         logp.retain_grad()
-        inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=mb["ent"],
-                         old_entropy=mb["old_ent"], ref_logp=mb["ref"], cov_selected=selected[i],
+        # SIREN's gradient flows through the entropy: let it depend on the shared parameter too
+        ent = mb["ent"] + w * mb["feat"] if siren[i] is not None else mb["ent"]
+        inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=ent,
+                         old_entropy=mb["old_ent"], ref_logp=mb["ref"],
+                         cov_selected=selected[i] if cfg.siren_coef == 0 else None,
+                         siren=siren[i],
                          positive=mb["positive"],
                          rollout_logp=mb["rollout"] if "rollout_correction" in CASES[case]
                          else None, bapo_bounds=bounds)
@@ -321,6 +336,14 @@ def test_bapo_search_bites_in_layout_data(reference):
     m = reference["bapo"]["metrics"]
     assert 0 < float(m["bapo/search_steps"]) < 4 + 22, float(m["bapo/search_steps"])
     assert 0 < float(m["policy/clip_frac"]) < 1
+
+
+def test_siren_selection_bites_in_layout_data(reference):
+    """SIREN selects part of the tokens and its regulariser moves the shared parameter."""
+    n_valid = int(make_data()["mask"].sum())
+    n_sel = int(reference["siren_dapo"]["selected"].sum())
+    assert 2 <= n_sel < n_valid
+    assert float(reference["siren_dapo"]["metrics"]["siren/reg"]) > 0
 
 
 def test_rollout_corrections_bite(reference):

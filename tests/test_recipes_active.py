@@ -119,6 +119,24 @@ def test_active_lists_what_acts_anyway():
     assert updates_per_step(128, 128, 2) == 2
 
 
+def test_active_siren_regulariser_acts_at_ratio_one():
+    """SIREN's term is listed as acting at r = 1, and it does: a gradient on the selected
+    tokens' entropies while the clip is inert."""
+    from megatron_rl.loss.siren import SirenTerm, siren_select
+
+    cfg = LossConfig.for_algorithm("siren")
+    assert "SIREN" in " ".join(acting_at_ratio_one(cfg))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    ent = torch.arange(10.0).view(2, 5).requires_grad_(True)
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    sel = siren_select(ctx, cfg, ent, mask)
+    logp = torch.zeros(2, 5)
+    inp = LossInputs(logp.clone().requires_grad_(True), logp, torch.ones(2, 5), mask,
+                     entropy=ent, siren=SirenTerm(sel.selected[0], sel.h_sel - 1.0, sel.n_sel))
+    compute_loss(inp, cfg, ctx).loss.backward()
+    assert (ent.grad[sel.selected[0]] > 0).all() and (ent.grad[~sel.selected[0]] == 0).all()
+
+
 # ---- the load-time warning ---------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,warns", [
     (["actor.mini_batch_size=0", "actor.micro_batch_size=64"], True),
@@ -153,7 +171,8 @@ def test_active_warning_printed_once_at_load(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["tiny_dapo", "tiny_dapo_erc", "tiny_aspo", "tiny_gppo",
                                     "tiny_grpo", "tiny_kl_cov", "tiny_clip_cov", "tiny_dppo",
-                                    "tiny_gmpo", "tiny_sapo", "tiny_bapo"])
+                                    "tiny_gmpo", "tiny_sapo", "tiny_bapo",
+                                    "tiny_siren"])
 def test_active_recipes_take_several_updates_per_step(recipe, tmp_path):
     cfg = load_config(f"examples/{recipe}.yaml", [f"output_dir={tmp_path}"])
     rows = cfg.trainer.train_batch_size * cfg.rollout.n

@@ -83,6 +83,10 @@ class LossParams:
     bapo_high_max: float = 2.0  # BAPO: largest upper ratio bound (>= bapo_high_start)
     bapo_high_step: float = 0.05  # BAPO: upper-bound increment (0: fixed)
     bapo_eps: float = 1e-8  # BAPO: added to the negative sum in pos/neg
+    # SIREN (loss/siren.py): self-anchored regulariser on the peak-entropy tokens
+    siren_coef: float = 0.0  # SIREN: weight of (H_S - H_anchor)^2 added to the loss (0 = off)
+    siren_quantile: float = 0.8  # SIREN: tokens above this entropy quantile of the mini-batch
+    siren_anchor: float | None = None  # SIREN: fixed anchor entropy; None = the first step's H_S
     # ERC gate [9]
     erc: bool = False
     erc_low: float = 0.95

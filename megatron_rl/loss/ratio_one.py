@@ -94,6 +94,8 @@ def acting_at_ratio_one(loss_cfg) -> list[str]:
         out.append("the KL to the reference (use_kl_loss)")
     if loss_cfg.entropy_coeff:
         out.append("the entropy bonus (entropy_coeff)")
+    if loss_cfg.siren_coef:
+        out.append("the SIREN regulariser (siren_coef)")
     if loss_cfg.rollout_correction != "none":
         out.append(f"the rollout correction ({loss_cfg.rollout_correction})")
     return out
