@@ -146,3 +146,23 @@ def test_bapo_config_validation_and_missing_bounds():
     assert candidate_grid(cfg)[0][-1] == 0.8 and candidate_grid(cfg)[1][-1] == 2.0
     with pytest.raises(ValueError, match="bapo_bounds"):
         compute_loss(LossInputs(LOGP, OLD, ADV, MASK), cfg, _ctx())
+
+
+@pytest.mark.gpu
+def test_bapo_on_cuda_matches_cpu_without_host_sync():
+    from megatron_rl.testing.device_spy import CountHostSyncs
+
+    cfg = LossConfig(policy_loss="bapo", bapo_target=0.5).validate()
+    res = []
+    for device in ("cpu", "cuda"):
+        t = [x.to(device) for x in (LOGP, OLD, ADV, MASK)]
+        ctx = _ctx(t[3])
+        x = t[0].clone().requires_grad_(True)
+        with CountHostSyncs() as syncs:
+            got = bapo_bounds(ctx, cfg, t[0], t[1], t[2], t[3])
+            out = compute_loss(LossInputs(x, t[1], t[2], t[3], bapo_bounds=got.bounds), cfg, ctx)
+            out.loss.backward()
+        assert syncs.n == 0 and got.bounds.device.type == device
+        res.append((got.bounds.cpu(), out.loss.detach().cpu(), x.grad.cpu()))
+    for a, b in zip(*res):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)

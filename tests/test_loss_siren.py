@@ -114,3 +114,25 @@ def test_siren_config_validation_and_missing_inputs():
     z = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="siren"):
         compute_loss(LossInputs(z, z, z, MASK, entropy=ENT), cfg, _ctx(MASK))
+
+
+@pytest.mark.gpu
+def test_siren_on_cuda_matches_cpu_without_host_sync():
+    from megatron_rl.testing.device_spy import CountHostSyncs
+
+    cfg = LossConfig(siren_coef=0.2).validate()
+    res = []
+    for device in ("cpu", "cuda"):
+        ent, mask = ENT.clone().to(device).requires_grad_(True), MASK.to(device)
+        z = torch.zeros(2, 4, device=device)
+        ctx = _ctx(mask)
+        with CountHostSyncs() as syncs:
+            sel = siren_select(ctx, cfg, ent, mask)
+            inp = LossInputs(z.clone().requires_grad_(True), z, z, mask, entropy=ent,
+                             siren=SirenTerm(sel.selected[0], sel.h_sel - 1.0, sel.n_sel))
+            out = compute_loss(inp, cfg, ctx)
+            out.loss.backward()
+        assert syncs.n == 0 and sel.h_sel.device.type == device
+        res.append((sel.selected[0].cpu(), out.loss.detach().cpu(), ent.grad.cpu()))
+    for a, b in zip(*res):
+        torch.testing.assert_close(b, a)

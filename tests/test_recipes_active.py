@@ -190,6 +190,8 @@ ACTIVE_METRICS = {
     "tiny_aspo": ("aspo_clipped",),  # aspo/clip_frac_upper + aspo/clip_frac_lower
     "tiny_kl_cov": ("kl_cov/penalised_frac", "policy/abs_log_ratio"),
     "tiny_clip_cov": ("clip_cov/zeroed_frac",),
+    "tiny_bapo": ("policy/clip_frac", "bapo/clip_high"),
+    "tiny_siren": ("siren/reg", "siren/selected_frac"),
 }
 SHORT = ("parallel.tp=1", "parallel.pp=1", "sft.steps=0", "trainer.total_steps=2",
          "trainer.test_freq=100", "trainer.save_freq=100", "trainer.plots=false",
