@@ -32,7 +32,7 @@ def _batch(n: int = 4, seq: int = 16, vocab: int = 256) -> dict:
     return {"tokens": tokens, "mask": mask, "advantages": adv.contiguous()}
 
 
-def _spied_step_worker(fused: bool, budget: int = 0) -> dict:
+def _spied_step_worker(fused: bool, budget: int = 0, bapo_siren: bool = False) -> dict:
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
@@ -44,7 +44,12 @@ def _spied_step_worker(fused: bool, budget: int = 0) -> dict:
     runtime.init_parallel(tp=1, pp=1, timeout_s=120)
     loss = LossConfig.for_algorithm("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-100.0,
                                     clip_cov_ub=100.0, use_kl_loss=True, kl_loss_coef=0.01)
-    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=2,
+    mini = 0
+    if bapo_siren:  # two mini-batches: the second one's bounds and selection need the pre-pass
+        loss = LossConfig.for_algorithm("bapo", siren_coef=0.1)
+        mini = 2
+    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=1 if bapo_siren else 2,
+                                                  mini_batch_size=mini,
                                                   fused_logprob_entropy=fused,
                                                   max_tokens_per_micro_batch=budget),
                   OptimConfig(lr=1e-3), loss, total_steps=1, seed=3)
@@ -67,6 +72,14 @@ def test_actor_step_creates_every_tensor_on_the_batch_device(fused, budget):
     (out,) = spawn(_spied_step_worker, 1, (fused, budget), timeout_s=240)
     assert out["calls"] > 200, "the spy did not see the update path"
     assert "actor/loss" in out["metrics"]
+    assert out["violations"] == "", out["violations"]
+
+
+def test_actor_step_bapo_siren_creates_every_tensor_on_the_batch_device():
+    """BAPO's bound search and SIREN's selection, anchor and pre-pass in the update path."""
+    (out,) = spawn(_spied_step_worker, 1, (False, 0, True), timeout_s=240)
+    assert out["calls"] > 200, "the spy did not see the update path"
+    assert "bapo/clip_high" in out["metrics"] and "siren/reg" in out["metrics"]
     assert out["violations"] == "", out["violations"]
 
 

@@ -131,6 +131,14 @@ def test_empty_mask_gives_zero_loss_grad_and_metrics(name):
         assert not sel.selected[0].any()
         extra["cov_selected"] = sel.selected[0]
         stats = sel.stats
+    if name == "bapo":  # no token: the search stays at its start bounds, its sums are 0
+        from megatron_rl.loss.bapo import bapo_bounds
+
+        found = bapo_bounds(ctx, cfg, torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3),
+                            mask)
+        torch.testing.assert_close(found.bounds, torch.tensor([0.6, 1.2]))
+        extra["bapo_bounds"] = found.bounds
+        stats = {k: found.stats[k] for k in ("bapo/pos_frac", "bapo/search_steps")}
     inp = inputs(mask=mask, **extra)
     out = compute_loss(inp, cfg, ctx)
     out.loss.backward()

@@ -25,7 +25,9 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
+from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.context import rank_token_bound
+from megatron_rl.loss.siren import SirenTerm, siren_select
 
 B, T = 8, 12
 ATOL = 1e-6
@@ -67,6 +69,12 @@ CASES: dict[str, dict] = {
                                  loss_scale_factor=16.0),
     "dppo_kl_sq": dict(policy_loss="dppo_kl", dppo_kl_delta_low=0.003, dppo_kl_delta_high=0.003,
                        dppo_sq_log_ratio_coef=0.01, loss_agg_mode="seq-mean-token-mean"),
+    # BAPO: bounds searched over the whole mini-batch (stops mid-search on this data)
+    "bapo": dict(policy_loss="bapo", bapo_target=0.135, bapo_low_start=0.7, bapo_low_max=0.9,
+                 bapo_high_start=1.05, bapo_high_max=1.5, bapo_high_step=0.02),
+    # SIREN: peak-entropy tokens above the mini-batch's 0.6 quantile, anchored at 1.0
+    "siren_dapo": dict(policy_loss="dapo", clip_ratio_high=0.28, siren_coef=0.5,
+                       siren_quantile=0.6, siren_anchor=1.0),
     # off-policy correction (rollout_logp passed): bounds narrow enough that each one bites
     "ppo_rollout_none": dict(policy_loss="ppo", rollout_correction="none"),
     "ppo_tis_seq_mean": dict(policy_loss="ppo", rollout_correction="tis",
@@ -132,6 +140,18 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
         sel = select_cov_tokens(ctx, cfg, stat, [mb["old"] for mb in mbs],
                                 [mb["adv"] for mb in mbs], masks, step=STEP)
         sel_stats, selected = sel.stats, sel.selected
+    bounds = None
+    if cfg.policy_loss == "bapo":  # the current log-probs (the trainer's pre-pass)
+        found = bapo_bounds(ctx, cfg, [mb["logp"] for mb in mbs], [mb["old"] for mb in mbs],
+                            [mb["adv"] for mb in mbs], masks)
+        bounds, sel_stats = found.bounds, found.stats
+    siren = [None] * n_micro
+    if cfg.siren_coef > 0:  # entropies of the current weights (the trainer's pre-pass)
+        sirens = siren_select(ctx, cfg, [mb["ent"] for mb in mbs], masks)
+        gap = sirens.h_sel - cfg.siren_anchor
+        siren = [SirenTerm(s, gap, sirens.n_sel) for s in sirens.selected]
+        selected = sirens.selected
+        sel_stats = {"siren/selected_entropy": sirens.h_sel.float()}
     diag = entropy_dynamics_diagnostic(ctx, [mb["logp"] for mb in mbs], [mb["adv"] for mb in mbs],
                                        masks, top_frac=0.05)
     acc = MetricAccumulator()
@@ -139,11 +159,15 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
     for i, mb in enumerate(mbs):
         logp = mb["logp"] + w * mb["feat"]
         logp.retain_grad()
-        inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=mb["ent"],
-                         old_entropy=mb["old_ent"], ref_logp=mb["ref"], cov_selected=selected[i],
+        # SIREN's gradient flows through the entropy: let it depend on the shared parameter too
+        ent = mb["ent"] + w * mb["feat"] if siren[i] is not None else mb["ent"]
+        inp = LossInputs(logp, mb["old"], mb["adv"], mb["mask"], entropy=ent,
+                         old_entropy=mb["old_ent"], ref_logp=mb["ref"],
+                         cov_selected=selected[i] if cfg.siren_coef == 0 else None,
+                         siren=siren[i],
                          positive=mb["positive"],
                          rollout_logp=mb["rollout"] if "rollout_correction" in CASES[case]
-                         else None)
+                         else None, bapo_bounds=bounds)
         out = compute_loss(inp, cfg, ctx)
         out.loss_for_backward.backward()
         acc.update(out.stats)
@@ -304,6 +328,22 @@ def test_new_losses_bite(reference):
     for case in ("gmpo", "dppo_tv_dr_grpo_norm", "dppo_kl_sq"):
         assert 0 < float(reference[case]["metrics"]["policy/clip_frac"]) < 0.5, case
     assert float(reference["sapo_erc"]["metrics"]["sapo/grad_weight_min"]) < 0.9
+
+
+def test_bapo_search_bites_in_layout_data(reference):
+    """BAPO's search stops strictly inside its grid and clips some tokens, so the layout
+    comparisons cover a data-dependent choice of bounds."""
+    m = reference["bapo"]["metrics"]
+    assert 0 < float(m["bapo/search_steps"]) < 4 + 22, float(m["bapo/search_steps"])
+    assert 0 < float(m["policy/clip_frac"]) < 1
+
+
+def test_siren_selection_bites_in_layout_data(reference):
+    """SIREN selects part of the tokens and its regulariser moves the shared parameter."""
+    n_valid = int(make_data()["mask"].sum())
+    n_sel = int(reference["siren_dapo"]["selected"].sum())
+    assert 2 <= n_sel < n_valid
+    assert float(reference["siren_dapo"]["metrics"]["siren/reg"]) > 0
 
 
 def test_rollout_corrections_bite(reference):

@@ -76,6 +76,13 @@ RECIPES: dict[str, dict] = {
                    dppo_ratio_cap=20.0, dppo_sq_log_ratio_coef=0.0),
     "dppo_kl": row("dppo_kl", 3.0, 20.0, dppo_kl_delta_low=0.05, dppo_kl_delta_high=0.05,
                    dppo_ratio_cap=20.0, dppo_sq_log_ratio_coef=0.0),
+    # BAPO: WooooDyy/BAPO recipe/bapo/config/bapo_trainer.yaml on verl's vanilla loss
+    "bapo": row("bapo", 3.0, 20.0, bapo_target=1.0, bapo_low_start=0.6, bapo_low_max=0.8,
+                bapo_low_step=0.05, bapo_high_start=1.2, bapo_high_max=2.0,
+                bapo_high_step=0.05),
+    # SIREN: Linn3a/siren exp_scripts/siren.sh (clip 0.28, entropy_coeff 0.005, mask_ratio 0.8)
+    "siren": row("ppo", 3.0, 20.0, clip_ratio_low=0.28, clip_ratio_high=0.28, siren_coef=0.005,
+                 siren_quantile=0.8, siren_anchor=None),
 }
 
 

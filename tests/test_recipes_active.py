@@ -23,6 +23,7 @@ from megatron_rl.loss import (
     policy_loss_names,
     select_cov_tokens,
 )
+from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.ratio_one import (
     RATIO_ONE,
     acting_at_ratio_one,
@@ -55,8 +56,12 @@ def _on_policy_grad(name: str, erc: bool = False, cov_frac: float = 0.25) -> tor
     sel = None
     if name in ("clip_cov", "kl_cov"):
         sel = select_cov_tokens(ctx, cfg, logp, logp, adv, mask).selected[0]
+    bounds = None
+    if name == "bapo":
+        bounds = bapo_bounds(ctx, cfg, logp, logp, adv, mask).bounds
     x = logp.clone().requires_grad_(True)
-    inp = LossInputs(x, logp, adv, mask, entropy=ent, old_entropy=ent, cov_selected=sel)
+    inp = LossInputs(x, logp, adv, mask, entropy=ent, old_entropy=ent, cov_selected=sel,
+                     bapo_bounds=bounds)
     compute_loss(inp, cfg, ctx).loss.backward()
     return x.grad
 
@@ -114,6 +119,24 @@ def test_active_lists_what_acts_anyway():
     assert updates_per_step(128, 128, 2) == 2
 
 
+def test_active_siren_regulariser_acts_at_ratio_one():
+    """SIREN's term is listed as acting at r = 1, and it does: a gradient on the selected
+    tokens' entropies while the clip is inert."""
+    from megatron_rl.loss.siren import SirenTerm, siren_select
+
+    cfg = LossConfig.for_algorithm("siren")
+    assert "SIREN" in " ".join(acting_at_ratio_one(cfg))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    ent = torch.arange(10.0).view(2, 5).requires_grad_(True)
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    sel = siren_select(ctx, cfg, ent, mask)
+    logp = torch.zeros(2, 5)
+    inp = LossInputs(logp.clone().requires_grad_(True), logp, torch.ones(2, 5), mask,
+                     entropy=ent, siren=SirenTerm(sel.selected[0], sel.h_sel - 1.0, sel.n_sel))
+    compute_loss(inp, cfg, ctx).loss.backward()
+    assert (ent.grad[sel.selected[0]] > 0).all() and (ent.grad[~sel.selected[0]] == 0).all()
+
+
 # ---- the load-time warning ---------------------------------------------------------------------
 @pytest.mark.parametrize("overrides,warns", [
     (["actor.mini_batch_size=0", "actor.micro_batch_size=64"], True),
@@ -148,7 +171,8 @@ def test_active_warning_printed_once_at_load(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["tiny_dapo", "tiny_dapo_erc", "tiny_aspo", "tiny_gppo",
                                     "tiny_grpo", "tiny_kl_cov", "tiny_clip_cov", "tiny_dppo",
-                                    "tiny_gmpo", "tiny_sapo"])
+                                    "tiny_gmpo", "tiny_sapo", "tiny_bapo",
+                                    "tiny_siren"])
 def test_active_recipes_take_several_updates_per_step(recipe, tmp_path):
     cfg = load_config(f"examples/{recipe}.yaml", [f"output_dir={tmp_path}"])
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
@@ -166,6 +190,8 @@ ACTIVE_METRICS = {
     "tiny_aspo": ("aspo_clipped",),  # aspo/clip_frac_upper + aspo/clip_frac_lower
     "tiny_kl_cov": ("kl_cov/penalised_frac", "policy/abs_log_ratio"),
     "tiny_clip_cov": ("clip_cov/zeroed_frac",),
+    "tiny_bapo": ("policy/clip_frac", "bapo/clip_high"),
+    "tiny_siren": ("siren/reg", "siren/selected_frac"),
 }
 SHORT = ("parallel.tp=1", "parallel.pp=1", "sft.steps=0", "trainer.total_steps=2",
          "trainer.test_freq=100", "trainer.save_freq=100", "trainer.plots=false",

@@ -46,11 +46,16 @@ from megatron_rl.loss import (
     entropy_dynamics_diagnostic,
     select_cov_tokens,
 )
+from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.context import rank_token_bound
+from megatron_rl.loss.siren import SirenTerm, siren_select
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 
 COV_LOSSES = ("clip_cov", "kl_cov")
+# losses whose per-mini-batch statistics need the current weights' log-probs (a no-grad pre-pass
+# for every update but the first of an RL step, where they are old_logp)
+PREPASS_LOSSES = COV_LOSSES + ("bapo",)
 
 
 class NonFiniteError(RuntimeError):
@@ -121,7 +126,7 @@ def _last_stage() -> bool:
 
 def needs_entropy(cfg: LossConfig, adaptive: bool) -> tuple[bool, bool]:
     """(compute entropy in the update pass, entropy needs a gradient)."""
-    grad = cfg.entropy_coeff > 0 or adaptive
+    grad = cfg.entropy_coeff > 0 or adaptive or cfg.siren_coef > 0
     return True, grad
 
 
@@ -139,6 +144,7 @@ class PolicyUpdater:
         self.entropy_controller = entropy_controller
         self.guard = NumericalGuard(actor_cfg.max_consecutive_skips)
         self.optimizer_steps = 0
+        self.siren_anchor: torch.Tensor | None = None  # SIREN's H_anchor (0-dim, last stage)
 
     @property
     def module(self):
@@ -149,13 +155,18 @@ class PolicyUpdater:
         return [_take(batch, s) for s in slices]
 
     def _cov_prepass(self, mbs: list[dict], first_update: bool) -> list[dict] | None:
-        """The current weights' log-probs for Clip-Cov/KL-Cov statistics when they are not the
-        old ones: a pipeline pass, so every stage runs it (outputs on the last stage)."""
+        """The current weights' log-probs (and entropies, for SIREN) for the per-mini-batch
+        statistics of Clip-Cov/KL-Cov, BAPO's bound search and SIREN's selection when they are
+        not the old pass's: a pipeline pass, so every stage runs it (outputs on the last stage)."""
         cfg = self.loss_cfg
-        if cfg.policy_loss not in COV_LOSSES or first_update or cfg.cov_stat_source == "old_logp":
+        if first_update:
+            return None
+        cov_old = cfg.policy_loss in COV_LOSSES and cfg.cov_stat_source == "old_logp"
+        siren = cfg.siren_coef > 0
+        if not siren and (cfg.policy_loss not in PREPASS_LOSSES or cov_old):
             return None
         return forward_logprob_entropy(self.module, mbs, temperature=self.cfg.temperature,
-                                       compute_entropy=False,
+                                       compute_entropy=siren,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head,
                                        pack=self.cfg.pack_sequences, routing=self.routing)
@@ -167,10 +178,53 @@ class PolicyUpdater:
             return None, {}
         olds = [mb["old_logp"] for mb in mbs]
         # exact: the current weights' log-probs (no grad, before any backward), else the old ones
-        stat = olds if prepass is None else [o["logp"] for o in prepass]
+        use_old = prepass is None or cfg.cov_stat_source == "old_logp"
+        stat = olds if use_old else [o["logp"] for o in prepass]
         sel = select_cov_tokens(ctx, cfg, stat, olds, [mb["advantages"] for mb in mbs],
                                 [mb["mask"] for mb in mbs], step, salt=salt)
         return sel.selected, sel.stats
+
+    def _bapo_bounds(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None):
+        """BAPO's ``[2]`` ratio bounds of this mini-batch (None for other losses) and metrics."""
+        if self.loss_cfg.policy_loss != "bapo":
+            return None, {}
+        olds = [mb["old_logp"] for mb in mbs]
+        stat = olds if prepass is None else [o["logp"] for o in prepass]
+        out = bapo_bounds(ctx, self.loss_cfg, stat, olds, [mb["advantages"] for mb in mbs],
+                          [mb["mask"] for mb in mbs])
+        return out.bounds, out.stats
+
+    def _siren_terms(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None):
+        """SIREN's per-micro-batch terms (None when off) and metrics: the peak-entropy tokens
+        of the current weights' entropies (``old_entropy`` at the first update, else the
+        pre-pass), their mean and its gap to the anchor set by :meth:`siren_anchor_from`."""
+        cfg = self.loss_cfg
+        if cfg.siren_coef <= 0:
+            return None, {}
+        ents = ([mb["old_entropy"] for mb in mbs] if prepass is None
+                else [o["entropy"] for o in prepass])
+        sel = siren_select(ctx, cfg, ents, [mb["mask"] for mb in mbs])
+        anchor = self.siren_anchor.to(sel.h_sel.device)
+        gap = sel.h_sel - anchor
+        terms = [SirenTerm(s, gap, sel.n_sel) for s in sel.selected]
+        frac = sel.n_sel / ctx.num_tokens.clamp_min(1).double()
+        return terms, {"siren/selected_entropy": sel.h_sel.float(), "siren/anchor": anchor.float(),
+                       "siren/gap": gap.float(), "siren/selected_frac": frac.float()}
+
+    def siren_anchor_from(self, batch: dict[str, Any]) -> None:
+        """Set SIREN's anchor once (last pipeline stage): ``loss.siren_anchor`` when given, else
+        the selected mean entropy of this first step's whole batch (old pass, all DP ranks)."""
+        cfg = self.loss_cfg
+        if cfg.siren_coef <= 0 or self.siren_anchor is not None or not _last_stage():
+            return
+        dev = batch["mask"].device
+        if cfg.siren_anchor is not None:
+            self.siren_anchor = torch.tensor(float(cfg.siren_anchor), dtype=torch.float64,
+                                             device=dev)
+            return
+        ctx = ReductionContext.from_minibatch([batch["mask"]])
+        self.siren_anchor = siren_select(ctx, cfg, [batch["old_entropy"]],
+                                         [batch["mask"]]).h_sel
 
     def train_minibatch(self, mbs: list[dict], step: int, first_update: bool,
                         diagnose: bool | None = None, salt: int = 0) -> dict[str, float]:
@@ -186,7 +240,7 @@ class PolicyUpdater:
         cfg, n_micro = self.loss_cfg, len(mbs)
         bsz = max(mb["tokens"].shape[0] for mb in mbs)  # the shapes differ only with a token
         seq = max(mb["tokens"].shape[1] for mb in mbs)  # budget (variable_seq_lengths)
-        ctx = selected = None
+        ctx = selected = bounds = siren = None
         cov_stats: dict = {}
         acc = MetricAccumulator()
         losses: list[torch.Tensor] = []
@@ -207,6 +261,9 @@ class PolicyUpdater:
                 masks, extra_masks=extra, rank_numel_bound=bound,
                 seq_ids=[mb["seq_id"] for mb in mbs] if budget else None)
             selected, cov_stats = self._cov_selection(mbs, ctx, prepass, step, salt)
+            bounds, bapo_stats = self._bapo_bounds(mbs, ctx, prepass)
+            siren, siren_stats = self._siren_terms(mbs, ctx, prepass)
+            cov_stats = {**cov_stats, **bapo_stats, **siren_stats}
             diagnose = first_update if diagnose is None else diagnose
             if diagnose and cfg.policy_loss != "nll":  # §12 diagnostic, every epoch-0 mini-batch
                 cov_stats = {**cov_stats, **entropy_dynamics_diagnostic(
@@ -250,7 +307,8 @@ class PolicyUpdater:
                     logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"], mask=mask,
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
                     cov_selected=None if selected is None else selected[i],
-                    positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp")), cfg, ctx,
+                    positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp"),
+                    bapo_bounds=bounds, siren=None if siren is None else siren[i]), cfg, ctx,
                     entropy_coeff=alpha)
                 acc.update(out.stats)
                 losses.append(out.loss.detach())
@@ -324,6 +382,7 @@ class PolicyUpdater:
         from megatron_rl.parallel.runtime import device, move_batch_
 
         move_batch_(batch, device())  # once per RL step; no-op when already there
+        self.siren_anchor_from(batch)
         n_local = batch["tokens"].shape[0]
         dp = ps.get_data_parallel_world_size()
         budget = self.cfg.max_tokens_per_micro_batch

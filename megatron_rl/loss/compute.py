@@ -17,6 +17,7 @@ from megatron_rl.loss.kl import kl_penalty
 from megatron_rl.loss.metrics import TokenStat, mean_stat
 from megatron_rl.loss.registry import get_policy_loss
 from megatron_rl.loss.rollout_correction import apply_rollout_correction, bounds_of
+from megatron_rl.loss.siren import siren_loss
 from megatron_rl.loss.types import LossInputs, LossOutput
 
 Tensor = torch.Tensor
@@ -78,6 +79,13 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         if not (isinstance(coeff, (int, float)) and coeff == 0):
             ent = aggregate(inp.entropy, mask, mode, ctx, cfg.loss_scale_factor)
             total = total - torch.as_tensor(coeff, dtype=ent.dtype, device=ent.device) * ent
+    if cfg.siren_coef > 0:
+        if inp.entropy is None or inp.siren is None:
+            raise ValueError("siren_coef > 0 needs LossInputs.entropy (with its gradient) and "
+                             "LossInputs.siren (siren_select(...) once per mini-batch)")
+        reg = siren_loss(inp.entropy, inp.siren, cfg.siren_coef)
+        total = total + reg
+        stats["siren/reg"] = TokenStat(reg.detach(), None, "sum")
     coeff_t = (ctx.constant(coeff, mask.device) if isinstance(coeff, (int, float))
                else torch.as_tensor(coeff, dtype=torch.float64, device=mask.device).reshape(()))
     stats["entropy/coeff"] = TokenStat(coeff_t, None, "max")

@@ -64,6 +64,8 @@ class LossConfig(LossParams):
             _range(name, getattr(self, name), 0.0, 1.0, "[0, 1] (a probability change)")
         _open_low("dppo_ratio_cap", self.dppo_ratio_cap, 1.0, "(1, inf]")
         _range("dppo_sq_log_ratio_coef", self.dppo_sq_log_ratio_coef, 0.0, math.inf, "[0, inf)")
+        _bapo_checks(self)
+        _siren_checks(self)
         if not 0.0 <= self.erc_low < 1.0 < self.erc_high:
             raise LossConfigError(f"erc_low/erc_high must satisfy 0 <= erc_low < 1 < erc_high, got "
                                   f"{self.erc_low}/{self.erc_high}")
@@ -151,7 +153,38 @@ PRESETS.update({
     "sapo": dict(policy_loss="sapo", loss_agg_mode="seq-mean-token-mean"),
     "dppo_tv": dict(policy_loss="dppo_tv"),
     "dppo_kl": dict(policy_loss="dppo_kl"),
+    # BAPO: WooooDyy/BAPO recipe/bapo/config/bapo_trainer.yaml (target 1, low 0.6 -> 0.8,
+    # high 1.2 -> 2.0, steps 0.05) on verl's vanilla loss (c = 3, clamp 20, token-mean)
+    "bapo": dict(policy_loss="bapo"),
+    # SIREN: Linn3a/siren exp_scripts/siren.sh (PPO-clip eps 0.28, entropy_coeff 0.005 on the
+    # self-anchored term, mask_ratio 0.8) on verl's vanilla loss (c = 3, clamp 20)
+    "siren": dict(policy_loss="ppo", clip_ratio_low=0.28, clip_ratio_high=0.28,
+                  siren_coef=0.005),
 })
+
+
+def _bapo_checks(cfg: LossParams) -> None:
+    """BAPO's search ranges: ``0 < low_start <= low_max <= 1 <= high_start <= high_max``,
+    steps and target ``>= 0``, ``eps > 0``."""
+    if not 0.0 < cfg.bapo_low_start <= cfg.bapo_low_max <= 1.0:
+        raise LossConfigError(f"bapo_low_start/bapo_low_max must satisfy 0 < start <= max <= 1, "
+                              f"got {cfg.bapo_low_start}/{cfg.bapo_low_max}")
+    if not 1.0 <= cfg.bapo_high_start <= cfg.bapo_high_max < math.inf:
+        raise LossConfigError(f"bapo_high_start/bapo_high_max must satisfy 1 <= start <= max < "
+                              f"inf, got {cfg.bapo_high_start}/{cfg.bapo_high_max}")
+    for name in ("bapo_low_step", "bapo_high_step", "bapo_target"):
+        _range(name, getattr(cfg, name), 0.0, math.inf, "[0, inf)")
+    _open_low("bapo_eps", cfg.bapo_eps, 0.0, "(0, inf)")
+
+
+def _siren_checks(cfg: LossParams) -> None:
+    """SIREN: ``siren_coef >= 0``, ``0 < siren_quantile < 1``, ``siren_anchor`` None or >= 0."""
+    _range("siren_coef", cfg.siren_coef, 0.0, math.inf, "[0, inf)")
+    if not isinstance(cfg.siren_quantile, (int, float)) or not 0.0 < cfg.siren_quantile < 1.0:
+        raise LossConfigError(f"siren_quantile={cfg.siren_quantile!r} is out of range; "
+                              "allowed: (0, 1)")
+    if cfg.siren_anchor is not None:
+        _range("siren_anchor", cfg.siren_anchor, 0.0, math.inf, "[0, inf) or None")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -74,6 +74,19 @@ class LossParams:
     dppo_kl_delta_high: float = 0.05  # DPPO-KL: binary-KL bound on a rise when A > 0
     dppo_ratio_cap: float = 20.0  # DPPO: cap C on the ratio in -A*min(r, C) (> 1)
     dppo_sq_log_ratio_coef: float = 0.0  # DPPO: coefficient of an extra (log r)^2 term
+    # BAPO (loss/bapo.py): explicit ratio bounds searched per mini-batch (reference defaults)
+    bapo_target: float = 1.0  # BAPO: minimum pos/neg contribution ratio the search aims for
+    bapo_low_start: float = 0.6  # BAPO: first lower ratio bound (in (0, 1])
+    bapo_low_max: float = 0.8  # BAPO: largest lower ratio bound (>= bapo_low_start, <= 1)
+    bapo_low_step: float = 0.05  # BAPO: lower-bound increment (0: fixed)
+    bapo_high_start: float = 1.2  # BAPO: first upper ratio bound (>= 1)
+    bapo_high_max: float = 2.0  # BAPO: largest upper ratio bound (>= bapo_high_start)
+    bapo_high_step: float = 0.05  # BAPO: upper-bound increment (0: fixed)
+    bapo_eps: float = 1e-8  # BAPO: added to the negative sum in pos/neg
+    # SIREN (loss/siren.py): self-anchored regulariser on the peak-entropy tokens
+    siren_coef: float = 0.0  # SIREN: weight of (H_S - H_anchor)^2 added to the loss (0 = off)
+    siren_quantile: float = 0.8  # SIREN: tokens above this entropy quantile of the mini-batch
+    siren_anchor: float | None = None  # SIREN: fixed anchor entropy; None = the first step's H_S
     # ERC gate [9]
     erc: bool = False
     erc_low: float = 0.95

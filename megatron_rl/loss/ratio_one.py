@@ -61,6 +61,9 @@ RATIO_ONE: dict[str, RatioOneNote] = {
                             "pi = pi_old: every token is inside the region, none is masked"),
     "dppo_kl": RatioOneNote(False, "the binary-KL trust region",
                             "pi = pi_old: every token is inside the region, none is masked"),
+    "bapo": RatioOneNote(False, "the adaptive ratio bounds (bapo_*) and the dual clip",
+                         "every searched bound satisfies c_low <= 1 <= c_high: r = 1 reaches "
+                         "neither bound, the gradient is -A grad(logp)"),
     "nll": RatioOneNote(True, "the supervised NLL", "it does not use the ratio"),
 }
 
@@ -91,6 +94,8 @@ def acting_at_ratio_one(loss_cfg) -> list[str]:
         out.append("the KL to the reference (use_kl_loss)")
     if loss_cfg.entropy_coeff:
         out.append("the entropy bonus (entropy_coeff)")
+    if loss_cfg.siren_coef:
+        out.append("the SIREN regulariser (siren_coef)")
     if loss_cfg.rollout_correction != "none":
         out.append(f"the rollout correction ({loss_cfg.rollout_correction})")
     return out

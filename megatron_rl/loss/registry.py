@@ -78,6 +78,8 @@ for _spec in (
     PolicyLossSpec("sapo", "sapo:sapo_token_loss", "SAPO (docs/losses-2025.md)"),
     PolicyLossSpec("dppo_tv", "dppo:dppo_tv_token_loss", "DPPO Binary-TV (docs/losses-2025.md)"),
     PolicyLossSpec("dppo_kl", "dppo:dppo_kl_token_loss", "DPPO Binary-KL (docs/losses-2025.md)"),
+    PolicyLossSpec("bapo", "bapo:bapo_token_loss", "BAPO (docs/losses-2025.md)",
+                   needs=("bapo_bounds",)),
     PolicyLossSpec("nll", "nll:nll_token_loss", "supervised warm start (not in ALGORITHMS.md)"),
 ):
     register_policy_loss(_spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ class LossInputs:
     cov_selected: Tensor | None = None
     positive: Tensor | None = None
     rollout_logp: Tensor | None = None  # the rollout engine's log-probs (mismatch correction)
+    bapo_bounds: Tensor | None = None  # [2] fp32 (c_low, c_high) of the mini-batch (BAPO only)
+    siren: Any = None  # megatron_rl.loss.siren.SirenTerm of this micro-batch (siren_coef > 0)
 
 
 @dataclass
