@@ -136,3 +136,25 @@ def test_siren_on_cuda_matches_cpu_without_host_sync():
         res.append((sel.selected[0].cpu(), out.loss.detach().cpu(), ent.grad.cpu()))
     for a, b in zip(*res):
         torch.testing.assert_close(b, a)
+
+
+SIREN_RESUME = ("parallel.tp=1", "parallel.pp=2", "sft.steps=3", "trainer.total_steps=3",
+                "trainer.save_freq=1", "trainer.test_freq=3", "trainer.plots=false",
+                "rollout.dynamic_sampling=false", "data.val_size=8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_siren_anchor_survives_resume(tmp_path):
+    """SIREN's anchor (the first step's selected entropy, held by the last pipeline stage) is
+    saved with the checkpoint: a run resumed after step 1 logs the same metrics as the whole run
+    (a re-anchored run would take step 2's entropy as its anchor)."""
+    from test_trainer import metrics, run_train
+
+    run_train("examples/tiny_siren.yaml", tmp_path, *SIREN_RESUME)
+    full = metrics(tmp_path)
+    assert len({r["siren/anchor"] for r in full if "siren/anchor" in r}) == 1
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000000")
+    out = run_train("examples/tiny_siren.yaml", tmp_path, *SIREN_RESUME)
+    assert "resumed from checkpoint at step 1" in out
+    assert metrics(tmp_path) == full and len(full) == 4

@@ -193,8 +193,30 @@ class Actor:
 
             # updated on the last stage, saved by rank 0: bring the last stage's state here
             state["entropy_controller"] = last_stage_state(self.updater.entropy_controller)
+        if self.loss_cfg.siren_coef > 0:  # SIREN's anchor: set at the first step, kept
+            state["siren_anchor"] = self._siren_anchor_state()
         state["optimizer_steps"] = self.updater.optimizer_steps
         return save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, state)
+
+    def _siren_anchor_state(self) -> tuple[float, str] | None:
+        """SIREN's anchor as ``(value, dtype name)`` from the last pipeline stage (which holds
+        it), on every rank; None before the first step (collective over the host group)."""
+        from megatron_rl.parallel import runtime
+
+        a = self.updater.siren_anchor
+        mine = (float(a), str(a.dtype).split(".")[-1]) if a is not None else None
+        return runtime.broadcast_object(mine, runtime.last_stage_rank())
+
+    def _load_siren_anchor(self, state: tuple[float, str] | None) -> None:
+        """The saved anchor back on the last stage, in its dtype (a resumed run goes on from
+        the same anchor, bit for bit)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.parallel import runtime
+
+        if state is not None and ps.is_pipeline_last_stage():
+            self.updater.siren_anchor = torch.tensor(state[0], dtype=getattr(torch, state[1]),
+                                                     device=runtime.device())
 
     def resume(self, root: str) -> dict[str, Any] | None:
         """Load the newest checkpoint under ``root`` if there is one (any saved layout)."""
@@ -205,5 +227,7 @@ class Actor:
         trainer = info["trainer"]
         if self.updater.entropy_controller is not None and "entropy_controller" in trainer:
             self.updater.entropy_controller.load_state_dict(trainer["entropy_controller"])
+        if self.loss_cfg.siren_coef > 0:
+            self._load_siren_anchor(trainer.get("siren_anchor"))
         self.updater.optimizer_steps = trainer.get("optimizer_steps", 0)
         return info
