@@ -153,8 +153,12 @@ def _cli(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(1200)
 def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path):
     """Two RL steps, then: `eval RUN` (newest checkpoint) and `eval HF_EXPORT --out` give the same
-    samples and metrics; `eval RUN --step 1` differs; `eval CONFIG output_dir=RUN` still prints
-    the validation accuracy; `eval --compare` reads both."""
+    samples and metrics; at temperature 0 the embedded engine and our `serve` fleet behind the
+    real sglang-router give the same samples; `eval RUN --step 1` is another checkpoint;
+    `eval CONFIG output_dir=RUN` still prints the validation accuracy; `eval --compare` reads
+    both."""
+    from megatron_rl.testing.procs import free_port_block
+
     run = tmp_path / "run"
     _cli("train", "examples/tiny_dapo.yaml", f"output_dir={run}", "parallel.tp=1",
          "parallel.pp=1", "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
@@ -175,6 +179,19 @@ def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path):
     assert [s["response"] for s in exported["samples"]] == \
         [s["response"] for s in trained["samples"]]
     assert exported["metrics"] == trained["metrics"]
+    greedy = ["--sets", "math_latex,chain_sum", "--n", "2", "--temperature", "0",
+              "--max-new-tokens", "4"]
+    _cli("eval", str(run), *greedy, "--out", str(tmp_path / "emb"))
+    _cli("eval", str(run), *greedy, "--out", str(tmp_path / "fleet"), "rollout.engine=sglang",
+         "rollout.sglang.num_servers=2", f"rollout.sglang.router_port={free_port_block(3)}",
+         "rollout.sglang.weight_sync=from_tensor")
+    for name in ("math_latex", "chain_sum"):
+        emb = json.loads((tmp_path / "emb" / "eval" / f"{name}.json").read_text())
+        fleet = json.loads((tmp_path / "fleet" / "eval" / f"{name}.json").read_text())
+        assert fleet["engine"] == "sglang" and emb["engine"] == "embedded"
+        assert [s["response"] for s in fleet["samples"]] == [s["response"] for s in
+                                                             emb["samples"]], name
+        assert fleet["metrics"] == emb["metrics"], name
     _cli("eval", str(run), *sets, "--step", "1", "--out", str(tmp_path / "step1"))
     step1 = json.loads((tmp_path / "step1" / "eval" / "chain_sum.json").read_text())
     assert "(after step 1)" in step1["weights"]
