@@ -56,7 +56,8 @@ def test_defaults_are_filled_in_from_the_rollout_section():
      r"unknown field 'samples'.*\(allowed: name, path, task"),
     ({"name": "x", "task": "chain_summ"}, r"\(x\).task='chain_summ' is not a reasoning-gym task; "
                                           "did you mean 'chain_sum'"),
-    ("gsm8k", r"data.eval_sets\[0\] must be a mapping"),
+    (3, r"data.eval_sets\[0\] must be a mapping"),
+    ("gsm8k", r"data.eval_sets\[0\] \(gsm8k\): give exactly one of path"),
 ])
 def test_bad_entries_name_the_field_and_allowed_values(entry, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -193,6 +194,20 @@ def test_training_logs_eval_sets_at_start_every_test_freq_and_end(tmp_path):
         assert 0 <= last[f"eval/gym/{key}"] <= (4 if key == "mean_length" else 1), key
     assert last["eval/gym/pass@4"] >= last["eval/gym/pass@1"]
     assert "eval/greedy/pass@1" in last and "[eval] step 3 gym:" in stdout
+    # `eval RUN` on the last checkpoint: the numbers the training log shows for that step
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for name in ("gym", "greedy"):
+        doc = json.loads((tmp_path / "eval" / f"{name}.json").read_text())
+        logged = {k.split("/")[-1]: v for k, v in last.items() if k.startswith(f"eval/{name}/")}
+        assert logged == {k: v for k, v in doc["metrics"].items() if k in logged}, name
+        assert len(logged) == (8 if name == "gym" else 5)
 
 
 def test_shipped_sets_by_name_alone():
@@ -202,3 +217,5 @@ def test_shipped_sets_by_name_alone():
     assert gym["task"] == "chain_sum" and gym["size"] == 64 and gym["scorer"] == "task"
     with pytest.raises(ConfigError, match=r"or name a shipped set \(math_latex, chain_sum\)"):
         _cfg({"name": "aime24"})
+    by_name = load_config(None, ["data.eval_sets=math_latex,chain_sum"]).data.eval_sets
+    assert [s["name"] for s in by_name] == ["math_latex", "chain_sum"]

@@ -56,6 +56,8 @@ def normalize_eval_sets(cfg) -> None:
 def normalize_one(raw: Any, i: int, cfg) -> dict:
     """One complete entry of ``data.eval_sets`` (``i``: its index, for the messages)."""
     where = f"data.eval_sets[{i}]"
+    if isinstance(raw, str):  # a shipped set by name: data.eval_sets=math_latex,chain_sum
+        raw = {"name": raw}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping with a name and a path or task "
                           f"(docs/evaluation.md), got {raw!r}")

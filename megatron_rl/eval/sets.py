@@ -21,6 +21,9 @@ from typing import Callable
 
 from megatron_rl.eval.metrics import Sample, set_metrics
 
+# prompts per engine call; training and `eval` use the same chunks (sampling seed trainer.seed + the
+# chunk's first prompt index), so both give the same samples for the same weights and settings
+EVAL_CHUNK = 64
 ScoreFn = Callable[[dict, str], float]
 Extract = Callable[[str], "str | None"]
 
@@ -158,7 +161,7 @@ def settings_of(spec: dict) -> dict:
 
 
 def evaluate_set(engine, tokenizer, es: EvalSet, seed: int, timeout_s: float = 5.0,
-                 chunk: int = 0, progress: Callable[[int, int], None] | None = None
+                 chunk: int = EVAL_CHUNK, progress: Callable[[int, int], None] | None = None
                  ) -> EvalResult:
     """Generate ``n`` samples per prompt of ``es``, score and extract them, and compute the
     set's metrics. ``chunk`` > 0: prompts per engine call (``progress(done, total)`` after each)."""

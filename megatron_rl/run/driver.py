@@ -259,7 +259,7 @@ class RolloutDriver:
         from megatron_rl.eval.sets import evaluate_set, logged_metrics
 
         results = [evaluate_set(self.engine, self.tok, es, seed=self.cfg.trainer.seed,
-                                timeout_s=self.cfg.rollout.reward_timeout_s)
+                                timeout_s=self.cfg.rollout.reward_timeout_s)  # as `eval` does
                    for es in self.eval_sets]
         self.eval_step = step
         for r in results:

@@ -66,7 +66,7 @@ def _eval_sets(cfg: RunConfig, driver, req: dict, what: str) -> None:
     """Rank 0: every set of ``driver.eval_sets`` with a progress bar; the table on stdout and
     ``eval/<set>.json`` under ``req["out_dir"]``."""
     from megatron_rl.eval.report import format_table, write_result
-    from megatron_rl.eval.sets import evaluate_set
+    from megatron_rl.eval.sets import EVAL_CHUNK, evaluate_set
     from megatron_rl.util.progress import Progress
 
     if not driver.eval_sets:
@@ -86,9 +86,6 @@ def _eval_sets(cfg: RunConfig, driver, req: dict, what: str) -> None:
               f"-> {path}", flush=True)
         rows.append((es.name, res.metrics))
     print(f"eval: {what}\n{format_table(rows)}", flush=True)
-
-
-EVAL_CHUNK = 64  # prompts per engine call of `eval` (the progress bar moves after each)
 
 
 def sft_only(cfg: RunConfig) -> str | None:
