@@ -152,11 +152,11 @@ def _cli(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path):
-    """Two RL steps, then: `eval RUN` (newest checkpoint) and `eval HF_EXPORT --out` give the same
-    samples and metrics; at temperature 0 the embedded engine and our `serve` fleet behind the
-    real sglang-router give the same samples; `eval RUN --step 1` is another checkpoint;
-    `eval CONFIG output_dir=RUN` still prints the validation accuracy; `eval --compare` reads
-    both."""
+    """Two RL steps, then: `eval RUN` (newest checkpoint), `eval HF_EXPORT --out` and `eval
+    MEGATRON_CKPT --out` (the export converted back) give the same samples and metrics; at
+    temperature 0 the embedded engine and our `serve` fleet behind the real sglang-router give
+    the same samples; `eval RUN --step 1` is another checkpoint; `eval CONFIG output_dir=RUN`
+    still prints the validation accuracy; `eval --compare` reads both."""
     from megatron_rl.testing.procs import free_port_block
 
     run = tmp_path / "run"
@@ -179,6 +179,11 @@ def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path):
     assert [s["response"] for s in exported["samples"]] == \
         [s["response"] for s in trained["samples"]]
     assert exported["metrics"] == trained["metrics"]
+    _cli("convert", "hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--out",
+         str(tmp_path / "meg"))
+    _cli("eval", str(tmp_path / "meg"), *sets, "--out", str(tmp_path / "meg_eval"))
+    converted = json.loads((tmp_path / "meg_eval" / "eval" / "math_latex.json").read_text())
+    assert converted["kind"] == "megatron" and converted["metrics"] == trained["metrics"]
     greedy = ["--sets", "math_latex,chain_sum", "--n", "2", "--temperature", "0",
               "--max-new-tokens", "4"]
     _cli("eval", str(run), *greedy, "--out", str(tmp_path / "emb"))
