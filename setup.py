@@ -11,6 +11,7 @@ setup(
     description="RL post-training on megatron-core with exact, layout-invariant entropy control",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    package_data={"megatron_rl.data": ["eval_sets/*.jsonl"]},  # shipped evaluation sets
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16",

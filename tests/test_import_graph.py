@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rollout", ("rollout",)),
     ("config", ("config",)),
     ("records", ("metrics",)),
-    ("run", ("run",)),
+    ("run", ("run", "eval")),
     ("tools", ("plan", "cli", "__main__")),
 ]
 

@@ -18,11 +18,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if rep.ok(args.atol) else 1
 
 
-def _train_worker(cfg, mode: str = "train"):
+def _train_worker(cfg, mode: str = "train", request: dict | None = None):
     from megatron_rl.run import jobs as commands
     from megatron_rl.run import trainer
 
-    return {"train": trainer.train, "eval": commands.evaluate, "sft": commands.sft_only}[mode](cfg)
+    if mode == "eval":
+        return commands.evaluate(cfg, request)
+    return {"train": trainer.train, "sft": commands.sft_only}[mode](cfg)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -65,7 +67,79 @@ def _cmd_train(args: argparse.Namespace) -> int:
             lock.release()
 
 
-def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool) -> int:
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """``eval TARGET``: a run, a Megatron checkpoint, an HF model or a config (docs/evaluation.md);
+    ``eval --compare A B``: two results side by side with bootstrap intervals."""
+    import os
+
+    from megatron_rl.config.errors import ConfigError
+
+    if args.compare:
+        return _compare(args)
+    target, overrides = split_config_arg(args.target, args.overrides)
+    try:
+        request, cfg = _eval_request(args, target, overrides)
+        from megatron_rl.run.input_checks import check_inputs
+
+        check_inputs(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    from megatron_rl.parallel.launch import launch_mode
+
+    plan = launch_mode(os.environ)
+    if plan.mode == "refuse":
+        print(f"[eval] {plan.message}", file=sys.stderr)
+        return 2
+    return _preflight_and_run(cfg, "eval", plan, world, rank0, request)
+
+
+def _eval_request(args: argparse.Namespace, target: str | None, overrides: list[str]):
+    """``(request dict, run config)`` of an ``eval`` command line; ``ConfigError`` on misuse."""
+    import os
+
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.eval.targets import (
+        EvalRequest,
+        load_target_config,
+        resolve_sets,
+        target_kind,
+    )
+
+    kind = target_kind(target)
+    if kind in ("hf", "megatron") and not args.out:
+        raise ConfigError(f"eval {target}: a model directory has no run directory; give --out DIR "
+                          "(results go to DIR/eval/<set>.json)")
+    if kind == "run":
+        overrides = [*overrides, f"trainer.output_dir={target}"]
+    cfg = load_target_config(kind, target, overrides, args.out)
+    k = [int(x) for x in args.k.split(",") if x.strip()] if args.k else None
+    cfg.data.eval_sets = resolve_sets(args.sets, cfg, args.n, k, args.temperature,
+                                      args.max_new_tokens)
+    if kind in ("hf", "megatron") and not cfg.data.eval_sets:
+        raise ConfigError(f"eval {target}: give --sets (e.g. --sets math_latex,chain_sum or "
+                          "--sets /data/aime24.parquet)")
+    out = os.path.join(args.out or cfg.trainer.output_dir, "eval")
+    req = EvalRequest(kind, target, args.step, out, validate=kind in ("run", "config"))
+    return req.to_dict(), cfg
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from megatron_rl.eval.report import compare, format_compare
+
+    a, b = args.compare
+    try:
+        print(format_compare(compare(a, b, rounds=args.rounds), a, b))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool,
+                       request: dict | None = None) -> int:
     from megatron_rl.config.errors import ConfigError
 
     if command == "train":  # resume preflight: changed config, finished run
@@ -81,8 +155,8 @@ def _preflight_and_run(cfg, command: str, plan, world: int, rank0: bool) -> int:
                 print(done, flush=True)
             return 0
     if plan.mode in ("torchrun", "srun"):  # this process is one rank
-        return _run_in_place(cfg, command, plan, world)
-    return _launch_local(cfg, command, world)
+        return _run_in_place(cfg, command, plan, world, request)
+    return _launch_local(cfg, command, world, request)
 
 
 def _lock_run_dir(run_dir: str, command: str):
@@ -101,7 +175,7 @@ def _lock_run_dir(run_dir: str, command: str):
     return lock
 
 
-def _launch_local(cfg, command: str, world: int) -> int:
+def _launch_local(cfg, command: str, world: int, request: dict | None = None) -> int:
     """Spawn the ranks here; a stop signal (SIGTERM/SIGINT/SIGHUP) stops them all and exits
     ``128 + signal``; a rank that dies or fails stops the job (exit 1) naming it."""
     import time
@@ -117,7 +191,7 @@ def _launch_local(cfg, command: str, world: int) -> int:
     print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
     try:
-        spawn(_train_worker, world, (cfg, command), timeout_s=7 * 24 * 3600, env=env,
+        spawn(_train_worker, world, (cfg, command, request), timeout_s=7 * 24 * 3600, env=env,
               handle_signals=True, preload=("megatron_rl.actor.actor", "megatron_rl.run.trainer"))
     except WorkerError as exc:
         remove_partial_checkpoints(cfg.trainer.output_dir)
@@ -155,7 +229,7 @@ def split_config_arg(config: str | None, overrides: list[str]) -> tuple[str | No
     return config, list(overrides)
 
 
-def _run_in_place(cfg, command: str, plan, world: int) -> int:
+def _run_in_place(cfg, command: str, plan, world: int, request: dict | None = None) -> int:
     """Run this process's rank (torchrun / srun task); the launcher's world must be TP x PP x DP."""
     import os
     import warnings
@@ -175,7 +249,7 @@ def _run_in_place(cfg, command: str, plan, world: int) -> int:
         torch.set_num_threads(threads)
     # megatron-core warns on import that apex/Transformer Engine are absent: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    _train_worker(cfg, command)
+    _train_worker(cfg, command, request)
     return 0
 
 
@@ -242,14 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--check", dest="check_only", action="store_true",
                    help="only load and check the config (exit 2 on an error), start nothing")
     t.set_defaults(func=_cmd_train)
-    for name, text in (("sft", "supervised warm start only; writes OUTPUT_DIR/sft_weights.pt"),
-                       ("eval", "validation accuracy of the newest checkpoint in OUTPUT_DIR")):
-        e = sub.add_parser(name, help=text)
-        e.add_argument("config", nargs="?", default=None,
-                       help="YAML config (default: the built-in tiny DAPO recipe)")
-        e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. "
-                                                    "output_dir=runs/x")
-        e.set_defaults(func=_cmd_train)
+    e = sub.add_parser("sft", help="supervised warm start only; writes OUTPUT_DIR/sft_weights.pt")
+    e.add_argument("config", nargs="?", default=None,
+                   help="YAML config (default: the built-in tiny DAPO recipe)")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. output_dir=runs/x")
+    e.set_defaults(func=_cmd_train)
+    add_eval_subcommand(sub)
 
     from megatron_rl.convert.cli import add_convert_subcommand
 
@@ -293,6 +365,35 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir", help="run directory with metrics.jsonl")
     pl.set_defaults(func=_cmd_plot)
     return p
+
+
+def add_eval_subcommand(sub) -> None:
+    """``eval``: validation accuracy and evaluation sets (docs/evaluation.md)."""
+    e = sub.add_parser("eval", help="evaluate a run, a Megatron checkpoint or a Hugging Face "
+                       "model on evaluation sets (pass@k, avg@k, maj@k; docs/evaluation.md)")
+    e.add_argument("target", nargs="?", default=None,
+                   help="run directory (newest or --step checkpoint), Megatron checkpoint, "
+                        "Hugging Face model directory, or a YAML config whose output_dir is the "
+                        "run (default: the built-in recipe)")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.engine=sglang")
+    e.add_argument("--sets", default=None,
+                   help="comma-separated sets: names of the config's data.eval_sets, shipped "
+                        "sets (math_latex, chain_sum), .jsonl/.parquet files or reasoning-gym "
+                        "tasks (default: the config's data.eval_sets)")
+    e.add_argument("--n", type=int, default=None, help="samples per prompt, every set")
+    e.add_argument("--k", default=None, help="comma-separated k of pass@k/avg@k/maj@k (<= n)")
+    e.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, every set (0: greedy)")
+    e.add_argument("--max-new-tokens", type=int, default=None, help="response length limit")
+    e.add_argument("--step", type=int, default=None,
+                   help="the checkpoint after this many RL steps (default: the newest)")
+    e.add_argument("--out", default=None,
+                   help="results go to OUT/eval/<set>.json (default: the run directory)")
+    e.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                   help="compare two evaluated directories (run or --out): both, B - A and a "
+                        "95%% bootstrap interval per metric")
+    e.add_argument("--rounds", type=int, default=1000, help="bootstrap resamples of --compare")
+    e.set_defaults(func=_cmd_eval)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import typing
 from typing import Any, Mapping
 
 from megatron_rl.config.errors import ConfigError, closest
+from megatron_rl.config.eval_sets import normalize_eval_sets
 from megatron_rl.config.schema import ADVANTAGES, FILTER_METRICS, check_ranges
 
 RENAMED_ADVANTAGES = {"drgrpo": "dr_grpo"}
@@ -248,3 +249,4 @@ def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     check_reinforce_pp(cfg)
     check_trainer(cfg)
     dr_grpo_constant(cfg)
+    normalize_eval_sets(cfg)  # data.eval_sets: complete entries, every field checked

@@ -54,6 +54,7 @@ class DataSection:
     val_size: int = 64
     split_by: str = "prompt"  # "prompt": no val prompt is a train prompt; "row": iid rows
     seed: int = 0
+    eval_sets: list = field(default_factory=list)  # named sets: pass@k/avg@k/maj@k (evaluation.md)
 
 
 @dataclass

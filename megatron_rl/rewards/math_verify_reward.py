@@ -1,11 +1,12 @@
 """Math answers checked with ``math-verify``, and per-sample isolation of any reward function.
 
-:func:`math_reward` parses the gold answer (as is, then wrapped in ``$...$`` if that finds
-nothing) and the response with ``math_verify.parse`` and compares them with
-``math_verify.verify``. math-verify's own timeouts use ``SIGALRM``, which works only in the main
-thread and only with whole seconds; so they are used (rounded up to whole seconds) when called
-from the main thread and switched off elsewhere, where the caller's guard applies. Any
-exception or timeout gives 0.0 and is counted in ``MATH_REWARD_STATS``.
+:func:`math_reward` parses the gold answer (:func:`parse_gold`: a bare LaTeX answer such as
+``5\\sqrt{2}`` as one ``$...$`` expression, else as is) and the response with
+``math_verify.parse`` and compares them with ``math_verify.verify``. math-verify's own
+timeouts use ``SIGALRM``, which works only in the main thread and only with whole seconds;
+so they are used (rounded up to whole seconds) when called from the main thread and switched
+off elsewhere, where the caller's guard applies. Any exception or
+timeout gives 0.0 and is counted in ``MATH_REWARD_STATS``.
 
 :func:`score_batch` isolates ANY reward function ``fn(row, response) -> float`` per sample,
 also used for user plug-ins:
@@ -52,9 +53,7 @@ def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
     t = max(1, math.ceil(timeout_s)) if (main and timeout_s and timeout_s > 0) else None
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     try:
-        gold = parse(str(answer), parsing_timeout=t)
-        if not gold:
-            gold = parse(f"${answer}$", parsing_timeout=t)
+        gold = parse_gold(str(answer), t)
         pred = parse(str(response), parsing_timeout=t)
         if not gold or not pred:
             return 0.0
@@ -65,6 +64,19 @@ def math_reward(response: str, answer: str, timeout_s: float = 5.0) -> float:
     except Exception:
         MATH_REWARD_STATS["failed"] += 1
         return 0.0
+
+
+def parse_gold(answer: str, timeout: int | None = None) -> list:
+    """math-verify's parse of a reference answer. A bare LaTeX answer (no ``$`` and no
+    ``\\boxed``, e.g. ``5\\sqrt{2}``) is read as one math expression (``$...$``) first: parsed
+    as free text, math-verify would take its first number (``5``); if that finds nothing, as is."""
+    from math_verify import parse
+
+    if "$" not in answer and "\\boxed" not in answer:
+        gold = parse(f"${answer}$", parsing_timeout=timeout)
+        if gold:
+            return gold
+    return parse(answer, parsing_timeout=timeout)
 
 
 def math_reward_fn(row: dict, response: str) -> float:

@@ -121,6 +121,12 @@ class RolloutDriver:
             self.train_rows, self.val_rows = train_set.rows, val_set.rows
             self.loader = PromptLoader(train_set, cfg.rollout.gen_batch_size or
                                        cfg.trainer.train_batch_size, seed=cfg.data.seed)
+        self.eval_sets: list = []  # data.eval_sets (rank 0): megatron_rl.eval.sets.EvalSet
+        if self.rank0 and cfg.data.eval_sets:
+            from megatron_rl.eval.sets import build_eval_sets
+
+            self.eval_sets = build_eval_sets(cfg, tokenizer)
+        self.eval_step: int | None = None  # the step data.eval_sets were last evaluated after
         self.stopper = EarlyStopper(**_early_stop_kwargs(cfg))
         self.engine = self.tracker = None
         self.history: list[dict] = []
@@ -245,12 +251,29 @@ class RolloutDriver:
                                 seed=self.cfg.trainer.seed)
         return sum(x["acc"] for x in recs) / max(1, len(recs))
 
+    def evaluate_sets(self, step: int) -> dict[str, float]:
+        """``data.eval_sets`` on rank 0 through the rollout engine: ``{"eval/<set>/pass@k", ...}``
+        (empty without sets and on other ranks). ``step``: RL steps done (for the log line)."""
+        if self.engine is None or not self.eval_sets:
+            return {}
+        from megatron_rl.eval.sets import evaluate_set, logged_metrics
+
+        results = [evaluate_set(self.engine, self.tok, es, seed=self.cfg.trainer.seed,
+                                timeout_s=self.cfg.rollout.reward_timeout_s)  # as `eval` does
+                   for es in self.eval_sets]
+        self.eval_step = step
+        for r in results:
+            shown = " ".join(f"{k}={v:.3f}" for k, v in r.metrics.items() if "@" in k)
+            print(f"[eval] step {step} {r.name}: {shown}", flush=True)
+        return logged_metrics(results)
+
     def validate_start(self) -> float | None:
-        """Validation right after the warm start (once per run, kept across resumes)."""
+        """Validation (and ``data.eval_sets``) right after the warm start (once per run, kept
+        across resumes)."""
         if self.val_start is None:
             self.val_start = self.validate()
             if self.rank0:
-                self.tracker.log({"val/acc": self.val_start}, step=0)
+                self.tracker.log({"val/acc": self.val_start, **self.evaluate_sets(0)}, step=0)
                 print(f"[train] validation accuracy after warm start: {self.val_start:.3f}",
                       flush=True)
         return self.val_start
@@ -319,6 +342,8 @@ class RolloutDriver:
         self.stop_async()
         if val_acc is None:
             val_acc = self.validate()
+        if self.eval_sets and self.eval_step != steps:  # early stop between evaluations
+            self.tracker.log(self.evaluate_sets(steps), step=steps)
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
                    "steps": steps}
         self.tracker.close()

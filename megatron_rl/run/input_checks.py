@@ -10,6 +10,8 @@ directory:
 * ``data.path``: every row parses (UTF-8, JSON, the prompt and answer fields present and
   non-empty), ids are unique, the split leaves enough rows for a batch, and every kept prompt plus
   ``rollout.max_new_tokens`` fits the model's context (``max_position_embeddings``);
+* ``data.eval_sets``: every set's rows read and rendered as ``data.path`` rows are, its scorer
+  imported (a plug-in is called once on the set's first prompt);
 * ``rollout.reward_fn``: imported, then called once on the first prompt with its reference answer
   as the response, under ``rollout.reward_timeout_s``: it must return a finite number.
 
@@ -35,6 +37,7 @@ def check_inputs(cfg: RunConfig) -> None:
     tok = tokenizer_of(cfg)
     rows = dataset_rows(cfg, tok)
     check_reward_fn(cfg, rows)
+    check_eval_sets(cfg, tok)
 
 
 def check_init_weights(cfg: RunConfig) -> None:
@@ -142,12 +145,13 @@ def check_reward_fn(cfg: RunConfig, rows: list[dict]) -> None:
         probe_reward_fn(fn, spec, rows[0], cfg.rollout.reward_timeout_s)
 
 
-def probe_reward_fn(fn, spec: str, row: dict, timeout_s: float) -> float:
+def probe_reward_fn(fn, spec: str, row: dict, timeout_s: float,
+                    field: str = "rollout.reward_fn", which: str = "training") -> float:
     """``fn(row, row["answer"])`` in a thread bounded by ``timeout_s``; its value, or a
     ``ConfigError`` saying what went wrong (raised, hung, not a finite number)."""
     from megatron_rl.rewards.math_verify_reward import _call_in_thread
 
-    what = (f"rollout.reward_fn={spec!r} called on the first training prompt with its reference "
+    what = (f"{field}={spec!r} called on the first {which} prompt with its reference "
             "answer as the response")
     status, value = _call_in_thread(fn, row, str(row.get("answer", "")), timeout_s)
     if status == "timeout":
@@ -177,3 +181,23 @@ def _check_task_kwargs(task: str, kwargs: dict) -> None:
             raise ConfigError(f"data.task_kwargs.{key}: not a keyword of reasoning-gym task "
                               f"{task!r}{closest_name(key, known)} (allowed: "
                               f"{', '.join(known)})")
+
+
+def check_eval_sets(cfg: RunConfig, tok) -> None:
+    """Every ``data.eval_sets`` entry's rows load and render, and its scorer loads (a plug-in is
+    probed on the set's first prompt); errors name ``data.eval_sets[i]``."""
+    from megatron_rl.eval.sets import build_eval_sets
+
+    for i, spec in enumerate(cfg.data.eval_sets):
+        where = f"data.eval_sets[{i}] ({spec['name']})"
+        if "task" in spec:
+            _check_task_kwargs(spec["task"], spec["task_kwargs"])
+        try:
+            (es,) = build_eval_sets(cfg, tok, [spec])
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise ConfigError(f"{where}.scorer: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{where}.{'path' if 'path' in spec else 'task'}: {exc}") from exc
+        if ":" in spec["scorer"]:
+            probe_reward_fn(es.score_fn, spec["scorer"], es.rows[0], cfg.rollout.reward_timeout_s,
+                            f"{where}.scorer", "evaluation")

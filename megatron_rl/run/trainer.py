@@ -124,11 +124,13 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         if controller is not None and "old_logp" in local:
             controller.update(measured_entropy(local))
         do_val = (step + 1) % t.test_freq == 0 or step + 1 == t.total_steps
+        evals: dict = {}
         if do_val:
             with ph("validation"):
                 val_acc = driver.validate()
+                evals = driver.evaluate_sets(step + 1)  # data.eval_sets: eval/<set>/pass@k ...
         step_upd = {**aggregate_updates(upd), **extra}  # all mini-batches and epochs
-        metrics = {**metrics, **last_stage_metrics([step_upd], reporter), **ph.times,
+        metrics = {**metrics, **evals, **last_stage_metrics([step_upd], reporter), **ph.times,
                    **gpu_stats(), **host_stats()}
         decision = driver.finish_step(step, metrics, val_acc if do_val else None)
         if (step + 1) % t.save_freq == 0 or step + 1 == t.total_steps or decision.stop:
