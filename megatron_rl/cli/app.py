@@ -28,7 +28,6 @@ def _train_worker(cfg, mode: str = "train", request: dict | None = None):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import os
 
     from megatron_rl.config.default_recipe import DEFAULT_RECIPE
     from megatron_rl.config.errors import ConfigError
@@ -46,14 +45,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "check_only", False):
         print(f"config ok: {config or 'built-in recipe'} + {len(overrides)} override(s)")
         return 0
-    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    from megatron_rl.parallel.launch import launch_mode
-
-    plan = launch_mode(os.environ)
-    if plan.mode == "refuse":
-        print(f"[{args.command}] {plan.message}", file=sys.stderr)
+    launch = _launch_plan(cfg, args.command)
+    if launch is None:
         return 2
+    plan, world, rank0 = launch
     lock = None
     if (args.command in ("train", "sft") and rank0 and
             (plan.mode == "local" or plan.world_size == world)):
@@ -70,7 +65,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     """``eval TARGET``: a run, a Megatron checkpoint, an HF model or a config (docs/evaluation.md);
     ``eval --compare A B``: two results side by side with bootstrap intervals."""
-    import os
 
     from megatron_rl.config.errors import ConfigError
 
@@ -85,15 +79,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    launch = _launch_plan(cfg, "eval")
+    if launch is None:
+        return 2
+    return _preflight_and_run(cfg, "eval", *launch, request)
+
+
+def _launch_plan(cfg, command: str):
+    """``(launch plan, world size, is rank 0)`` for ``command``, or None after printing why the
+    launch is refused."""
+    import os
+
     from megatron_rl.parallel.launch import launch_mode
 
+    rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     plan = launch_mode(os.environ)
     if plan.mode == "refuse":
-        print(f"[eval] {plan.message}", file=sys.stderr)
-        return 2
-    return _preflight_and_run(cfg, "eval", plan, world, rank0, request)
+        print(f"[{command}] {plan.message}", file=sys.stderr)
+        return None
+    return plan, world, rank0
 
 
 def _eval_request(args: argparse.Namespace, target: str | None, overrides: list[str]):
