@@ -383,10 +383,18 @@ def worst_gap(gaps: Iterable[ProbeGap]) -> ProbeGap:
     return ProbeGap(*(max(vals, key=lambda v: (v != v, v)) for vals in zip(*gaps)))
 
 
-def probe_check(urls: list[str], ids: list[int], actor_logp: list[float], tol: float
-                ) -> tuple[float, list[str]]:
-    """Worst mean |engine - actor| probe log-prob gap over every server, and the servers whose
-    mean gap is over ``tol`` (``rollout.sglang.probe_tolerance``; the rule: docs/gpu.md)."""
+def probe_servers(urls: list[str], ids: list[int], actor_logp: list[float], tol: float
+                  ) -> tuple[ProbeGap, list[str]]:
+    """The worst :class:`ProbeGap` over every server's teacher-forced log-probs of ``ids`` vs the
+    actor's, and the errors of the servers whose mean gap is over ``tol``
+    (``rollout.sglang.probe_tolerance``; the rule: docs/gpu.md)."""
     gaps = probe_gaps(urls, ids, actor_logp)
     errors = [e for u, g in gaps.items() if (e := probe_failure(u, g, tol, len(actor_logp)))]
-    return worst_gap(gaps.values()).mean, errors
+    return worst_gap(gaps.values()), errors
+
+
+def probe_check(urls: list[str], ids: list[int], actor_logp: list[float], tol: float
+                ) -> tuple[float, list[str]]:
+    """:func:`probe_servers` with the worst mean gap as a float."""
+    gap, errors = probe_servers(urls, ids, actor_logp, tol)
+    return gap.mean, errors

@@ -40,8 +40,7 @@ from megatron_rl.rollout.weight_sync.common import (
     SyncStrategy,
     WeightSyncError,
     checksum_disagreement,
-    probe_failure,
-    probe_gaps,
+    probe_servers,
     probe_tokens,
     weights_checksums,
     worst_gap,
@@ -151,10 +150,8 @@ def _engine_probe(plan: dict, ids: list[int], ref: list[float] | None
     the worst :class:`ProbeGap` and the servers over ``probe_tolerance`` (mean gap)."""
     if ref is None:
         return ProbeGap(0.0, 0.0), None
-    gaps = probe_gaps(plan["urls"], ids, ref)
-    errors = [e for u, g in gaps.items()
-              if (e := probe_failure(u, g, plan["probe_tolerance"], len(ref)))]
-    return worst_gap(gaps.values()), "; ".join(errors) or None
+    gap, errors = probe_servers(plan["urls"], ids, ref, plan["probe_tolerance"])
+    return gap, "; ".join(errors) or None
 
 
 def _hook(hooks, name: str) -> str | None:
