@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
@@ -134,19 +133,43 @@ def test_from_distributed_inside_a_session(fleet):
     assert reply["meta_info"]["weight_version"] == "2"
 
 
+def _stream_generate(url: str, body: dict, started: threading.Event, box: dict) -> None:
+    """POST a streamed ``/generate``; set ``started`` at the first chunk (the server reports the
+    request running), keep the last chunk in ``box["r"]``."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/generate", data=json.dumps({**body, "stream": True})
+                                 .encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            box["r"] = json.loads(line[len("data:"):])
+            started.set()
+    started.set()
+
+
 def test_pause_flush_continue(fleet):
+    """Waits for states the server reports, never for time: the first streamed chunk says the
+    request runs; ``retract`` stops it (it goes back to the waiting queue, so it cannot finish
+    while we look); ``abort`` then ends it with finish_reason "abort" before its 400 tokens."""
     f, _ = fleet
     url = f.urls[0]
-    box = {}
-    th = threading.Thread(target=lambda: box.update(r=http_json("POST", url + "/generate", {
+    box: dict = {}
+    started = threading.Event()
+    th = threading.Thread(target=_stream_generate, args=(url, {
         "input_ids": [3, 4], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
-        timeout=300)))
+        started, box))
     th.start()
-    time.sleep(2.0)
+    assert started.wait(300), "no streamed chunk from the real server"
+    http_json("POST", url + "/pause_generation", {"mode": "retract"})
     http_json("POST", url + "/pause_generation", {"mode": "abort"})
     flush_all([url])  # bounded retries while the aborted request drains
     th.join(120)
-    assert box["r"]["meta_info"]["finish_reason"]["type"] == "abort"
+    meta = box["r"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta
+    assert meta["completion_tokens"] < 400
     http_json("POST", url + "/continue_generation", {})
     r = http_json("POST", url + "/generate", {"input_ids": [3], "sampling_params": {
         "max_new_tokens": 2, "ignore_eos": True}})
