@@ -20,6 +20,7 @@ from megatron_rl.loss.rollout_correction import (
     compute_correction,
     correction_stats,
     correction_weights,
+    denominator_masks,
 )
 from megatron_rl.loss.types import LossInputs
 
@@ -254,12 +255,15 @@ def test_config_defaults_and_passthrough():
     (["loss.seq_mask_low=0"], "seq_mask_low"),
     (["loss.seq_mask_high=0.5"], "seq_mask_high"),
     (["loss.icepop_low=1", "loss.icepop_high=1"], "icepop_low"),
+    (["loss.rollout_correction_denominator=valid"], "rollout_correction_denominator"),
 ])
 def test_config_rejects_bad_values_at_load_time(overrides, field):
     with pytest.raises(ValueError, match=field) as e:
         load_config(None, overrides)
     if field == "rollout_correction":
         assert "icepop" in str(e.value) and "seq_mask_tis" in str(e.value)
+    if field == "rollout_correction_denominator":
+        assert "'all', 'kept'" in str(e.value)
 
 
 def test_loss_config_rejects_bad_band():
@@ -285,3 +289,62 @@ def test_device_discipline_of_every_mode():
                                     advantages=torch.ones(B, T), mask=mask, rollout_logp=roll),
                          cfg, ctx)
     assert spy.calls > 50 and spy.report() == "", spy.report()
+
+
+# ---- denominator under rejection (issue 38 item 3) -----------------------------------------
+# mis, C = 2; rollout_logp = 0, old_logp = logp = log rho (ratio 1: PPO's token loss is -A).
+# row 0: rho [1, 4, 1] (token 1 rejected), A = 1; row 1: rho [1, 1, pad], A = 2;
+# row 2: rho [4, pad, pad] (its only token rejected), A = 3.
+DEN_RHO = [[1.0, 4.0, 1.0], [1.0, 1.0, 1.0], [4.0, 1.0, 1.0]]
+DEN_MASK = [[1, 1, 1], [1, 1, 0], [1, 0, 0]]
+DEN_ADV = [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+# token losses of the kept tokens: -1, -1 (row 0), -2, -2 (row 1); nothing else contributes.
+DEN_HAND = {  # (denominator, loss_agg_mode) -> loss
+    ("all", "token-mean"): -6 / 6,                        # 6 valid tokens
+    ("kept", "token-mean"): -6 / 4,                       # 4 kept tokens
+    ("all", "seq-mean-token-mean"): (-2 / 3 - 4 / 2 + 0) / 3,  # 3 rows, row 0 over 3 tokens
+    ("kept", "seq-mean-token-mean"): (-2 / 2 - 4 / 2) / 2,     # 2 rows keep a token
+}
+
+
+def _denominator_loss(denominator: str, agg: str, split: bool) -> float:
+    """The loss of the DEN_* mini-batch (one micro-batch, or rows {0} and {1, 2})."""
+    cfg = LossConfig.for_algorithm("ppo", rollout_correction="mis", loss_agg_mode=agg,
+                                   rollout_correction_denominator=denominator)
+    logp = torch.tensor(DEN_RHO, dtype=torch.float64).log()
+    mask, adv = torch.tensor(DEN_MASK, dtype=torch.bool), torch.tensor(DEN_ADV)
+    parts = [slice(0, 1), slice(1, 3)] if split else [slice(0, 3)]
+    mbs = [{"old_logp": logp[p], "rollout_logp": torch.zeros_like(logp[p]), "mask": mask[p],
+            "advantages": adv[p]} for p in parts]
+    ctx = ReductionContext.from_minibatch([mb["mask"] for mb in mbs], group=None,
+                                          extra_masks=denominator_masks(mbs, cfg))
+    return sum(float(compute_loss(LossInputs(logp=mb["old_logp"], **mb), cfg, ctx).loss)
+               for mb in mbs)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("split", [False, True])
+def test_partial_denominator_all_keeps_rejected_tokens(agg, split):
+    """Default ``all``: a token the correction rejects stays in the denominators (NeMo-RL)."""
+    assert LossConfig().rollout_correction_denominator == "all"
+    assert _denominator_loss("all", agg, split) == pytest.approx(DEN_HAND[("all", agg)])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("split", [False, True])
+def test_partial_denominator_kept_drops_rejected_tokens(agg, split):
+    """``kept``: rejected tokens (and rows with none kept) leave the denominators (verl), also
+    when the rows are split over micro-batches (global counts)."""
+    assert _denominator_loss("kept", agg, split) == pytest.approx(DEN_HAND[("kept", agg)])
+
+
+def test_partial_denominator_kept_needs_its_counts():
+    cfg = LossConfig.for_algorithm("ppo", rollout_correction="mis",
+                                   rollout_correction_denominator="kept")
+    old, roll, mask = tensors()
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    with pytest.raises(ValueError, match="denominator_masks"):
+        compute_loss(LossInputs(logp=old, old_logp=old, advantages=torch.ones(B, T), mask=mask,
+                                rollout_logp=roll), cfg, ctx)
+    load = load_config(None, ["loss.rollout_correction_denominator=kept"]).loss.build()
+    assert load.rollout_correction_denominator == "kept"

@@ -48,6 +48,7 @@ from megatron_rl.loss import (
 )
 from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.context import rank_token_bound
+from megatron_rl.loss.rollout_correction import denominator_masks
 from megatron_rl.loss.siren import SirenTerm, siren_select
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
@@ -246,10 +247,10 @@ class PolicyUpdater:
         losses: list[torch.Tensor] = []
         prepass = self._cov_prepass(mbs, first_update)
         if last:
-            extra = None
+            extra = denominator_masks(mbs, cfg)  # rollout_correction_denominator: kept
             if cfg.positive_nll_coef > 0:
-                extra = {"positive": [mb["mask"].bool() & mb["positive"].bool()[:, None]
-                                      for mb in mbs]}
+                extra["positive"] = [mb["mask"].bool() & mb["positive"].bool()[:, None]
+                                     for mb in mbs]
             masks = [mb["mask"] for mb in mbs]
             budget = "seq_id" in mbs[0]  # token-budget micro-batches: regrouped rows
             # the rank bound needs equal row counts on every DP rank; a token budget's filler

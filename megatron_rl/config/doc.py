@@ -157,6 +157,8 @@ ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "optim.lr_decay_style": ("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": ("megatron_rl.loss.config", "PRESETS"),
     "loss.rollout_correction": ("megatron_rl.loss.params", "ROLLOUT_CORRECTIONS"),
+    "loss.rollout_correction_denominator": ("megatron_rl.loss.params",
+                                            "ROLLOUT_CORRECTION_DENOMINATORS"),
     "env.name": ("megatron_rl.envs", "ENVS"),
     "loss.overrides.policy_loss": ("megatron_rl.loss.registry", "_REGISTRY"),
     "loss.overrides.loss_agg_mode": ("megatron_rl.loss.config", "AGG_MODES"),
@@ -164,6 +166,8 @@ ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "loss.overrides.cov_stat_source": ("megatron_rl.loss.config", "COV_STAT_SOURCES"),
     "loss.overrides.rollout_correction": ("megatron_rl.loss.params",
                                           "ROLLOUT_CORRECTIONS"),
+    "loss.overrides.rollout_correction_denominator": ("megatron_rl.loss.params",
+                                                      "ROLLOUT_CORRECTION_DENOMINATORS"),
 }
 _SPLIT_BY = ("prompt", "row")  # validate_run_config's data.split_by values
 _ENGINES = ("embedded", "sglang")  # validate_run_config's rollout.engine values

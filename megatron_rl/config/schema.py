@@ -138,6 +138,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
     "loss.rollout_correction": _choices("megatron_rl.loss.params",
                                         "ROLLOUT_CORRECTIONS"),
+    "loss.rollout_correction_denominator": _choices("megatron_rl.loss.params",
+                                                    "ROLLOUT_CORRECTION_DENOMINATORS"),
     "trainer.advantage": lambda: ADVANTAGES,
     "env.name": _choices("megatron_rl.envs", "ENVS"),
 }

@@ -169,13 +169,14 @@ class LossSection:
     icepop_high: float = 5.0  # icepop: token weight 0 when rho > icepop_high
     seq_mask_low: float = 0.999  # seq_mask_tis: drop rows whose geometric-mean rho is below
     seq_mask_high: float = 1.001  # seq_mask_tis: drop rows whose geometric-mean rho is above
+    rollout_correction_denominator: str = "all"  # all: rejected tokens stay in means; kept: leave
 
     def build(self):
         from megatron_rl.loss import LossConfig
 
         extra = {k: getattr(self, k) for k in (
             "rollout_correction", "rollout_correction_threshold", "icepop_low", "icepop_high",
-            "seq_mask_low", "seq_mask_high")}
+            "seq_mask_low", "seq_mask_high", "rollout_correction_denominator")}
         return LossConfig.for_algorithm(self.algorithm, **{**extra, **self.overrides})
 
 

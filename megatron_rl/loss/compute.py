@@ -16,7 +16,14 @@ from megatron_rl.loss.gppo import positive_token_mask
 from megatron_rl.loss.kl import kl_penalty
 from megatron_rl.loss.metrics import TokenStat, mean_stat
 from megatron_rl.loss.registry import get_policy_loss
-from megatron_rl.loss.rollout_correction import apply_rollout_correction, bounds_of
+from megatron_rl.loss.rollout_correction import (
+    KEPT,
+    KEPT_ROWS,
+    bounds_of,
+    compute_correction,
+    correction_stats,
+    keeps_denominator,
+)
 from megatron_rl.loss.siren import siren_loss
 from megatron_rl.loss.types import LossInputs, LossOutput
 
@@ -30,6 +37,9 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
     ``entropy_coeff`` (e.g. ``AdaptiveEntropyController.alpha``) overrides ``cfg.entropy_coeff``.
     The positive NLL term (``positive_nll_coef > 0``) needs ``inp.positive`` and a context built
     with ``extra_masks={"positive": ...}`` (its token-mean is over the global positive tokens).
+    ``rollout_correction_denominator: kept`` (with a rejecting correction) needs a context built
+    with :func:`~megatron_rl.loss.rollout_correction.denominator_masks` among its
+    ``extra_masks``: the policy, KL and entropy terms aggregate over the kept tokens.
     """
     spec = get_policy_loss(cfg.policy_loss)
     for need in spec.needs:
@@ -46,18 +56,23 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         keep = erc_keep_mask(inp.entropy, inp.old_entropy, mask, cfg.erc_low, cfg.erc_high)
         per_token = erc_gate(per_token, keep)
         stats.update(erc_stats(inp.entropy, inp.old_entropy, keep, mask))
+    agg_mask, agg_ctx = mask, ctx  # the tokens and denominators of the update's terms
     if inp.rollout_logp is not None:
-        per_token, corr = apply_rollout_correction(
-            per_token, inp.old_logp, inp.rollout_logp, mask, cfg.rollout_correction,
-            bounds_of(cfg))
-        stats.update(corr)
+        corr = compute_correction(inp.old_logp, inp.rollout_logp, mask, cfg.rollout_correction,
+                                  bounds_of(cfg))
+        stats.update(correction_stats(corr, mask, cfg.rollout_correction))
+        if cfg.rollout_correction != "none":
+            per_token = per_token * corr.weight.to(per_token.dtype)
+        if keeps_denominator(cfg):  # rejected tokens leave the denominators (verl)
+            agg_mask, agg_ctx = mask & ~corr.masked, _kept_context(ctx)
     elif cfg.rollout_correction != "none":
         raise ValueError(f"rollout_correction={cfg.rollout_correction!r} needs "
                          "LossInputs.rollout_logp")
     mode = spec.forced_agg or cfg.loss_agg_mode
     # a loss already masked at padding needs no second mask unless a gate changed it since
     premasked = token.premasked and not cfg.erc and inp.rollout_logp is None
-    pg_loss = aggregate(per_token, mask, mode, ctx, cfg.loss_scale_factor, premasked=premasked)
+    pg_loss = aggregate(per_token, agg_mask, mode, agg_ctx, cfg.loss_scale_factor,
+                        premasked=premasked)
     total = pg_loss
     stats["policy/pg_loss"] = TokenStat(pg_loss.detach(), None, "sum")
     if cfg.positive_nll_coef > 0:
@@ -71,13 +86,14 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         if inp.ref_logp is None:
             raise ValueError("use_kl_loss=True needs LossInputs.ref_logp")
         kl = kl_penalty(inp.logp, inp.ref_logp, cfg.kl_loss_type)
-        total = total + cfg.kl_loss_coef * aggregate(kl, mask, mode, ctx, cfg.loss_scale_factor)
+        total = total + cfg.kl_loss_coef * aggregate(kl, agg_mask, mode, agg_ctx,
+                                                     cfg.loss_scale_factor)
         stats["kl/mean"] = mean_stat(kl, mask.float())
     coeff = cfg.entropy_coeff if entropy_coeff is None else entropy_coeff
     if inp.entropy is not None:
         stats["policy/entropy"] = mean_stat(inp.entropy, mask.float())
         if not (isinstance(coeff, (int, float)) and coeff == 0):
-            ent = aggregate(inp.entropy, mask, mode, ctx, cfg.loss_scale_factor)
+            ent = aggregate(inp.entropy, agg_mask, mode, agg_ctx, cfg.loss_scale_factor)
             total = total - torch.as_tensor(coeff, dtype=ent.dtype, device=ent.device) * ent
     if cfg.siren_coef > 0:
         if inp.entropy is None or inp.siren is None:
@@ -93,3 +109,12 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
     return LossOutput(loss=total, loss_for_backward=total if scale == 1.0 else total * scale,
                       pg_loss=pg_loss,
                       stats=stats)
+
+
+def _kept_context(ctx: ReductionContext) -> ReductionContext:
+    """``ctx`` with the global counts of the tokens the rollout correction keeps."""
+    if KEPT not in ctx.extra_counts or KEPT_ROWS not in ctx.extra_counts:
+        raise ValueError("loss.rollout_correction_denominator='kept' needs a ReductionContext "
+                         "built with extra_masks=denominator_masks(...) "
+                         "(megatron_rl.loss.rollout_correction)")
+    return ctx.restricted(KEPT, KEPT_ROWS)

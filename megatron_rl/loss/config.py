@@ -11,6 +11,7 @@ from megatron_rl.loss.params import (
     AGG_MODES,
     COV_STAT_SOURCES,
     KL_TYPES,
+    ROLLOUT_CORRECTION_DENOMINATORS,
     ROLLOUT_CORRECTIONS,
     LossConfigError,
     LossParams,
@@ -33,6 +34,8 @@ class LossConfig(LossParams):
         _choice("kl_loss_type", self.kl_loss_type, KL_TYPES)
         _choice("cov_stat_source", self.cov_stat_source, COV_STAT_SOURCES)
         _choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        _choice("rollout_correction_denominator", self.rollout_correction_denominator,
+                ROLLOUT_CORRECTION_DENOMINATORS)
         _open_low("rollout_correction_threshold", self.rollout_correction_threshold, 1.0,
                   "(1, inf)")
         _band("icepop_low", "icepop_high", self.icepop_low, self.icepop_high, 0.0)

@@ -28,6 +28,7 @@ the number of micro-batches (``calculate_per_token_loss=False``), multiply by th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -183,6 +184,17 @@ class ReductionContext:
             raise KeyError(f"count {name!r} was not requested in from_minibatch(extra_masks=...); "
                            f"have {sorted(self.extra_counts)}")
         return self.extra_counts[name]
+
+    def restricted(self, tokens: str, rows: str) -> ReductionContext:
+        """This context with the token and non-empty-sequence counts of two ``extra_masks``
+        entries (``[B_m, T_m]`` tokens, ``[B_m, 1]`` rows holding one): the denominators of a
+        narrower mask, e.g. the tokens a rollout correction keeps. Made once per context."""
+        key = (tokens, rows)
+        cache = self.__dict__.setdefault("_restricted", {})
+        if key not in cache:
+            cache[key] = dataclasses.replace(self, num_tokens=self.count(tokens),
+                                             num_seqs=self.count(rows))
+        return cache[key]
 
     @property
     def grad_scale(self) -> float:

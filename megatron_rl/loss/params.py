@@ -20,6 +20,8 @@ KL_TYPES = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
             "k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+")
 COV_STAT_SOURCES = ("prepass", "old_logp")
 ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_mask_tis")  # loss/rollout_correction.py
+# token-mean denominator under rejection (loss/rollout_correction.py): all valid tokens | kept ones
+ROLLOUT_CORRECTION_DENOMINATORS = ("all", "kept")
 
 
 class LossConfigError(ValueError):
@@ -106,3 +108,4 @@ class LossParams:
     icepop_high: float = 5.0  # icepop: tokens with rho > icepop_high get weight 0 (>= 1)
     seq_mask_low: float = 0.999  # seq_mask_tis: rows with geometric-mean rho below are dropped
     seq_mask_high: float = 1.001  # seq_mask_tis: rows with geometric-mean rho above are dropped
+    rollout_correction_denominator: str = "all"  # all: rejected tokens stay in means; kept: leave

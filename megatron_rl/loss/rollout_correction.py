@@ -47,10 +47,28 @@ References (each mode follows one):
   same sequence mask but keeps the *untruncated* ``rho`` on the kept rows; we truncate (verl),
   which is the same up to the rare tokens with ``rho > C`` inside a kept row.
 
-Deliberate differences: the weights multiply the per-token loss before the aggregation of any
-``loss_agg_mode`` (so a masked token still counts in the token-mean denominator, as in verl and
-NeMo-RL, where masked weights are zeros inside the same mean); verl's optional "veto" of whole
-sequences with a tiny token ratio is not offered (``seq_mask_tis`` or ``icepop`` cover it).
+Denominators under rejection (``rollout_correction_denominator``). The weights multiply the
+per-token loss before the aggregation of any ``loss_agg_mode``; a token the correction rejects
+(``Correction.masked``: weight zeroed by ``mis``, ``icepop`` or ``seq_mask_tis``) then either
+
+* ``all`` (default): stays in the denominators, its contribution 0. NeMo-RL does this
+  (``ClippedPGLossFn`` multiplies the masked IS weight into the token loss and keeps the token
+  mask of the mean) and so does AReaL (its ``behav_imp_weight_cap`` zeroes the weight inside the
+  same mean). It is the masked-IS estimate of the batch's token-mean objective: the rejection
+  only removes terms, and the scale of the surviving tokens' gradient does not grow when many
+  tokens are rejected (a stale or mismatched batch);
+* ``kept``: leaves them. verl does this: ``compute_rollout_rejection_mask`` returns
+  ``response_mask * mask`` and ``compute_rollout_correction_and_add_to_batch`` replaces the
+  batch's ``response_mask`` with it (verl/trainer/ppo/rollout_corr_helper.py), so every term of
+  the update (policy loss, KL, entropy) and its token/sequence counts see only the kept tokens.
+  Here too: the policy, KL and entropy terms aggregate over the kept tokens, and the
+  :class:`~megatron_rl.loss.context.ReductionContext` must carry their global counts
+  (:func:`denominator_masks` gives its ``extra_masks``). A ``seq-mean-*`` mode then averages
+  over the rows with a kept token, and a row's token mean over its kept tokens.
+
+``tis`` and ``none`` reject nothing, so the option changes nothing for them. verl's optional
+"veto" of whole sequences with a tiny token ratio is not offered (``seq_mask_tis`` or ``icepop``
+cover it); the ``rollout_corr/*`` metrics always cover every valid token.
 
 All tensors are ``[B, T]`` on the inputs' device (``mask`` bool); nothing syncs with the host.
 """
@@ -62,10 +80,14 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.loss.metrics import TokenStat, mean_stat
-from megatron_rl.loss.params import ROLLOUT_CORRECTIONS  # noqa: F401 - re-export
+from megatron_rl.loss.params import (
+    ROLLOUT_CORRECTION_DENOMINATORS,  # noqa: F401 - re-export
+    ROLLOUT_CORRECTIONS,  # noqa: F401 - re-export
+)
 
 Tensor = torch.Tensor
 LOG_RATIO_CLAMP = 20.0  # exp(+-20): verl's SAFETY_BOUND
+KEPT, KEPT_ROWS = "kept", "kept_rows"  # ReductionContext extra counts of denominator "kept"
 
 
 @dataclass(frozen=True)
@@ -209,3 +231,26 @@ def bounds_of(cfg: object) -> CorrectionBounds:
     return CorrectionBounds(threshold=cfg.rollout_correction_threshold,
                             icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high,
                             seq_mask_low=cfg.seq_mask_low, seq_mask_high=cfg.seq_mask_high)
+
+
+def keeps_denominator(cfg: object) -> bool:
+    """True when a loss config drops rejected tokens from the denominators (``kept``) and its
+    mode can reject any (``mis``, ``icepop``, ``seq_mask_tis``)."""
+    return (cfg.rollout_correction_denominator == "kept"
+            and cfg.rollout_correction in ("mis", "icepop", "seq_mask_tis"))
+
+
+def kept_mask(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: object) -> Tensor:
+    """``[B, T]`` bool: valid tokens the correction of ``cfg`` does not reject."""
+    corr = compute_correction(old_logp, rollout_logp, mask, cfg.rollout_correction, bounds_of(cfg))
+    return mask.bool() & ~corr.masked
+
+
+def denominator_masks(mbs: list[dict], cfg: object) -> dict[str, list[Tensor]]:
+    """``ReductionContext.from_minibatch`` ``extra_masks`` for denominator ``kept`` (``{}``
+    otherwise): per micro-batch the ``[B, T]`` kept tokens and the ``[B, 1]`` rows holding one;
+    ``mbs`` carry ``mask``, ``old_logp`` and ``rollout_logp``."""
+    if not keeps_denominator(cfg) or mbs[0].get("rollout_logp") is None:
+        return {}
+    kept = [kept_mask(mb["old_logp"], mb["rollout_logp"], mb["mask"], cfg) for mb in mbs]
+    return {KEPT: kept, KEPT_ROWS: [k.any(-1, keepdim=True) for k in kept]}
