@@ -12,7 +12,12 @@ import torch
 
 from megatron_rl.config.sections import SGLangSection
 from megatron_rl.models.config import get_preset
-from megatron_rl.rollout.async_rollout import AsyncProducer, filter_stale, sample_version
+from megatron_rl.rollout.async_rollout import (
+    AsyncProducer,
+    filter_stale,
+    sample_version,
+    token_staleness,
+)
 from megatron_rl.rollout.embedded import EmbeddedEngine, build_hf_model
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.fleet import Fleet, http_json
@@ -48,6 +53,47 @@ def test_filter_stale_hand_vectors():
     assert sample_version(_rec(9, 7, tv=[6, 7])) == 6
     kept, m = filter_stale(recs, 5, 2)  # K = 2: everything passes
     assert len(kept) == 8 and m["rollout/dropped_stale"] == 0.0
+
+
+def test_partial_token_staleness_hand_vectors():
+    """``rollout_version`` is read: per-token staleness over the valid response tokens."""
+    versions = torch.tensor([[-1, 3, 3, 5, -1], [-1, 4, 5, -1, -1], [-1, 2, -1, -1, -1]])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    m = token_staleness(versions, mask, 5)  # lags 2, 2, 0, 1, 0; row 2's version 2 is padding
+    assert m == {"rollout/token_staleness_mean": 1.0, "rollout/token_staleness_max": 2.0}
+
+
+def test_partial_async_take_records_lengths_and_reports_short_batch(tmp_path, capsys):
+    """The async path writes ``response_lengths.json`` as the synchronous one does (the
+    responses trained on), and a group dropped as stale after dynamic sampling filled
+    the batch is counted (``rollout/dropped_stale_groups``) and printed, not silent."""
+    import json
+
+    from megatron_rl.config.load import load_config
+    from megatron_rl.run.driver import RolloutDriver
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "rollout.max_staleness=1",
+                             "trainer.train_batch_size=2", "rollout.max_new_tokens=64"])
+
+    def produce(j):  # step 2, K = 1: group 1 has a sample of version 0 -> stale
+        recs = [{"uid": 0, "weight_version": 1, "response_ids": [5] * 3},
+                {"uid": 0, "weight_version": 1, "response_ids": [5] * 10},
+                {"uid": 1, "weight_version": 1, "response_ids": [5] * 20},
+                {"uid": 1, "weight_version": 0, "response_ids": [5] * 63}]
+        return recs, {}
+
+    drv = RolloutDriver.__new__(RolloutDriver)
+    drv.cfg = cfg
+    drv.producer = AsyncProducer(produce, lambda: {"pos": 0}, 2, 3, max_staleness=1, version=1)
+    records, metrics = drv._take_async(2)
+    assert [r["uid"] for r in records] == [0, 0]
+    assert metrics["rollout/dropped_stale_groups"] == 1.0
+    assert metrics["rollout/dropped_stale"] == 2.0
+    assert "1 stale group(s) dropped; training on 1 prompt(s)" in capsys.readouterr().out
+    hist = json.loads((tmp_path / "response_lengths.json").read_text())
+    assert hist["cap"] == 64 and sum(hist["counts"]) == 2  # bins of width 1: the kept 3, 10
+    assert [b for b, c in enumerate(hist["counts"]) if c] == [3, 10]
+    drv.producer.close()
 
 
 def test_version_spans_follow_sglang_0_5_21():
@@ -136,6 +182,20 @@ def _engine(url, tmp_path) -> SGLangEngine:
     eng.sync = make_strategy("from_disk", fleet, str(tmp_path / "sync"))
     eng.sync.flush_wait_s = 0.1
     return eng
+
+
+def test_partial_validation_requests_not_in_offpolicy_lag(server, tmp_path):
+    """A validation/eval request (``SamplingParams.validation``) is not counted in
+    ``rollout/offpolicy_lag``; a rollout request is."""
+    url, _ = server
+    http_json("POST", url + "/update_weight_version", {"new_version": "1"})
+    eng = _engine(url, tmp_path)
+    eng.weight_version = 3  # the trainer is two syncs ahead of this server
+    eng.generate([[5, 6]], SamplingParams(n=2, max_new_tokens=2, validation=True), seed=1)
+    assert "rollout/offpolicy_lag" not in eng.pop_metrics()
+    eng.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=2), seed=1)
+    assert eng.pop_metrics()["rollout/offpolicy_lag"] == 2.0
+    http_json("POST", url + "/update_weight_version", {"new_version": "default"})
 
 
 def _wait(cond, timeout=30.0):

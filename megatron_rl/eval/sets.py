@@ -151,7 +151,8 @@ def sampling_params(spec: dict):
 
     t = spec["temperature"]
     return SamplingParams(n=spec["n"], max_new_tokens=spec["max_new_tokens"],
-                          temperature=t or 1.0, top_p=spec["top_p"], greedy=t == 0)
+                          temperature=t or 1.0, top_p=spec["top_p"], greedy=t == 0,
+                          validation=True)
 
 
 def settings_of(spec: dict) -> dict:

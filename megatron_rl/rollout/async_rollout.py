@@ -1,12 +1,16 @@
 """Asynchronous rollouts (``rollout.max_staleness: K > 0``): a producer thread on the engine's
 rank generates the batches of the next steps while the actor trains on the current one.
 
-Policy versions: version ``v`` is the weights after ``v`` optimizer steps; step ``s`` trains
-with version ``s`` and then syncs version ``s + 1`` into the engine. The producer starts batch
-``j`` only once the engine holds version ``>= j - K`` (so at most ``K + 1`` batches are ahead of
-the trainer), and a sample whose oldest token came from version ``v`` may be trained on at step
-``s`` only if ``s - v <= K``; older groups are dropped whole and counted (``rollout/
-dropped_stale``), never trained on silently.
+Policy versions count RL steps, not optimizer steps: version ``v`` is the weights after ``v``
+RL steps (one RL step may take several optimizer steps: ``actor.mini_batch_size``,
+``actor.ppo_epochs``); step ``s`` trains with version ``s`` and then syncs version ``s + 1``
+into the engine (a skipped step syncs the same weights under the next number). The producer
+starts batch ``j`` only once the engine holds version ``>= j - K`` (so at most ``K + 1``
+batches are ahead of the trainer), and a sample whose oldest token came from version ``v`` may
+be trained on at step ``s`` only if ``s - v <= K``; older groups are dropped whole and counted
+(``rollout/dropped_stale``, ``rollout/dropped_stale_groups``), never trained on silently: a
+batch that dynamic sampling filled to ``trainer.train_batch_size`` prompts is then short by
+those groups, and the trainer prints so.
 
 Why a thread: generation is I/O for an SGLang fleet (HTTP requests; the GIL is released while
 waiting) and torch kernels for the embedded engine (torch releases the GIL inside its ops; the
@@ -25,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 
 @dataclass
@@ -55,15 +61,30 @@ def filter_stale(records: list[dict], step: int, max_staleness: int
     """Keep the groups (``uid``) all of whose samples satisfy ``step - version <= K``.
 
     Returns ``(kept records, metrics)``: ``rollout/staleness_mean`` / ``staleness_max`` over the
-    samples generated (staleness ``step - version``; a version of -1, unknown, counts as 0) and
-    ``rollout/dropped_stale`` (samples dropped, whole groups)."""
+    samples generated (staleness ``step - version``; a version of -1, unknown, counts as 0),
+    ``rollout/dropped_stale`` (samples dropped, whole groups) and ``rollout/dropped_stale_groups``
+    (the groups, i.e. prompts, dropped)."""
     stale = {r["uid"] for r in records if step - sample_version(r) > max_staleness
              and sample_version(r) >= 0}
     kept = [r for r in records if r["uid"] not in stale]
     lags = [max(0, step - sample_version(r)) if sample_version(r) >= 0 else 0 for r in records]
     return kept, {"rollout/staleness_mean": sum(lags) / max(1, len(lags)),
                   "rollout/staleness_max": float(max(lags, default=0)),
-                  "rollout/dropped_stale": float(len(records) - len(kept))}
+                  "rollout/dropped_stale": float(len(records) - len(kept)),
+                  "rollout/dropped_stale_groups": float(len(stale))}
+
+
+def token_staleness(versions: torch.Tensor, mask: torch.Tensor, step: int) -> dict[str, float]:
+    """``rollout/token_staleness_mean`` / ``_max``: ``step - v`` over the valid response tokens
+    of a step batch (``versions [N, S]`` int64 of :func:`~megatron_rl.rollout.collect.
+    records_to_batch`, ``mask [N, S]`` bool, host tensors); a token of unknown version (-1)
+    counts as 0. With partial rollouts a response's tokens come from several versions, so this
+    differs from ``rollout/staleness_mean`` (per sample, its oldest token)."""
+    valid = mask.bool() & (versions >= 0)
+    lag = torch.where(valid, (step - versions).clamp_min(0), 0)
+    n = int(mask.bool().sum())
+    return {"rollout/token_staleness_mean": float(lag.sum()) / max(1, n),
+            "rollout/token_staleness_max": float(lag.max()) if lag.numel() else 0.0}
 
 
 class AsyncProducer:

@@ -25,6 +25,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    validation: bool = False  # validation/eval requests: not counted in rollout/offpolicy_lag
 
 
 @dataclass

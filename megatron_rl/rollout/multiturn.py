@@ -101,7 +101,8 @@ def run_episodes(engine, tokenizer, make_env: Callable[[], object], seeds: Seque
             ids = render.first(env.instructions, obs)
             eps.append(Episode(uid=uid, env=env, tokens=list(ids), prompt_len=len(ids)))
     one = SamplingParams(n=1, max_new_tokens=params.max_new_tokens,
-                         temperature=params.temperature, top_p=params.top_p, greedy=params.greedy)
+                         temperature=params.temperature, top_p=params.top_p, greedy=params.greedy,
+                         validation=params.validation)
     for turn in range(max_turns):
         live = [e for e in eps if not e.done]
         if not live:
@@ -234,7 +235,8 @@ def validate_envs(engine, tokenizer, cfg) -> float:
 
     r, e = cfg.rollout, cfg.env
     params = SamplingParams(n=r.val_n, max_new_tokens=r.max_new_tokens,
-                            temperature=r.val_temperature or 1.0, greedy=r.val_temperature == 0)
+                            temperature=r.val_temperature or 1.0, greedy=r.val_temperature == 0,
+                            validation=True)
     recs = run_episodes(engine, tokenizer, lambda: make_env(e),
                         validation_seeds(e.val_size, e.seed), r.val_n, params, e.max_turns,
                         gen_seed=cfg.trainer.seed, max_total_tokens=e.max_total_tokens,

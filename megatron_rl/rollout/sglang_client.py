@@ -185,8 +185,9 @@ class SGLangEngine:
                                                   f"{self.weight_version}")
                         attempt += 1
                         continue
-                    with self._lock:
-                        self._lags.append(lag)
+                    if not params.validation:  # lag: of the samples trained on only
+                        with self._lock:
+                            self._lags.append(lag)
                     return comp
                 last = ServerError(f"request {rid} was aborted by the server")
             attempt += 1

@@ -177,12 +177,21 @@ class RolloutDriver:
             self.producer.published(version)
 
     def _take_async(self, step: int) -> tuple[list[dict], dict]:
-        """Batch ``step`` from the producer, stale groups dropped; its records and metrics."""
+        """Batch ``step`` from the producer, stale groups dropped; its records and metrics.
+        The lengths of the responses trained on go to ``response_lengths.json`` (as on the
+        synchronous path); a batch left short by stale groups is reported."""
         from megatron_rl.rollout.async_rollout import filter_stale
 
         item, qm = self.producer.take(step)
         records, sm = filter_stale(item.records, step, self.cfg.rollout.max_staleness)
+        self._record_lengths(records)
         self._loader_state = item.loader_state
+        dropped = int(sm["rollout/dropped_stale_groups"])
+        if dropped:
+            kept = len({r["uid"] for r in records})
+            print(f"[train] step {step + 1}: {dropped} stale group(s) dropped; training on "
+                  f"{kept} prompt(s) (trainer.train_batch_size="
+                  f"{self.cfg.trainer.train_batch_size})", flush=True)
         return records, {**item.metrics, **qm, **sm}
 
     def collect(self, step: int, rows_multiple: int, dp: int, mini: int
@@ -195,10 +204,15 @@ class RolloutDriver:
 
         batch = metrics = None
         if self.producer is not None:
+            from megatron_rl.rollout.async_rollout import token_staleness
+
             records, metrics = self._take_async(step)
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                          rows_multiple, versions=True)
+                # rank 0 reads the per-token versions; the ranks never do: not sent to them
+                metrics.update(token_staleness(batch.pop("rollout_version"), batch["mask"],
+                                               step))
         elif self.rank0 and self.cfg.env.name:
             from megatron_rl.rollout.multiturn import collect_env_step, episodes_to_batch
 
@@ -246,7 +260,7 @@ class RolloutDriver:
         r = self.cfg.rollout
         params = SamplingParams(n=r.val_n, max_new_tokens=r.max_new_tokens,
                                 temperature=r.val_temperature or 1.0,
-                                greedy=r.val_temperature == 0)
+                                greedy=r.val_temperature == 0, validation=True)
         recs = generate_records(self.engine, self.tok, self.val_rows, params, self.score_fn,
                                 seed=self.cfg.trainer.seed)
         return sum(x["acc"] for x in recs) / max(1, len(recs))
