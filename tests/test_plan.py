@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -425,7 +426,7 @@ def test_length_histogram_written_by_runs_is_read_by_plan(tmp_path, capsys):
     rows = {line.split()[0]: line for line in out.splitlines()
             if line.strip().startswith(("padded ", "token budget", "packed "))}
     assert set(rows) == {"padded", "token", "packed"}
-    assert rows["packed"].rstrip().endswith("x") and "0.0%" in rows["packed"]
+    assert re.search(r"\d\.\d\dx", rows["packed"]) and "0.0%" in rows["packed"]
     assert main(["plan", DAPO_32B, "--lengths-file", str(tmp_path / "missing.json")]) == 2
     assert "not a response-length histogram" in capsys.readouterr().err
 
@@ -450,3 +451,69 @@ def test_dapo_qwen3_30b_a3b_yaml_cites_slime_and_fits(capsys):
     assert "num_experts=128 is not divisible by expert_parallel_size=3" in \
         capsys.readouterr().err
     assert main(["plan", DAPO_MOE, "--gpus", "8", "--pp", "1"]) == 1  # one node: no fit
+
+
+# ---- rollout from the response lengths, asynchronous totals (issue 38 item 7) ------------------
+def test_partial_plan_decode_steps_hand_vectors():
+    """Continuous batching: each freed slot takes the next request; the round ends with the
+    last request (the makespan in decode steps)."""
+    from megatron_rl.plan.rollout_time import decode_steps
+
+    assert decode_steps([10, 10, 10, 40], 4) == 40  # all in flight: the longest response
+    assert decode_steps([10, 10, 10, 40], 2) == 50  # slot A: 10, 10; slot B: 10, then 40
+    assert decode_steps([40, 10, 10, 10], 2) == 40  # the long one first: B runs 10, 10, 10
+    assert decode_steps([10, 10, 10, 40], 1) == 70  # one slot: the sum
+    assert decode_steps([7], 16) == 7
+
+
+def _tiny_rollout(concurrency: int, lengths=(10, 20, 30, 40), cap=64):
+    from megatron_rl.plan.lengths import LengthSample
+    from megatron_rl.plan.rollout_time import rollout_cost
+
+    x = PlanInputs(model=TINY, prompt_len=16, response_len=cap, responses_per_step=8,
+                   servers=2, concurrency=concurrency)
+    return rollout_cost(x, LengthSample(tuple(lengths), cap, "hand"))
+
+
+def test_partial_plan_rollout_priced_from_lengths_by_hand():
+    """8 responses on 2 servers = 4 each, lengths 10, 20, 30, 40 (any order), cap 64."""
+    all_in = _tiny_rollout(4)  # 4 in flight: 40 steps (the longest); at the cap 1 x 64
+    assert (all_in.requests, all_in.slots, all_in.steps, all_in.steps_at_cap,
+            all_in.longest) == (4, 4, 40, 64, 40)
+    one = _tiny_rollout(1)  # 1 in flight: 10 + 20 + 30 + 40 = 100 steps; at the cap 4 x 64
+    assert (one.slots, one.steps, one.steps_at_cap) == (1, 100, 256)
+    # a step costs `slots` tokens however many are busy: 4 x 40 vs 1 x 100 token-steps
+    assert all_in.decode_s / one.decode_s == pytest.approx(160 / 100)
+    assert one.prefill_s == all_in.prefill_s > 0  # prompts: no length effect
+    # at the cap, the same contexts: 4 slots x 64 steps vs 1 slot x 256 steps
+    assert all_in.decode_at_cap_s == pytest.approx(one.decode_at_cap_s)
+    assert all_in.seconds == all_in.prefill_s + all_in.decode_s
+
+
+def test_partial_plan_totals_sync_and_async_by_hand():
+    """Synchronous: phases in sequence; asynchronous: max(rollout, actor) + sync."""
+    from megatron_rl.plan.rollout_time import step_totals, sync_seconds
+
+    assert step_totals(10.0, 30.0, 1.0) == (41.0, 31.0)  # generation-bound
+    assert step_totals(30.0, 10.0, 1.0) == (41.0, 31.0)  # training-bound
+    x = PlanInputs(model=TINY, servers=2, server_tp=4, inter_node_gbps=40.0)
+    assert sync_seconds(x) == pytest.approx(total_params(TINY) * 2 / 4 / 40e9)
+    assert sync_seconds(dataclasses.replace(x, servers=0)) == 0.0
+
+
+def test_partial_plan_dapo_32b_prints_both_totals(capsys):
+    """The 32B recipe: the rollout at the assumed lengths is below the padded upper bound,
+    both totals are printed, and ``rollout.max_staleness=1`` marks the asynchronous one."""
+    p = make_plan(inputs_from_config(load_config(DAPO_32B)))
+    sync_t, async_t = p.totals()
+    roll, sync = p.seconds["rollout (one generation round)"], p.seconds["weight sync"]
+    actor = sync_t - roll - sync
+    assert sync_t == pytest.approx(sum(p.seconds.values()))
+    assert async_t == pytest.approx(max(roll, actor) + sync) and async_t < sync_t
+    assert roll < 0.5 * p.rollout.seconds_at_cap  # mean response 28 % of the cap
+    assert p.rollout.longest == 20480 and p.rollout.steps >= 20480
+    assert main(["plan", DAPO_32B, "rollout.max_staleness=1"]) == 0
+    out = capsys.readouterr().out
+    sync_line = next(ln for ln in out.splitlines() if "total, synchronous" in ln)
+    async_line = next(ln for ln in out.splitlines() if "total, asynchronous" in ln)
+    assert "this config" in async_line and "this config" not in sync_line

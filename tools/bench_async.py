@@ -1,6 +1,7 @@
 """Synchronous vs asynchronous rollouts on the tiny main job with the ``serve`` fleet.
 
-    python tools/bench_async.py [--steps 12] [--out /tmp/bench_async] [-- extra overrides]
+    python tools/bench_async.py [--steps 12] [--out /tmp/bench_async] [--no-pin]
+                                [-- extra overrides]
 
 Runs ``examples/tiny_dapo.yaml`` three times, one after the other on the same machine, with
 ``rollout.engine=sglang`` (our ``serve`` behind the real ``sglang-router``) and
@@ -11,11 +12,22 @@ and validation at start excluded), the time each side is busy (generation: ``rol
 the producer, or ``time/rollout`` when synchronous; training: the step's other phases) and the
 final validation accuracy.
 
+Separated resources (the default, ``--pin``): as on a cluster, where the rollout servers and
+the trainer own different GPUs, the fleet (router and servers: every process under a
+``megatron_rl.rollout.guard``) runs on the first CPU this process may use and the trainer's
+ranks on the second (``os.sched_setaffinity`` on every thread; the trainer is started on its CPU
+and a watcher moves the fleet's processes and threads to theirs as they appear). ``--no-pin``
+lets both sides share every core: generation and training then slow each other down and the
+measured speedup stays below the ideal by that contention.
+
 The ideal speedup of overlapping the two sides is ``(gen + train) / max(gen, train)`` from the
-synchronous run (the time ratio ``max / (gen + train)``, inverted). On a CPU box both sides share
-the same cores: generation (the server processes) and training (the ranks) then slow each other
-down, and the measured speedup stays below the ideal by that contention. Last line:
-``bench_async: speedup_1=<sync s/step / K=1 s/step> speedup_2=<...> ideal=<...>``.
+synchronous run under the same pinning (the time ratio ``max / (gen + train)``, inverted).
+``redone_tokens``: the ``rollout/redone_tokens`` metric (tokens generated again after a weight
+sync's pause) summed over the ``K = 1`` and ``K = 2`` runs, ``n/a`` when the runs do not log it.
+With fewer than 3 steps a run's time per step is its wall time over its steps (start-up
+included: a smoke test, not a measurement). Last line:
+``bench_async: speedup_1=<sync s/step / K=1 s/step> speedup_2=<...> ideal=<...>
+redone_tokens=<...>``.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +66,81 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no free port block")
 
 
-def run(k: int, out: str, steps: int, extra: list[str]) -> dict:
+GUARD = "megatron_rl.rollout.guard"  # every fleet process (router, servers) runs under one
+
+
+def pin_cpus(pin: bool) -> tuple[set[int], set[int]] | None:
+    """``(fleet CPUs, trainer CPUs)``: the first and second CPU this process may use; None
+    without ``pin`` (everything shares every core)."""
+    if not pin:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        sys.exit(f"bench_async: --pin needs 2 CPUs, this process may use {cpus} (--no-pin)")
+    return {cpus[0]}, {cpus[1]}
+
+
+def _set_affinity(proc, cpus: set[int]) -> None:
+    """Every thread of ``proc`` (a psutil process) on ``cpus``; a gone thread is skipped."""
+    for t in proc.threads():
+        try:
+            if os.sched_getaffinity(t.id) != cpus:
+                os.sched_setaffinity(t.id, cpus)
+        except OSError:
+            pass
+
+
+def pin_tree(root: int, fleet: set[int], trainer: set[int]) -> int:
+    """Put the fleet's processes below ``root`` (those under a :data:`GUARD`) on ``fleet`` and
+    every other one on ``trainer``; returns the number of fleet processes."""
+    import psutil
+
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return 0
+    fleet_pids: set[int] = set()
+    for p in procs:
+        try:
+            if any(GUARD in part for part in p.cmdline()):
+                fleet_pids |= {p.pid} | {c.pid for c in p.children(recursive=True)}
+        except psutil.Error:
+            continue
+    for p in procs:
+        try:
+            _set_affinity(p, fleet if p.pid in fleet_pids else trainer)
+        except psutil.Error:
+            continue
+    return len(fleet_pids)
+
+
+def run_pinned(cmd: list[str], env: dict, cpus: tuple[set[int], set[int]] | None
+               ) -> tuple[subprocess.CompletedProcess, int]:
+    """``cmd`` (the trainer, on the trainer CPUs) while a watcher pins the fleet it starts;
+    the finished process and the most fleet processes seen pinned at once."""
+    if cpus is None:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env), 0
+    fleet, trainer = cpus
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env,
+                            preexec_fn=lambda: os.sched_setaffinity(0, trainer))
+    seen = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            seen[0] = max(seen[0], pin_tree(proc.pid, fleet, trainer))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    out, err = proc.communicate()
+    done.set()
+    watcher.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen[0]
+
+
+def run(k: int, out: str, steps: int, extra: list[str],
+        cpus: tuple[set[int], set[int]] | None = None) -> dict:
     """One training run with ``rollout.max_staleness=k``; its measurements."""
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
            f"output_dir={out}", f"trainer.total_steps={steps}", f"trainer.test_freq={steps}",
@@ -63,16 +150,21 @@ def run(k: int, out: str, steps: int, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    res, fleet_procs = run_pinned(cmd, env, cpus)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         sys.exit(f"bench_async: run K={k} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    if cpus is not None and not fleet_procs:
+        sys.exit(f"bench_async: run K={k}: no fleet process ({GUARD}) was seen to pin")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps_rows = [r for r in rows if r.get("step", 0) >= 1 and "time/rollout" in r]
-    # the last step also validates: steps 2 .. N-1 (timestamps logged at each step's end)
-    span = steps_rows[-2]["time"] - steps_rows[0]["time"]
-    per_step = span / max(1, len(steps_rows) - 2)
-    steps_rows = steps_rows[1:-1]
+    if len(steps_rows) >= 3:
+        # the last step also validates: steps 2 .. N-1 (timestamps logged at each step's end)
+        span = steps_rows[-2]["time"] - steps_rows[0]["time"]
+        per_step = span / max(1, len(steps_rows) - 2)
+        steps_rows = steps_rows[1:-1]
+    else:  # a smoke run: wall time per step, start-up included
+        per_step = wall / max(1, len(steps_rows))
     gen = [r.get("rollout/gen_s", r["time/rollout"]) for r in steps_rows]
     train = [sum(r.get(key, 0.0) for key in TRAIN_KEYS) for r in steps_rows]
     n = len(steps_rows)
@@ -82,6 +174,9 @@ def run(k: int, out: str, steps: int, extra: list[str]) -> dict:
             "trained": sum(r.get("rollout/kept_responses", 0.0) for r in steps_rows),
             "dropped": sum(r.get("rollout/dropped_stale", 0.0) for r in steps_rows),
             "requeued": sum(r.get("rollout/aborted_requeued", 0.0) for r in steps_rows),
+            "redone": (sum(r.get("rollout/redone_tokens", 0.0) for r in rows)
+                       if any("rollout/redone_tokens" in r for r in rows) else None),
+            "fleet_procs": fleet_procs,
             "staleness_mean": sum(r.get("rollout/staleness_mean", 0.0) for r in steps_rows) / n,
             "val_acc": rows[-1].get("val/acc"), "summary": summary[-1] if summary else "",
             "wall_s": wall, "load": (load0 + os.getloadavg()[0]) / 2}
@@ -91,11 +186,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
     ap.add_argument("--out", default="/tmp/bench_async", help="output directory of the runs")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="fleet on one CPU, trainer ranks on another (default); --no-pin: "
+                         "both share every core")
     ap.add_argument("extra", nargs="*", help="config overrides for every run (key=value)")
     a = ap.parse_args()
+    cpus = pin_cpus(a.pin)
+    where = ("both sides share the same CPU cores" if cpus is None else
+             f"fleet on CPU {sorted(cpus[0])}, trainer ranks on CPU {sorted(cpus[1])}")
+    print(f"bench_async: {a.steps} steps per run, {where}", flush=True)
     results = []
     for k in (0, 1, 2):
-        r = run(k, os.path.join(a.out, f"k{k}"), a.steps, a.extra)
+        r = run(k, os.path.join(a.out, f"k{k}"), a.steps, a.extra, cpus)
         results.append(r)
         busy_gen = min(1.0, r["gen_s"] / r["s_per_step"])
         busy_train = min(1.0, r["train_s"] / r["s_per_step"])
@@ -104,7 +206,9 @@ def main() -> None:
               f"trainer waited {r['trainer_wait_s']:.2f} s/step, trained responses "
               f"{r['trained']:.0f}, dropped stale {r['dropped']:.0f}, re-queued "
               f"{r['requeued']:.0f}, staleness {r['staleness_mean']:.2f}, "
-              f"final val acc {r['val_acc']}, machine load {r['load']:.1f}", flush=True)
+              f"redone tokens {_redone(r['redone'])}, final val acc {r['val_acc']}, machine load "
+              f"{r['load']:.1f}" + (f", {r['fleet_procs']} fleet processes pinned"
+                                    if cpus else ""), flush=True)
     sync = results[0]
     ideal = (sync["gen_s"] + sync["train_s"]) / max(sync["gen_s"], sync["train_s"])
     # load drifts between runs on a shared machine: each run's step time over its own
@@ -114,10 +218,17 @@ def main() -> None:
           f"{norm[2]:.2f} (load-independent speedups {norm[0] / norm[1]:.2f}, "
           f"{norm[0] / norm[2]:.2f})")
     print(f"ideal = (gen + train) / max(gen, train) = ({sync['gen_s']:.2f} + "
-          f"{sync['train_s']:.2f}) / {max(sync['gen_s'], sync['train_s']):.2f} "
-          f"(both sides share {os.cpu_count()} CPU cores here)")
+          f"{sync['train_s']:.2f}) / {max(sync['gen_s'], sync['train_s']):.2f} ({where})")
+    redone = [r["redone"] for r in results[1:]]
+    total = None if any(v is None for v in redone) else sum(redone)
     print(f"bench_async: speedup_1={sync['s_per_step'] / results[1]['s_per_step']:.2f} "
-          f"speedup_2={sync['s_per_step'] / results[2]['s_per_step']:.2f} ideal={ideal:.2f}")
+          f"speedup_2={sync['s_per_step'] / results[2]['s_per_step']:.2f} ideal={ideal:.2f} "
+          f"redone_tokens={_redone(total)}")
+
+
+def _redone(v: float | None) -> str:
+    """``rollout/redone_tokens`` as printed: ``n/a`` when the runs do not log it."""
+    return "n/a" if v is None else f"{v:.0f}"
 
 
 if __name__ == "__main__":

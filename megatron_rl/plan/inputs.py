@@ -86,6 +86,7 @@ class PlanInputs:
     response_mean: float = 0.0  # response-length distribution (0: assumed, see plan/lengths.py)
     response_p95: float = 0.0
     lengths_file: str | None = None  # a run's response_lengths.json (wins over mean/p95)
+    max_staleness: int = 0  # rollout.max_staleness (>= 1: generation overlaps the actor)
     gpus_per_node: int = GPUS_PER_NODE  # where the expert-parallel group crosses nodes
     intra_node_gbps: float = INTRA_NODE_GBPS
     inter_node_gbps: float = INTER_NODE_GBPS
@@ -182,7 +183,8 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
         server_mem_fraction=float(_sglang_field(cfg, "mem_fraction_static", 0.85)),
         concurrency=int(_sglang_field(cfg, "max_running_requests", 0)),
         colocate=bool(_sglang_field(cfg, "colocate", False)) and r.engine == "sglang",
-        sync_bucket_mb=int(getattr(r, "weight_sync_bucket_mb", 64)))
+        sync_bucket_mb=int(getattr(r, "weight_sync_bucket_mb", 64)),
+        max_staleness=int(getattr(r, "max_staleness", 0) or 0))
     vals.update({k: v for k, v in overrides.items() if v is not None})
     if "dp" in overrides and overrides["dp"] is not None and "n_micro" not in overrides:
         vals["n_micro"] = max(1, mini // vals["dp"] // vals["micro_batch_size"])

@@ -25,7 +25,11 @@ from megatron_rl.plan.memory import (
     stage_params,
     total_params,
 )
+from megatron_rl.plan.rollout_time import RolloutCost, rollout_cost, step_totals, sync_seconds
 from megatron_rl.plan.step_time import ALLTOALL, alltoall_bytes, step_seconds, swap_seconds
+
+ROLLOUT = "rollout (one generation round)"
+SYNC = "weight sync"
 
 
 @dataclass
@@ -38,6 +42,14 @@ class Plan:
     colocated: dict[str, float] | None = None  # bytes per phase on a shared GPU (colocate)
     lengths: LengthSample | None = None  # the response lengths the batching modes are priced on
     batching: list[tuple[PaddingCost, dict[str, float]]] = field(default_factory=list)
+    rollout: RolloutCost | None = None  # the generation round at the sample's lengths
+
+    def totals(self, seconds: dict[str, float] | None = None) -> tuple[float, float]:
+        """``(synchronous, asynchronous)`` seconds per step of ``seconds`` (default: the step
+        table): every phase in sequence, or generation overlapping the actor's phases."""
+        sec = self.seconds if seconds is None else seconds
+        actor = sum(v for k, v in sec.items() if k not in (ROLLOUT, SYNC))
+        return step_totals(actor, sec.get(ROLLOUT, 0.0), sec.get(SYNC, 0.0))
 
     @property
     def colocated_peak(self) -> float:
@@ -70,16 +82,21 @@ def make_plan(x: PlanInputs) -> Plan:
     x.validate()
     stage, items = actor_breakdown(x)
     server = server_breakdown(x) if x.servers else None
-    seconds = step_seconds(x)
+    sample = sample_for(x)
+    roll = rollout_cost(x, sample) if x.servers else None
+    roll_s = None if roll is None else roll.seconds
+    seconds = step_seconds(x, rollout_s=roll_s)
     colocated = None
     if x.colocate and server is not None:
         colocated = colocated_phases(x, stage, items, server)
         seconds["colocation swaps (host<->device)"] = swap_seconds(x, stage)
-    sample = sample_for(x)
+    if sync := sync_seconds(x):
+        seconds[SYNC] = sync
     costs = padding_costs(sample, x.prompt_len, micro_batch_budget(x),
                           rows_per_rank=x.n_micro * x.micro_batch_size)
-    batching = [(c, step_seconds(x, c)) for c in costs]
-    return Plan(x, stage, items, server, seconds, colocated, sample, batching)
+    batching = [(c, {**step_seconds(x, c, rollout_s=roll_s), **({SYNC: sync} if sync else {})})
+                for c in costs]
+    return Plan(x, stage, items, server, seconds, colocated, sample, batching, roll)
 
 
 def _gib(b: float) -> str:
@@ -97,23 +114,40 @@ def _format_batching(p: Plan) -> list[str]:
     if p.lengths is None or not p.batching:
         return []
     x, s = p.inputs, p.lengths
-    roll = "rollout (one generation round)"
+    overlap = p.rollout is not None and not x.colocate
+    steps = (f" {'step sync':>10} {'step async':>11}" if overlap else "")
     lines = ["", f"actor passes by batching, response lengths: {s.source}; mean "
                  f"{s.mean:.0f} tokens = {s.mean / s.cap:.0%} of the cap "
                  f"(token budget {micro_batch_budget(x)} tokens per micro-batch):",
              "  (one DP rank's mini-batch at a time; the head scores the sample's response "
              "tokens)",
              f"  {'batching':<14} {'tokens/row':>10} {'pad':>6} {'old-logp':>10} "
-             f"{'train':>10} {'actor total':>12} {'vs padded':>10}"]
+             f"{'train':>10} {'actor total':>12} {'vs padded':>10}{steps}"]
     base = None
     for cost, sec in p.batching:
         old = sec.get("old-policy log-probs", 0.0) + sec.get("reference log-probs", 0.0)
-        total = sum(v for k, v in sec.items() if k != roll)
+        total = sum(v for k, v in sec.items() if k not in (ROLLOUT, SYNC))
         base = base or total
+        sync_t, async_t = p.totals(sec)
+        tail = f" {_fmt_s(sync_t):>10} {_fmt_s(async_t):>11}" if overlap else ""
         lines.append(f"  {cost.mode:<14} {cost.tokens:>10.0f} {cost.pad_fraction:>6.1%} "
                      f"{_fmt_s(old):>10} {_fmt_s(sec['train (fwd + bwd)']):>10} "
-                     f"{_fmt_s(total):>12} {total / base:>9.2f}x")
+                     f"{_fmt_s(total):>12} {total / base:>9.2f}x{tail}")
+    if overlap:
+        lines.append("  (step: + rollout + weight sync in sequence (max_staleness 0), or "
+                     "max(rollout, actor) + sync (max_staleness >= 1))")
     return lines
+
+
+def _rollout_lines(p: Plan) -> list[str]:
+    """How the generation round was priced from the response lengths (empty without servers)."""
+    r, s = p.rollout, p.lengths
+    if r is None or s is None:
+        return []
+    return [f"  rollout at the response lengths ({s.source.split(' (')[0]}): per server "
+            f"{r.requests} requests, {r.slots} in flight (KV pool at the mean context), "
+            f"{r.steps} decode steps, the longest response {r.longest} tokens; every response "
+            f"at the cap: {r.steps_at_cap} steps, {_fmt_s(r.seconds_at_cap)}"]
 
 
 def _moe_lines(p: Plan) -> list[str]:
@@ -189,16 +223,23 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
         lines.append(f"  {'peak (max of the phases, not their sum)':<58} "
                      f"{_gib(p.colocated_peak)}  / {x.gpu_mem_gb:g} GiB -> "
                      f"{'fits' if p.colocated_peak <= gpu else 'DOES NOT FIT'}")
-    total = sum(p.seconds.values())
+    sync_t, async_t = p.totals()
     comm = "no communication" if ALLTOALL not in p.seconds else (
         f"communication: the MoE all-to-all only ({alltoall_bytes(x) / GIB:.1f} GiB per GPU per "
         f"step leave the rank, {x.intra_node_gbps:g} GB/s in a node, {x.inter_node_gbps:g} GB/s "
         f"between nodes of {x.gpus_per_node} GPUs)")
+    priced = "actor passes padded to the cap (upper bound)" + (
+        ", rollout at the response lengths" if p.rollout is not None else "")
     lines += ["", f"step time at MFU {x.mfu:.0%} (actor), {x.rollout_mfu:.0%} (rollout), "
-                  f"{x.peak_tflops:g} TFLOP/s peak, padded max lengths (upper bound), "
-                  f"{comm}:"]
+                  f"{x.peak_tflops:g} TFLOP/s peak, {priced}, {comm}:"]
     lines += [f"  {k:<32} {_fmt_s(v)}" for k, v in p.seconds.items()]
-    lines.append(f"  {'total (phases sequential)':<32} {_fmt_s(total)}")
+    mine = " <- this config" if p.rollout is not None and not x.colocate else ""
+    lines.append(f"  {'total, synchronous':<32} {_fmt_s(sync_t)}  (phases in sequence, "
+                 f"max_staleness 0){mine if x.max_staleness == 0 else ''}")
+    if p.rollout is not None and not x.colocate:
+        lines.append(f"  {'total, asynchronous':<32} {_fmt_s(async_t)}  (max_staleness >= 1: "
+                     f"max(rollout, actor) + sync){mine if x.max_staleness else ''}")
+    lines += _rollout_lines(p)
     lines += _format_batching(p)
     lines.append(f"verdict: {p.layout} {'FITS' if p.fits else 'DOES NOT FIT'}")
     return "\n".join(lines)

@@ -81,9 +81,12 @@ def alltoall_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> float:
                b * remote / (x.ep - 1) / (x.inter_node_gbps * 1e9))
 
 
-def step_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, float]:
+def step_seconds(x: PlanInputs, cost: PaddingCost | None = None,
+                 rollout_s: float | None = None) -> dict[str, float]:
     """Seconds per phase at the stated MFUs (actor phases include the pipeline bubble; an MoE
-    actor's all-to-all is not overlapped with compute); ``cost``: see :func:`step_flops`."""
+    actor's all-to-all is not overlapped with compute); ``cost``: see :func:`step_flops`;
+    ``rollout_s``: the rollout priced from the response lengths
+    (:func:`megatron_rl.plan.rollout_time.rollout_cost`), else every response at the cap."""
     fl = step_flops(x, cost)
     actor = x.actor_gpus * x.peak_tflops * 1e12 * x.mfu
     bubble = 1 + (x.pp - 1) / x.n_micro
@@ -92,6 +95,6 @@ def step_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, fl
     if a2a := alltoall_seconds(x, cost):
         out[ALLTOALL] = a2a * bubble
     if x.servers:
-        out[roll] = fl[roll] / (x.servers * x.server_tp * x.peak_tflops * 1e12
-                                          * x.rollout_mfu)
+        out[roll] = rollout_s if rollout_s is not None else fl[roll] / (
+            x.servers * x.server_tp * x.peak_tflops * 1e12 * x.rollout_mfu)
     return out
