@@ -27,6 +27,7 @@ from megatron_rl.loss import (
 )
 from megatron_rl.loss.bapo import bapo_bounds
 from megatron_rl.loss.context import rank_token_bound
+from megatron_rl.loss.rollout_correction import denominator_masks
 from megatron_rl.loss.siren import SirenTerm, siren_select
 
 B, T = 8, 12
@@ -88,6 +89,14 @@ CASES: dict[str, dict] = {
     "gmpo_seq_mask_tis": dict(policy_loss="gmpo", rollout_correction="seq_mask_tis",
                               rollout_correction_threshold=1.3, seq_mask_low=0.97,
                               seq_mask_high=1.03, loss_agg_mode="seq-mean-token-mean"),
+    # rejected tokens out of the denominators (verl): global kept-token / kept-row counts
+    "dapo_icepop_kept": dict(policy_loss="dapo", clip_ratio_high=0.28, rollout_correction="icepop",
+                             icepop_low=0.8, icepop_high=1.25, use_kl_loss=True,
+                             rollout_correction_denominator="kept"),
+    "ppo_seq_mask_tis_kept": dict(policy_loss="ppo", rollout_correction="seq_mask_tis",
+                                  rollout_correction_threshold=1.3, seq_mask_low=0.9,
+                                  seq_mask_high=1.1, loss_agg_mode="seq-mean-token-mean",
+                                  rollout_correction_denominator="kept"),
 }
 
 
@@ -113,13 +122,15 @@ def _trim(x: torch.Tensor, t: int) -> torch.Tensor:
     return x[:, :t] if x.dim() == 2 else x
 
 
-def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bool) -> dict:
+def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bool,
+               overrides: dict | None = None) -> dict:
     """Run one case on this rank's ``rows`` split into ``n_micro`` micro-batches.
 
     Returns local loss sum, per-row grads (padded back to T), selected masks, w-grad, metrics.
     ``trim``: each micro-batch is cut to its own longest valid sequence (dynamic padding).
     """
-    cfg = LossConfig(**CASES[case]).validate()
+    params = {**CASES[case], **(overrides or {})}
+    cfg = LossConfig(**params).validate()
     local = {k: v[rows] for k, v in data.items()}
     n = local["mask"].shape[0]
     bounds = [(i * n // n_micro, (i + 1) * n // n_micro) for i in range(n_micro)]
@@ -132,7 +143,10 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
         mbs.append(mb)
     masks = [mb["mask"] for mb in mbs]
     pos_masks = [mb["mask"] & mb["positive"][:, None] for mb in mbs]
-    ctx = ReductionContext.from_minibatch(masks, group=group, extra_masks={"positive": pos_masks})
+    kept = denominator_masks([{"old_logp": mb["old"], "rollout_logp": mb["rollout"],
+                               "mask": mb["mask"]} for mb in mbs], cfg)
+    ctx = ReductionContext.from_minibatch(masks, group=group,
+                                          extra_masks={"positive": pos_masks, **kept})
     w = torch.zeros((), requires_grad=True)  # a parameter shared (replicated) by all DP ranks
     sel_stats, selected = {}, [None] * n_micro
     if cfg.policy_loss in ("clip_cov", "kl_cov"):
@@ -166,7 +180,7 @@ def run_layout(case: str, data: dict, rows: slice, n_micro: int, group, trim: bo
                          cov_selected=selected[i] if cfg.siren_coef == 0 else None,
                          siren=siren[i],
                          positive=mb["positive"],
-                         rollout_logp=mb["rollout"] if "rollout_correction" in CASES[case]
+                         rollout_logp=mb["rollout"] if "rollout_correction" in params
                          else None, bapo_bounds=bounds)
         out = compute_loss(inp, cfg, ctx)
         out.loss_for_backward.backward()
@@ -357,6 +371,16 @@ def test_rollout_corrections_bite(reference):
     m = reference["ppo_rollout_none"]["metrics"]
     assert float(m["rollout_corr/ratio_max"]) == pytest.approx(math.exp(3 / 8), rel=1e-6)
     assert "rollout_corr/weight_mean" not in m
+
+
+def test_partial_denominator_kept_cases_differ_from_all(data, reference):
+    """The ``kept`` layout cases reject tokens and so change the gradient against ``all``."""
+    for case in ("dapo_icepop_kept", "ppo_seq_mask_tis_kept"):
+        assert 0 < float(reference[case]["metrics"]["rollout_corr/masked_frac"]) < 1, case
+        alt = run_layout(case, data, slice(0, B), 1, None, False,
+                         {"rollout_correction_denominator": "all"})
+        assert not torch.allclose(alt["loss"], reference[case]["loss"]), case
+        assert not torch.allclose(alt["grad"], reference[case]["grad"]), case
 
 
 @pytest.mark.slow
