@@ -134,8 +134,8 @@ def _format_batching(p: Plan) -> list[str]:
                      f"{_fmt_s(old):>10} {_fmt_s(sec['train (fwd + bwd)']):>10} "
                      f"{_fmt_s(total):>12} {total / base:>9.2f}x{tail}")
     if overlap:
-        lines.append("  (step: + rollout + weight sync in sequence (max_staleness 0), or "
-                     "max(rollout, actor) + sync (max_staleness >= 1))")
+        lines.append("  (step sync: actor + rollout + weight sync in sequence, max_staleness 0; "
+                     "step async: max(rollout, actor) + sync, max_staleness >= 1)")
     return lines
 
 
