@@ -86,8 +86,9 @@ def server_slots(x: PlanInputs, mean_response: float) -> int:
     share = -(-x.rollout_responses // max(x.servers, 1))
     conc = x.concurrency or share
     pool = server_breakdown(x)["kv_pool"]
-    kv_fit = int(pool // (kv_bytes_per_token(x.model, x.server_tp)
-                          * (x.prompt_len + mean_response)))
+    kv_fit = int(
+        pool // (kv_bytes_per_token(x.model, x.server_tp) * (x.prompt_len + mean_response))
+    )
     return max(1, min(conc, share, kv_fit))
 
 
@@ -106,8 +107,9 @@ def rollout_cost(x: PlanInputs, sample: LengthSample) -> RolloutCost:
     step = slots * _token_flops(x, x.prompt_len + sample.mean) / rate
     step_cap = slots * _token_flops(x, x.prompt_len + sample.cap) / rate
     prefill = share * x.prompt_len * _token_flops(x, x.prompt_len, head=False) / rate
-    return RolloutCost(share, slots, steps, at_cap, max(lengths), prefill, steps * step,
-                       at_cap * step_cap)
+    return RolloutCost(
+        share, slots, steps, at_cap, max(lengths), prefill, steps * step, at_cap * step_cap
+    )
 
 
 def sync_seconds(x: PlanInputs) -> float:
