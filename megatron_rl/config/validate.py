@@ -151,6 +151,7 @@ def validate_sglang_section(s: SGLangSection) -> None:
                           "('0.5.21', '0.5.20')")
     if s.flush_retries < 0:
         raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
+    validate_quantization(s)
     if not isinstance(s.extra_args, list):
         raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
     if s.python is not None and not os.path.isfile(str(s.python)):
@@ -162,6 +163,27 @@ def validate_sglang_section(s: SGLangSection) -> None:
     if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
         raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
                           f"= {s.num_servers * s.tp_size} are needed")
+
+
+def validate_quantization(s: SGLangSection) -> None:
+    """``rollout.sglang.quantization`` (null | ``fp8``) and ``fp8_scale_fmt`` (``float32`` |
+    ``ue8m0``), and SGLang arguments that contradict them."""
+    from megatron_rl.rollout.fp8 import QUANTIZATIONS, SCALE_FMTS
+
+    if s.quantization is not None and s.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"rollout.sglang.quantization={s.quantization!r} is not one of "
+                          f"{QUANTIZATIONS} (or null: the actor's dtype)")
+    if s.fp8_scale_fmt not in SCALE_FMTS:
+        raise ConfigError(f"rollout.sglang.fp8_scale_fmt={s.fp8_scale_fmt!r} is not one of "
+                          f"{SCALE_FMTS}")
+    args = [str(a) for a in s.extra_args] if isinstance(s.extra_args, list) else []
+    given = [args[k + 1] for k, a in enumerate(args[:-1]) if a == "--quantization"] + \
+        [a.split("=", 1)[1] for a in args if a.startswith("--quantization=")]
+    want = s.quantization or None
+    if given and given[-1] != want:
+        raise ConfigError(f"rollout.sglang.extra_args has --quantization {given[-1]} but "
+                          f"rollout.sglang.quantization is {want!r}: set the quantization there "
+                          "(the weight sync must send what the servers load)")
 
 
 def validate_async(cfg) -> None:

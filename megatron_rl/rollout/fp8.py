@@ -35,6 +35,7 @@ nothing for the rest: ``VocabParallelEmbedding`` (``embed_tokens``) and its subc
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Iterable, Iterator
@@ -46,6 +47,7 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 SCALE_FMTS = ("float32", "ue8m0")
+QUANTIZATIONS = ("fp8",)  # rollout.sglang.quantization (null: none)
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -139,25 +141,19 @@ def quantize_bucket(bucket: Bucket, scale_fmt: str = "float32") -> Bucket:
     return out
 
 
-class QuantTimer:
-    """Seconds spent quantising during one sync (``time/weight_quant``)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-
 def quantize_buckets(buckets: Iterable[Bucket], scale_fmt: str = "float32",
-                     timer: QuantTimer | None = None) -> Iterator[Bucket]:
-    """:func:`quantize_bucket` of every bucket as the stream yields it (each quantised bucket
-    replaces the original before the next is made); the time spent goes to ``timer`` (CUDA:
-    the stream is synchronised once per bucket so the time is the kernels', not the launch's)."""
+                     timer=None) -> Iterator[Bucket]:
+    """:func:`quantize_bucket` of every bucket as the stream yields it (the original bucket is
+    dropped here before the next one is made: one bucket and its FP8 copy at a time, never a
+    copy of the model); the seconds each bucket took go to ``timer.add_quant_time`` (CUDA: the
+    stream is synchronised once per bucket, so the time is the kernels', not their launch)."""
     for bucket in buckets:
         t0 = time.perf_counter()
         out = quantize_bucket(bucket, scale_fmt)
         if out and out[0][1].is_cuda:
             torch.cuda.current_stream(out[0][1].device).synchronize()
         if timer is not None:
-            timer.seconds += time.perf_counter() - t0
+            timer.add_quant_time(time.perf_counter() - t0)
         del bucket
         yield out
 
@@ -186,6 +182,13 @@ def write_quantization_config(model_dir: str, scale_fmt: str = "float32") -> Non
     os.replace(path + ".tmp", path)
 
 
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a weight-group broadcast carries it: FP8 on CPU as its bytes (``uint8``, same
+    storage: gloo has no FP8 type, so both ends of a gloo group view it so; real SGLang's
+    receivers do not, and take FP8 only over NCCL); NCCL broadcasts FP8 itself."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE and not t.is_cuda else t
+
+
 def dequantize_pairs(items: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Receiver side: HF-named tensors with every FP8 ``X.weight`` + ``X.weight_scale_inv`` pair
@@ -206,3 +209,52 @@ def dequantize_pairs(items: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
     if pending:
         raise ValueError(f"FP8 weights without their weight_scale_inv (or scales without their "
                          f"weight) in one update: {sorted(pending)[:4]}")
+
+
+@contextlib.contextmanager
+def fp8_actor_weights(model: torch.nn.Module, scale_fmt: str = "float32") -> Iterator[None]:
+    """Inside the block, every parameter of the live (sharded) Megatron ``model`` that holds a
+    layer SGLang quantises holds what an FP8 server computes with: each of its HF tensors
+    (:func:`megatron_rl.convert.common.to_hf`: fused QKV and fc1 split, TP shards all-gathered
+    one parameter at a time) quantised and dequantised (:func:`fp8_round_trip`), fused and
+    sharded back. The probe's expectation after an FP8 sync. Collective over the TP group (every
+    TP rank of the stage must enter). The originals wait in host memory (this rank's quantised
+    shards) and are copied back on exit, also after an error."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.convert.common import to_canonical, to_hf
+    from megatron_rl.convert.registry import mapping_for
+    from megatron_rl.convert.stream import gather_tp
+    from megatron_rl.models.weights import (
+        is_expert_name,
+        iter_local_params,
+        shard_for_rank,
+        tp_info,
+    )
+
+    cfg = model.model_config
+    index = {m.canonical: m for m in mapping_for(cfg).tensor_maps(cfg)}
+    group = ps.get_tensor_model_parallel_group()
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for _, name, param in iter_local_params(model):
+                tmap = index[name]
+                if not any(is_quantized(h) for h in tmap.hf):
+                    continue
+                expert = is_expert_name(name)  # a whole expert on this rank (no TP split)
+                full = param.detach() if expert else gather_tp(name, param, group)
+                pieces = [fp8_round_trip(t, scale_fmt) if is_quantized(h) and t.dim() == 2
+                          else t for h, t in to_hf(tmap, full, cfg)]
+                canon = to_canonical(tmap, pieces, cfg)
+                partitioned, dim = tp_info(param)
+                local = canon if expert else shard_for_rank(name, canon, partitioned, dim, tp,
+                                                            rank)
+                saved.append((param, param.detach().to("cpu", copy=True)))
+                param.detach().copy_(local)
+        yield
+    finally:
+        with torch.no_grad():
+            for param, host in saved:
+                param.detach().copy_(host)

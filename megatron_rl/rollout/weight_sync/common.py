@@ -132,6 +132,9 @@ class SyncStrategy:
 
     name = "base"
     needs_session = False
+    quantization: str | None = None  # rollout.sglang.quantization: "fp8" sends block FP8
+    scale_fmt = "float32"  # rollout.sglang.fp8_scale_fmt (megatron_rl.rollout.fp8)
+    quant_s = 0.0  # seconds the last send spent quantising (time/weight_quant)
 
     def __init__(self, urls: list[str], sync_dir: str, sender: int = 0,
                  model_path: str | None = None, spots_per_send: int = 0,
@@ -239,9 +242,26 @@ class SyncStrategy:
             raise WeightSyncError(f"continue_generation failed: {failed}")
 
     # ---- senders -------------------------------------------------------------------------------
+    def wire_buckets(self, buckets: Iterable[Bucket]) -> Iterable[Bucket]:
+        """The buckets as they go out: with ``quantization="fp8"`` each one quantised as the
+        stream yields it, on its own device (:func:`megatron_rl.rollout.fp8.quantize_buckets`:
+        the layers SGLang quantises as FP8 + ``weight_scale_inv``, the rest unchanged), the time
+        spent summed into :attr:`quant_s`; else unchanged."""
+        self.quant_s = 0.0
+        if self.quantization != "fp8":
+            return buckets
+        from megatron_rl.rollout.fp8 import quantize_buckets
+
+        return quantize_buckets(buckets, self.scale_fmt, self)
+
+    def add_quant_time(self, seconds: float) -> None:
+        """Called by :func:`megatron_rl.rollout.fp8.quantize_buckets` per bucket."""
+        self.quant_s += seconds
+
     def send(self, buckets: Iterable[Bucket], version: int) -> int:
         """Push every bucket; returns the bytes sent. Records spot-check samples."""
         self.spots = []
+        buckets = self.wire_buckets(buckets)
         self.start_send(version)
         total = 0
         try:
