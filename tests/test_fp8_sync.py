@@ -112,3 +112,113 @@ def test_every_strategy_sends_fp8_and_the_server_holds_the_round_trip(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _sync_fleet_fp8_worker(sync_dir: str) -> dict:
+    """One gloo rank: the tiny Megatron actor synced by :func:`sync_fleet` to our ``serve``
+    with FP8 (from_disk, fp32 both sides, the fp32 probe tolerance): a correct sync; the actor
+    moves and a sync whose server loads nothing (missed); one that sends the weights
+    unquantised; a correct one again. Errors and metrics of each."""
+    from conftest import serve_tiny
+    from test_actor_layout import loss_config
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.sglang_client import default_probe_tolerance
+    from megatron_rl.rollout.weight_sync.common import SyncStrategy, WeightSyncError
+    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    actor = Actor(CFG, ActorConfig(micro_batch_size=1), OptimConfig(lr=1e-3), loss_config(),
+                  total_steps=1, seed=7)
+    out: dict = {}
+    with serve_tiny() as (url, state):
+        eng = _engine(url, Path(sync_dir), "from_disk")
+        eng.probe_length = 32
+        eng.probe_tolerance = default_probe_tolerance("fp32", "fp32")
+        load, wire = state.update_from_disk, SyncStrategy.wire_buckets
+
+        def attempt(key: str, version: int) -> None:
+            try:
+                out[key] = sync_fleet(actor, eng, fleet_plan(eng), 1, version=version)
+            except WeightSyncError as exc:
+                out[key] = f"error: {exc}"
+            out[key + "_metrics"] = eng.pop_metrics()
+
+        attempt("correct", 1)
+        with torch.no_grad():  # the actor moves (an optimizer step)
+            for p in actor.model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        state.update_from_disk = lambda req: {"success": True, "message": "nothing loaded"}
+        attempt("missed", 2)
+        state.update_from_disk = load
+        SyncStrategy.wire_buckets = lambda self, buckets: buckets  # bf16/fp32 sent, not FP8
+        attempt("unquantised", 3)
+        SyncStrategy.wire_buckets = wire
+        before = [p.detach().clone() for p in actor.model.parameters()]
+        attempt("correct_again", 4)
+        out["restored"] = all(torch.equal(a, b.detach()) for a, b in  # after the FP8 probe
+                              zip(before, actor.model.parameters()))
+    runtime.shutdown()
+    return out
+
+
+def test_probe_expects_fp8_weights_passes_a_correct_sync_and_fails_missed_ones(tmp_path):
+    """Through the trainer's sync (:func:`sync_fleet`, the real Megatron actor, FP8): the probe
+    compares the server with the actor's weights quantised and dequantised, so a correct FP8
+    sync passes at the fp32 tolerance (and the actor's own weights are back after the probe),
+    a sync the server did not load fails, and so does one that sent unquantised weights (the
+    FP8 gap is far over the tolerance); ``time/weight_quant`` is logged."""
+    from megatron_rl.parallel.launch import spawn
+
+    (res,) = spawn(_sync_fleet_fp8_worker, 1, (str(tmp_path),), timeout_s=300)
+    for key in ("correct", "correct_again"):
+        assert not res[key].startswith("error"), res[key]
+        m = res[key + "_metrics"]
+        assert m["rollout/weight_sync_probe_gap"] <= 1e-4 and m["time/weight_quant"] > 0, m
+    for key in ("missed", "unquantised"):
+        assert "probe log-probs differ from the actor's" in res[key], (key, res[key])
+    assert res["restored"]
+
+
+def test_config_is_checked_at_load_and_the_fleet_serves_a_block_fp8_dir(tmp_path):
+    """``rollout.sglang.quantization``/``fp8_scale_fmt`` values and a contradicting
+    ``--quantization`` in ``extra_args`` are refused at load; FP8 without a rollout correction
+    gets the load-time note; the servers' model dir has SGLang's ``quantization_config`` and
+    SGLang servers get ``--quantization fp8`` (+ a dummy first load where the given model dir
+    holds bf16 weights)."""
+    import json
+
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+    from megatron_rl.config.validate import fp8_correction_note, validate_sglang_section
+    from megatron_rl.rollout.sglang_client import fp8_fleet
+
+    for bad, needle in ((dict(quantization="fp4"), "rollout.sglang.quantization='fp4'"),
+                        (dict(quantization="fp8", fp8_scale_fmt="e8m0"), "fp8_scale_fmt"),
+                        (dict(extra_args=["--quantization", "fp8"]), "--quantization fp8")):
+        with pytest.raises(ConfigError, match=needle):
+            validate_sglang_section(SGLangSection(**bad))
+    validate_sglang_section(SGLangSection(quantization="fp8",
+                                          extra_args=["--quantization=fp8"]))
+    cfg = load_config("examples/tiny_dapo_fp8.yaml", [])
+    assert cfg.rollout.sglang.quantization == "fp8" and fp8_correction_note(cfg) is None
+    cfg = load_config("examples/tiny_dapo_fp8.yaml", ["loss.rollout_correction=none"])
+    assert "rollout_correction=icepop" in fp8_correction_note(cfg)
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (src / "model.safetensors").write_bytes(b"")
+    s, path = fp8_fleet(SGLangSection(launcher="sglang", quantization="fp8",
+                                      fp8_scale_fmt="ue8m0"), str(src), str(tmp_path / "fp8"))
+    conf = json.loads((Path(path) / "config.json").read_text())
+    assert conf["model_type"] == "qwen2" and conf["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    assert s.extra_args == ["--quantization", "fp8", "--load-format", "dummy"]
+    s, _ = fp8_fleet(SGLangSection(quantization="fp8", extra_args=["--threads", "1"]),
+                     str(src), str(tmp_path / "fp8b"))
+    assert s.extra_args == ["--threads", "1"]  # our serve: no SGLang flags

@@ -40,6 +40,10 @@ def validate_run_config(cfg: RunConfig) -> None:
                           "('embedded', 'sglang')")
     if cfg.rollout.engine == "sglang":
         validate_sglang_section(cfg.rollout.sglang)
+        if note := fp8_correction_note(cfg):
+            import warnings
+
+            warnings.warn(note, stacklevel=2)
     validate_colocation(cfg)
     validate_async(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
@@ -184,6 +188,16 @@ def validate_quantization(s: SGLangSection) -> None:
         raise ConfigError(f"rollout.sglang.extra_args has --quantization {given[-1]} but "
                           f"rollout.sglang.quantization is {want!r}: set the quantization there "
                           "(the weight sync must send what the servers load)")
+
+
+def fp8_correction_note(cfg) -> str | None:
+    """The load-time note for FP8 rollouts without a rollout correction (None otherwise)."""
+    if cfg.rollout.sglang.quantization != "fp8" or cfg.loss.rollout_correction != "none":
+        return None
+    return ("rollout.sglang.quantization=fp8 with loss.rollout_correction=none: FP8 servers "
+            "sample from a policy further from the bf16 actor's than bf16 servers do (see "
+            "rollout/logp_mismatch_mean); the FP8 recipes set loss.rollout_correction=icepop "
+            "(or tis) to correct it (docs/sglang.md, examples/tiny_dapo_fp8.yaml)")
 
 
 def validate_async(cfg) -> None:
