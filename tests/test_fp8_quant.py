@@ -160,3 +160,31 @@ def test_equals_sglang_reference_bit_for_bit(tmp_path):
         assert torch.equal(_bits(ref[f"load/{key}/weight"]), _bits(w)), key
         assert torch.equal(ref[f"load/{key}/weight_scale_inv"], s), key
         assert torch.equal(ref[f"load/{key}/deq"], torch.cat([deq(m) for m in mods])), key
+
+
+@pytest.mark.gpu
+def test_cuda_quantiser_equals_cpu_and_stays_on_the_device():
+    """On the sender's GPU: the same bytes as on CPU (both scale formats, ragged shapes), the
+    quantised bucket stays on the device, the receiver-side dequantisation agrees."""
+    dev = torch.device("cuda")
+    for name, w in _weights().items():
+        for fmt in ("float32", "ue8m0"):
+            q, s = quantize_block_fp8(w, fmt)
+            qc, sc = quantize_block_fp8(w.to(dev), fmt)
+            assert qc.device.type == "cuda" and sc.device.type == "cuda"
+            assert torch.equal(_bits(qc.cpu()), _bits(q)) and torch.equal(sc.cpu(), s), (name, fmt)
+            assert torch.equal(dequantize_block_fp8(qc, sc, w.dtype).cpu(),
+                               dequantize_block_fp8(q, s, w.dtype)), (name, fmt)
+    from megatron_rl.rollout.fp8 import quantize_buckets
+
+    class Timer:
+        seconds = 0.0
+
+        def add_quant_time(self, s: float) -> None:
+            self.seconds += s
+
+    timer = Timer()
+    bucket = [("model.layers.0.mlp.down_proj.weight", _weights()["aligned"].to(dev)),
+              ("model.norm.weight", torch.ones(256, device=dev))]
+    (out,) = list(quantize_buckets([bucket], "float32", timer))
+    assert all(t.device.type == "cuda" for _, t in out) and len(out) == 3 and timer.seconds > 0
