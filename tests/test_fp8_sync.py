@@ -243,3 +243,33 @@ def test_config_is_checked_at_load_and_the_fleet_serves_a_block_fp8_dir(tmp_path
     s, _ = fp8_fleet(SGLangSection(quantization="fp8", extra_args=["--threads", "1"]),
                      str(src), str(tmp_path / "fp8b"))
     assert s.extra_args == ["--threads", "1"]  # our serve: no SGLang flags
+
+
+def test_planner_prices_fp8_rollout_weights_and_the_kv_cache_dtype():
+    """The planner's server GPU with FP8 rollouts: the quantised matrices at 1 byte + one
+    float32 scale per 128x128 block, embeddings / head / norms in bf16 (Qwen2.5-7B by hand);
+    the KV cache follows the servers' ``--kv-cache-dtype`` (fp8: half), not the weights; both
+    read from the config."""
+    from megatron_rl.plan.inputs import PlanInputs, inputs_from_config
+    from megatron_rl.plan.memory import server_breakdown, total_params
+
+    m = get_preset("qwen2.5-7b")
+    x = PlanInputs(model=m, servers=2, server_tp=2, responses_per_step=64)
+    bf16 = server_breakdown(x)
+    fp8 = server_breakdown(dataclasses.replace(x, server_quantization="fp8"))
+    h, f, d, n = m.hidden_size, m.intermediate_size, m.kv_channels, m.num_hidden_layers
+    quant = n * (h * (m.num_attention_heads + 2 * m.num_key_value_heads) * d
+                 + m.num_attention_heads * d * h + 3 * h * f)
+    want = (quant * (1 + 4 / 128**2) + (total_params(m) - quant) * 2) / 2
+    assert fp8["weights"] == pytest.approx(want) and bf16["weights"] == total_params(m)
+    assert fp8["weights_dtype"] == "fp8" and 0.5 < fp8["weights"] / bf16["weights"] < 0.6
+    assert fp8["kv_per_token"] == bf16["kv_per_token"] and fp8["kv_pool"] > bf16["kv_pool"]
+    kv8 = server_breakdown(dataclasses.replace(x, kv_cache_dtype="fp8_e4m3"))
+    assert kv8["kv_per_token"] == bf16["kv_per_token"] / 2
+
+    from megatron_rl.config.load import load_config
+
+    cfg = load_config("examples/tiny_dapo_fp8.yaml",
+                      ["rollout.sglang.extra_args=[--kv-cache-dtype, fp8_e5m2]"])
+    got = inputs_from_config(cfg)
+    assert got.server_quantization == "fp8" and got.kv_cache_dtype == "fp8_e5m2"
