@@ -62,12 +62,12 @@ def _checksum(model: torch.nn.Module) -> str:
 
 
 def test_every_strategy_sends_fp8_and_the_server_holds_the_round_trip(tmp_path):
-    """One ``serve`` process; from_disk, from_tensor (process_vm_readv and shared memory) and
-    from_distributed (gloo: FP8 travels as its bytes) each send the quantised layers as FP8 +
-    scales (about half of bf16's bytes) and the rest as sent; the server then holds bit for bit
-    the round-tripped weights (checksum), its probe log-probs equal the FP8 expectation's
-    (fp32 on both sides) and differ from the unquantised model's by the FP8 gap; the
-    quantisation time is reported as ``time/weight_quant``."""
+    """One ``serve`` process; from_disk, from_tensor (process_vm_readv) and from_distributed
+    (gloo: FP8 travels as its bytes) each send the quantised layers as FP8 + scales (about half
+    of bf16's bytes) and the rest as sent; the server then holds bit for bit the round-tripped
+    weights (checksum); its probe log-probs equal the FP8 expectation's (fp32 on both sides) and
+    differ from the unquantised model's by the FP8 gap; the quantisation time is reported as
+    ``time/weight_quant``."""
     from megatron_rl.rollout.weight_sync.from_distributed import free_port
 
     port = free_port()
@@ -75,21 +75,11 @@ def test_every_strategy_sends_fp8_and_the_server_holds_the_round_trip(tmp_path):
                              "--port", str(port), "--eos-id", str(EOS)],
                             env={**os.environ, "PYTHONPATH": ROOT})
     url = f"http://127.0.0.1:{port}"
-    ids = probe_tokens(CFG.vocab_size, 32)
     try:
         wait_healthy(url, 120, proc)
-        for seed, strategy in enumerate(["from_disk", "from_tensor", "from_tensor/shm",
-                                         "from_distributed"]):
-            name, _, transport = strategy.partition("/")
-            eng = _engine(url, tmp_path, name)
-            if transport:
-                eng.sync.transport = transport
-            torch.manual_seed(seed)
-            model = build_hf_model(CFG)
-            sd = [(n, p.detach().to(torch.bfloat16).float()) for n, p in model.named_parameters()]
-            with torch.no_grad():  # bf16-representable weights, as a bf16 actor's
-                for (_, p), (_, t) in zip(model.named_parameters(), sd):
-                    p.copy_(t)
+        for seed, strategy in enumerate(["from_disk", "from_tensor", "from_distributed"]):
+            eng = _engine(url, tmp_path, strategy)
+            model, sd = _bf16_model(seed)
             try:
                 summary = push_single_process(eng, [sd[i:i + 6] for i in range(0, len(sd), 6)],
                                               version=seed + 1)
@@ -105,13 +95,45 @@ def test_every_strategy_sends_fp8_and_the_server_holds_the_round_trip(tmp_path):
             q_sent = m["rollout/weight_sync_bytes"] - rest
             assert q_sent <= 0.55 * q_bf16 and f"{int(m['rollout/weight_sync_bytes'])} bytes" \
                 in summary, (strategy, q_sent / q_bf16)
-            gap, errors = probe_check([url], ids, teacher_forced_logprobs(want, ids), 1e-4)
-            assert not errors, (strategy, errors)
-            fp8_gap, _ = probe_check([url], ids, teacher_forced_logprobs(model, ids), 1e-4)
-            assert fp8_gap > 100 * max(gap, 1e-6), (strategy, gap, fp8_gap)
+        ids = probe_tokens(CFG.vocab_size, 32)
+        gap, errors = probe_check([url], ids, teacher_forced_logprobs(want, ids), 1e-4)
+        assert not errors, errors
+        fp8_gap, _ = probe_check([url], ids, teacher_forced_logprobs(model, ids), 1e-4)
+        assert fp8_gap > 100 * max(gap, 1e-6), (gap, fp8_gap)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _bf16_model(seed: int) -> tuple[torch.nn.Module, list]:
+    """A tiny model with bf16-representable fp32 weights (a bf16 actor's) and its HF tensors."""
+    torch.manual_seed(seed)
+    model = build_hf_model(CFG)
+    sd = [(n, p.detach().to(torch.bfloat16).float()) for n, p in model.named_parameters()]
+    with torch.no_grad():
+        for (_, p), (_, t) in zip(model.named_parameters(), sd):
+            p.copy_(t)
+    return model, sd
+
+
+def test_shared_memory_bucket_with_fp8_is_dequantised_on_load():
+    """The ``from_tensor`` shared-memory fallback's receiver (``read_shm_into``) pairs each FP8
+    weight with its scale out of the mapped bucket and loads the round trip; the other tensors
+    are copied as they are."""
+    from megatron_rl.rollout.fp8 import quantize_bucket
+    from megatron_rl.rollout.serve import read_shm_into
+    from megatron_rl.rollout.weight_sync.from_tensor import write_shm
+
+    model, sd = _bf16_model(3)
+    served = build_hf_model(CFG)
+    path, _, meta = write_shm(quantize_bucket(sd))
+    try:
+        n = read_shm_into(served, {"path": path, "nbytes": os.path.getsize(path),
+                                   "tensors": meta})
+    finally:
+        os.remove(path)
+    assert n == len(sd) + sum(is_quantized(k) for k, _ in sd)
+    assert _checksum(served) == _checksum(_fp8_model(model))
 
 
 def _sync_fleet_fp8_worker(sync_dir: str, precision: str = "fp32") -> dict:
