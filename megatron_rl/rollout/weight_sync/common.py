@@ -288,10 +288,17 @@ class SyncStrategy:
         """After this sender's last bucket (e.g. flush files)."""
 
     def _remember_spots(self, bucket: Bucket) -> None:
-        """The first tensor of each of the first ``spots_per_send`` buckets (2 rows of it)."""
+        """The first tensor of each of the first ``spots_per_send`` buckets (2 rows of it); an
+        FP8 bucket's first tensor the server holds as sent (FP8 weights and their scales are
+        held dequantised)."""
         if bucket and len(self.spots) < self.spots_per_send:
-            name, t = bucket[0]
-            self.spots.append((name, t.detach()[:2].float().cpu().tolist()))  # 2 rows only
+            from megatron_rl.rollout.fp8 import FP8_DTYPE, SCALE_SUFFIX
+
+            kept = [(n, t) for n, t in bucket
+                    if t.dtype != FP8_DTYPE and not n.endswith(SCALE_SUFFIX)]
+            if kept:
+                name, t = kept[0]
+                self.spots.append((name, t.detach()[:2].float().cpu().tolist()))  # 2 rows only
 
     def spot_check(self, atol: float = 0.0) -> list[str]:
         """``/get_weights_by_name`` of the remembered tensors on every server; mismatches.
