@@ -323,7 +323,7 @@ def test_colocated_layout_memory_is_the_peak_of_its_phases(capsys):
     assert sep.colocated is None and p.actor == sep.actor
     weights = total_params(m) * 2 / 2  # bf16 over server TP2
     budget = 0.6 * 80 * GIB
-    assert p.server["weights (bf16)"] == weights
+    assert p.server["weights"] == weights
     params = stage_params(m, 2, 1, 0) * 2
     reserve = RUNTIME_RESERVE_GIB * GIB
     emb = m.vocab_size * m.hidden_size * 2  # the largest tensor the stream gathers (> a bucket)

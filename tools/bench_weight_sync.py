@@ -8,8 +8,14 @@ memcpy (what a colocated copy can reach) and loopback TCP (what gloo/HTTP can re
 strategy runs ``--syncs`` syncs: the first also allocates (shared-memory files, process groups),
 the later ones are what every step of a run costs.
 
+With ``--quantization fp8`` the buckets are bf16 (a bf16 actor's) and every strategy runs twice
+per sync, bf16 as sent and FP8 (``rollout.sglang.quantization: fp8``: the layers SGLang
+quantises as block FP8 + scales, :mod:`megatron_rl.rollout.fp8`), printing bytes per sync (all,
+and of the quantised layers alone), sync seconds and the seconds spent quantising.
+
     python tools/bench_weight_sync.py                 # 0.5B; 7B when the RAM allows
     python tools/bench_weight_sync.py --models 0.5b --bucket-mb 256
+    python tools/bench_weight_sync.py --models 0.5b --quantization fp8
 """
 
 from __future__ import annotations
@@ -114,12 +120,13 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 1800) -> None:
     wait_healthy(url, timeout, proc)
 
 
-def buckets_of(names_shapes: list[tuple[str, list[int]]], bucket_bytes: int):
-    """Random fp32 buckets (generated once, reused by every strategy)."""
+def buckets_of(names_shapes: list[tuple[str, list[int]]], bucket_bytes: int,
+               dtype: torch.dtype = torch.float32):
+    """Random buckets of ``dtype`` (generated once, reused by every strategy)."""
     from megatron_rl.convert.stream import bucketize
 
     g = torch.Generator().manual_seed(0)
-    pairs = [(n, torch.randn(s, generator=g) * 0.02) for n, s in names_shapes]
+    pairs = [(n, (torch.randn(s, generator=g) * 0.02).to(dtype)) for n, s in names_shapes]
     return list(bucketize(pairs, bucket_bytes))
 
 
@@ -146,8 +153,12 @@ def bench_model(name: str, args) -> list[tuple[str, float, float]]:
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg_dir))
         names_shapes = [(n, list(p.shape)) for n, p in meta.named_parameters()]
-        buckets = buckets_of(names_shapes, args.bucket_mb * 2**20)
+        dtype = torch.bfloat16 if args.quantization == "fp8" else torch.float32
+        buckets = buckets_of(names_shapes, args.bucket_mb * 2**20, dtype)
         total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+        if args.quantization == "fp8":
+            rows += bench_fp8(name, url, cfg_dir, tmp, buckets, args)
+            return rows
         dst = [[torch.empty_like(t) for _, t in b] for b in buckets]
         memcpy_same_bytes_s(buckets, dst)  # touch dst once
         for strat in args.strategies:
@@ -184,6 +195,52 @@ def bench_model(name: str, args) -> list[tuple[str, float, float]]:
     return rows
 
 
+def quantized_bytes(buckets) -> tuple[int, int]:
+    """``(bf16 bytes, FP8 + scale bytes)`` of the layers SGLang quantises in ``buckets``."""
+    from megatron_rl.rollout.fp8 import is_quantized
+
+    bf16 = fp8 = 0
+    for b in buckets:
+        for n, t in b:
+            if is_quantized(n):
+                rows, cols = t.shape
+                bf16 += t.numel() * 2
+                fp8 += t.numel() + 4 * (-(-rows // 128)) * (-(-cols // 128))
+    return bf16, fp8
+
+
+def bench_fp8(name: str, url: str, cfg_dir: str, tmp: str, buckets, args) -> list:
+    """bf16 vs FP8 syncs per strategy, side by side: (label, seconds, bytes) rows."""
+    from megatron_rl.rollout.weight_sync import strategy_class
+
+    q_bf16, q_fp8 = quantized_bytes(buckets)
+    print(f"  {name}: quantised layers {q_bf16 / 1e9:.3f} GB bf16 -> {q_fp8 / 1e9:.3f} GB FP8 + "
+          f"scales ({q_fp8 / q_bf16:.3f}x)", flush=True)
+    rows = []
+    for strat in args.strategies:
+        base, _, transport = strat.partition("/")
+        for quant in (None, "fp8"):
+            st = strategy_class(base)([url], os.path.join(tmp, "sync"), 0, model_path=cfg_dir)
+            st.quantization = quant
+            if transport:
+                st.transport = transport
+            for sync in range(1, args.syncs + 1):
+                st.begin(sync - 1)
+                t0 = time.perf_counter()
+                sent = st.send(buckets, version=sync)
+                st.commit(sync)
+                dt = time.perf_counter() - t0
+                st.resume()
+                label = f"{strat}/{quant or 'bf16'}"
+                rows.append((label, dt, sent))
+                print(f"  {name} {label:22s} sync {sync} {sent / 1e9:6.3f} GB in {dt:6.2f} s"
+                      f" (quantising {st.quant_s:5.2f} s; load {os.getloadavg()[0]:.1f})",
+                      flush=True)
+            if hasattr(st, "close"):
+                st.close()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="0.5b,7b", help="comma list of 0.5b,7b")
@@ -192,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=int, default=128)
     p.add_argument("--syncs", type=int, default=2, help="syncs per strategy (the first also "
                    "allocates buffers and groups; later ones are the steady state of a run)")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: bf16 buckets, each strategy as bf16 and as FP8 side by side")
     p.add_argument("--skip-7b", action="store_true", help="skip the 7B shape (needs ~70 GB RAM "
                    "on CPU: the server's fp32 model + the sender's buckets + a from_disk copy)")
     args = p.parse_args(argv)

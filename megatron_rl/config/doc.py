@@ -151,6 +151,8 @@ ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "rollout.filter_metric": ("megatron_rl.config.schema", "FILTER_METRICS"),
     "rollout.sglang.launcher": ("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": ("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
+    "rollout.sglang.quantization": ("megatron_rl.rollout.fp8", "QUANTIZATIONS"),
+    "rollout.sglang.fp8_scale_fmt": ("megatron_rl.rollout.fp8", "SCALE_FMTS"),
     "trainer.advantage": ("megatron_rl.config.schema", "ADVANTAGES"),
     "actor.precision": ("megatron_rl.actor.precision", "PRECISIONS"),
     "actor.recompute": ("megatron_rl.actor.precision", "RECOMPUTE"),

@@ -130,6 +130,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "rollout.engine": lambda: ("embedded", "sglang"),
     "rollout.sglang.launcher": _choices("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": _choices("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
+    "rollout.sglang.quantization": _choices("megatron_rl.rollout.fp8", "QUANTIZATIONS"),
+    "rollout.sglang.fp8_scale_fmt": _choices("megatron_rl.rollout.fp8", "SCALE_FMTS"),
     "rollout.filter_metric": lambda: FILTER_METRICS,
     "actor.precision": _choices("megatron_rl.actor.actor_config", "PRECISIONS"),
     "actor.recompute": _choices("megatron_rl.actor.actor_config", "RECOMPUTE"),

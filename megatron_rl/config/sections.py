@@ -76,6 +76,8 @@ class SGLangSection:
     max_retries: int = 3  # per request, on another server
     max_offpolicy_lag: int = -1  # -1: only measure rollout/offpolicy_lag; >= 0: refuse staler
     weight_sync: str = "from_disk"  # from_disk | from_tensor | from_distributed
+    quantization: str | None = None  # null: the actor's dtype; fp8: block FP8 (docs/sglang.md)
+    fp8_scale_fmt: str = "float32"  # fp8 block scales: float32 | ue8m0 (DeepSeek-V3.1 style)
     sync_dir: str | None = None  # from_disk: shared storage (default OUTPUT_DIR/weight_sync)
     probe_tolerance: float | None = None  # mean |engine - actor| probe gap; None: by precision
     probe_length: int = 64  # tokens of the probe sequence (0: no probe)

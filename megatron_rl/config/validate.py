@@ -40,6 +40,10 @@ def validate_run_config(cfg: RunConfig) -> None:
                           "('embedded', 'sglang')")
     if cfg.rollout.engine == "sglang":
         validate_sglang_section(cfg.rollout.sglang)
+        if note := fp8_correction_note(cfg):
+            import warnings
+
+            warnings.warn(note, stacklevel=2)
     validate_colocation(cfg)
     validate_async(cfg)
     for name in ("total_steps", "train_batch_size", "test_freq", "save_freq"):
@@ -151,6 +155,7 @@ def validate_sglang_section(s: SGLangSection) -> None:
                           "('0.5.21', '0.5.20')")
     if s.flush_retries < 0:
         raise ConfigError(f"rollout.sglang.flush_retries must be >= 0, got {s.flush_retries}")
+    validate_quantization(s)
     if not isinstance(s.extra_args, list):
         raise ConfigError(f"rollout.sglang.extra_args must be a list, got {s.extra_args!r}")
     if s.python is not None and not os.path.isfile(str(s.python)):
@@ -162,6 +167,37 @@ def validate_sglang_section(s: SGLangSection) -> None:
     if s.gpus and len(s.gpus) < s.num_servers * s.tp_size and not s.servers:
         raise ConfigError(f"rollout.sglang.gpus lists {len(s.gpus)} GPUs; num_servers x tp_size "
                           f"= {s.num_servers * s.tp_size} are needed")
+
+
+def validate_quantization(s: SGLangSection) -> None:
+    """``rollout.sglang.quantization`` (null | ``fp8``) and ``fp8_scale_fmt`` (``float32`` |
+    ``ue8m0``), and SGLang arguments that contradict them."""
+    from megatron_rl.rollout.fp8 import QUANTIZATIONS, SCALE_FMTS
+
+    if s.quantization is not None and s.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"rollout.sglang.quantization={s.quantization!r} is not one of "
+                          f"{QUANTIZATIONS} (or null: the actor's dtype)")
+    if s.fp8_scale_fmt not in SCALE_FMTS:
+        raise ConfigError(f"rollout.sglang.fp8_scale_fmt={s.fp8_scale_fmt!r} is not one of "
+                          f"{SCALE_FMTS}")
+    args = [str(a) for a in s.extra_args] if isinstance(s.extra_args, list) else []
+    given = [args[k + 1] for k, a in enumerate(args[:-1]) if a == "--quantization"] + \
+        [a.split("=", 1)[1] for a in args if a.startswith("--quantization=")]
+    want = s.quantization or None
+    if given and given[-1] != want:
+        raise ConfigError(f"rollout.sglang.extra_args has --quantization {given[-1]} but "
+                          f"rollout.sglang.quantization is {want!r}: set the quantization there "
+                          "(the weight sync must send what the servers load)")
+
+
+def fp8_correction_note(cfg) -> str | None:
+    """The load-time note for FP8 rollouts without a rollout correction (None otherwise)."""
+    if cfg.rollout.sglang.quantization != "fp8" or cfg.loss.rollout_correction != "none":
+        return None
+    return ("rollout.sglang.quantization=fp8 with loss.rollout_correction=none: FP8 servers "
+            "sample from a policy further from the bf16 actor's than bf16 servers do (see "
+            "rollout/logp_mismatch_mean); the FP8 recipes set loss.rollout_correction=icepop "
+            "(or tis) to correct it (docs/sglang.md, examples/tiny_dapo_fp8.yaml)")
 
 
 def validate_async(cfg) -> None:

@@ -77,6 +77,8 @@ class PlanInputs:
     server_mem_fraction: float = 0.85
     concurrency: int = 0  # requests in flight per server; 0 = responses_per_step / servers
     colocate: bool = False  # servers on the actor's GPUs, taking turns with the memory
+    server_quantization: str | None = None  # rollout.sglang.quantization: "fp8" halves weights
+    kv_cache_dtype: str = "auto"  # the servers' --kv-cache-dtype (fp8_*: 1-byte K/V)
     sync_bucket_mb: int = 64  # rollout.weight_sync_bucket_mb (the colocated sync's buffer)
     gpu_mem_gb: float = 80.0
     peak_tflops: float = 989.0  # dense bf16 per GPU (H100 SXM)
@@ -142,6 +144,18 @@ class PlanInputs:
         return self
 
 
+def _flag_value(args: list, flag: str, default: str) -> str:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``, the last one) in a command line."""
+    args = [str(a) for a in args or []]
+    out = default
+    for k, a in enumerate(args):
+        if a == flag and k + 1 < len(args):
+            out = args[k + 1]
+        elif a.startswith(flag + "="):
+            out = a.split("=", 1)[1]
+    return out
+
+
 def _sglang_field(cfg, name: str, default: Any) -> Any:
     sg = getattr(cfg.rollout, "sglang", None)
     if sg is None:
@@ -183,6 +197,9 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
         server_mem_fraction=float(_sglang_field(cfg, "mem_fraction_static", 0.85)),
         concurrency=int(_sglang_field(cfg, "max_running_requests", 0)),
         colocate=bool(_sglang_field(cfg, "colocate", False)) and r.engine == "sglang",
+        server_quantization=_sglang_field(cfg, "quantization", None),
+        kv_cache_dtype=_flag_value(_sglang_field(cfg, "extra_args", []), "--kv-cache-dtype",
+                                   "auto"),
         sync_bucket_mb=int(getattr(r, "weight_sync_bucket_mb", 64)),
         max_staleness=int(getattr(r, "max_staleness", 0) or 0))
     vals.update({k: v for k, v in overrides.items() if v is not None})

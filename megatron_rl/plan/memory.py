@@ -242,23 +242,50 @@ def checkpoint_host_bytes(x: PlanInputs) -> float:
     return max(stage_params(x.model, x.tp, x.pp, s, x.ep) for s in {0, x.pp - 1}) * per_param
 
 
-def kv_bytes_per_token(m: ModelConfig, server_tp: int) -> float:
-    """bf16 K and V of all layers for one token on one server GPU (KV heads split over TP,
-    replicated when TP exceeds them)."""
+def kv_bytes_per_token(m: ModelConfig, server_tp: int, kv_cache_dtype: str = "auto"
+                       ) -> float:
+    """K and V of all layers for one token on one server GPU (KV heads split over TP,
+    replicated when TP exceeds them): bf16, or 1 byte each with an ``fp8*`` ``--kv-cache-dtype``
+    (SGLang's KV cache follows that flag, not the weights' quantization)."""
     heads = max(1, m.num_key_value_heads // server_tp)
-    return 2 * m.num_hidden_layers * heads * m.kv_channels * 2
+    elem = 1 if kv_cache_dtype.startswith("fp8") else 2
+    return 2 * m.num_hidden_layers * heads * m.kv_channels * elem
+
+
+def fp8_quantized_params(m: ModelConfig) -> int:
+    """Parameters SGLang's ``fp8`` quantization serves as FP8 (:mod:`megatron_rl.rollout.fp8`):
+    the attention projections and the dense / routed-expert MLP matrices; not the embeddings,
+    ``lm_head``, norms, biases or routers."""
+    d, h = m.kv_channels, m.hidden_size
+    q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + expert_layer_params(m)
+    if not m.is_moe:
+        per_layer += 3 * h * m.intermediate_size
+    return m.num_hidden_layers * per_layer
+
+
+def server_weight_bytes(m: ModelConfig, quantization: str | None) -> float:
+    """The served model's weight bytes: bf16, or with ``fp8`` 1 byte per quantised parameter
+    plus one float32 scale per 128x128 block, bf16 for the rest."""
+    total = total_params(m)
+    if quantization != "fp8":
+        return total * 2.0
+    quant = fp8_quantized_params(m)
+    return quant * (1 + 4 / (128 * 128)) + (total - quant) * 2.0
 
 
 def server_breakdown(x: PlanInputs) -> dict[str, Any]:
-    """One server GPU: weights, the KV cache the configured concurrency needs, the budget."""
+    """One server GPU: weights (bf16 or FP8), the KV cache the configured concurrency needs (in
+    the servers' KV dtype), the budget."""
     m = x.model
-    weights = total_params(m) * 2 / x.server_tp
+    weights = server_weight_bytes(m, x.server_quantization) / x.server_tp
     conc = x.concurrency or -(-x.rollout_responses // max(x.servers, 1))
-    kv_tok = kv_bytes_per_token(m, x.server_tp)
+    kv_tok = kv_bytes_per_token(m, x.server_tp, x.kv_cache_dtype)
     need = conc * x.seq_len * kv_tok
     budget = x.server_mem_fraction * x.gpu_mem_gb * GIB
     pool = max(budget - weights, 0.0)
-    return {"weights (bf16)": weights, "kv_per_token": kv_tok, "concurrency": conc,
+    return {"weights": weights, "weights_dtype": "fp8" if x.server_quantization == "fp8"
+            else "bf16", "kv_per_token": kv_tok, "concurrency": conc,
             "kv_needed": need, "kv_pool": pool,
             "max_full_length_requests": int(pool // (x.seq_len * kv_tok)),
             "weights_fit": weights < budget, "kv_fits": need <= pool}
@@ -308,11 +335,11 @@ def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
     cache and CUDA graphs stay released until the parameters have left) + a released server's
     reserve + the trainer's runtime reserve + the sync's buffers (:func:`sync_transient_bytes`;
     grads and optimizer state are already on the host)."""
-    budget = server["weights (bf16)"] + server["kv_pool"]
+    budget = server["weights"] + server["kv_pool"]
     reserve = RUNTIME_RESERVE_GIB * GIB if x.device == "gpu" else 0.0
     params = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
     return {"rollout (server budget + trainer runtime)": budget + reserve,
             "update (actor + released server)": sum(actor.values()) + SERVER_RESERVE_GIB * GIB,
             "weight sync (actor params + server weights + sync buffers)":
-                params + server["weights (bf16)"] + SERVER_RESERVE_GIB * GIB + reserve
+                params + server["weights"] + SERVER_RESERVE_GIB * GIB + reserve
                 + sync_transient_bytes(x)}

@@ -206,7 +206,8 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
         lines += ["", f"rollout: {x.servers} servers x TP{x.server_tp} = "
                       f"{x.servers * x.server_tp} GPUs, mem_fraction_static "
                       f"{x.server_mem_fraction}:",
-                  f"  {'weights (bf16) per GPU':<58} {_gib(s['weights (bf16)'])}",
+                  f"  {'weights (' + s['weights_dtype'] + ') per GPU':<58} "
+                  f"{_gib(s['weights'])}",
                   f"  {'KV pool per GPU (budget - weights)':<58} {_gib(s['kv_pool'])}",
                   f"  {'KV per token per GPU':<58} {s['kv_per_token'] / 1024:8.1f} KiB",
                   f"  {kv_label:<58} {_gib(s['kv_needed'])}",

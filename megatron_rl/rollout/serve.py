@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.rollout.fp8 import wire_view
 from megatron_rl.rollout.memory_occupation import MemoryOccupation, tensor_bytes
 from megatron_rl.rollout.sampling import SampleResult, sample_completion, teacher_forced_logprobs
 from megatron_rl.rollout.serve_rules import NEW_RULES, OLD_RULES, RULES  # noqa: F401 - re-export
@@ -48,8 +49,9 @@ NO_WEIGHTS_BY_NAME = ("qwen2", "qwen3")  # SGLang's models without get_weights_b
 _SESSION_ERR = "{} must run between begin_weight_update() and end_weight_update()"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float8_e4m3fn": torch.float8_e4m3fn,
            "torch.float32": torch.float32, "torch.float16": torch.float16,
-           "torch.bfloat16": torch.bfloat16}
+           "torch.bfloat16": torch.bfloat16, "torch.float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -97,12 +99,25 @@ def served_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return checkpoint_named_params(model)
 
 
+def is_fp8_part(name: str, dtype: torch.dtype) -> bool:
+    """An FP8 weight or its ``weight_scale_inv`` (``rollout.sglang.quantization: fp8``)."""
+    from megatron_rl.rollout.fp8 import FP8_DTYPE, SCALE_SUFFIX
+
+    return dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX)
+
+
 def load_named(model: torch.nn.Module, items) -> int:
-    """Copy HF-named tensors into ``model``; unknown names or shapes raise. Returns the count."""
+    """Copy HF-named tensors into ``model``; unknown names or shapes raise. Block-FP8 weights
+    with their ``weight_scale_inv`` (in one call) are dequantised into the served weights
+    (:func:`megatron_rl.rollout.fp8.dequantize_pairs`): the server then computes with exactly
+    what SGLang's ``fp8`` layers hold. Returns the count of weights loaded."""
+    from megatron_rl.rollout.fp8 import dequantize_pairs
+
     params = served_params(model)
+    dtype = next(iter(params.values())).dtype if params else torch.float32
     n = 0
     with torch.no_grad():
-        for name, t in items:
+        for name, t in dequantize_pairs(items, dtype):
             if name not in params:
                 raise KeyError(f"weight {name!r} is not a parameter of the served model")
             if tuple(t.shape) != tuple(params[name].shape):
@@ -179,8 +194,14 @@ def read_shm_into(model: torch.nn.Module, meta: dict, maps: ShmMaps | None = Non
     count."""
     params = served_params(model)
     flat = (maps or ShmMaps()).get(meta["path"], int(meta["nbytes"]))
+    fp8: list[tuple[str, torch.Tensor]] = []  # FP8 weights and scales: dequantised below
     with torch.no_grad():
         for name, dt, shape, off in meta["tensors"]:
+            if is_fp8_part(name, dtype_of(dt)):
+                nb = _numel(shape) * torch.empty((), dtype=dtype_of(dt)).element_size()
+                fp8.append((name, flat[int(off):int(off) + nb].clone().view(dtype_of(dt))
+                            .reshape(shape)))
+                continue
             p, dtype = _target(params, name, shape, dt)
             nb = p.numel() * torch.empty((), dtype=dtype).element_size()
             if int(off) + nb > flat.numel():
@@ -191,7 +212,16 @@ def read_shm_into(model: torch.nn.Module, meta: dict, maps: ShmMaps | None = Non
             if int(off) % esize:  # an offset the dtype view cannot start at: bytes first
                 raw = raw.clone()
             p.detach().copy_(raw.view(dtype).view(p.shape))
+    if fp8:
+        load_named(model, fp8)
     return len(meta["tensors"])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 class _IOVec(ctypes.Structure):
@@ -232,8 +262,14 @@ def read_vm_into(model: torch.nn.Module, meta: dict) -> int:
     vm_read(pid, int(addr), token)
     if token.tolist() != list(want):
         raise ValueError(f"{VM_UNAVAILABLE}: pid {pid} is not the sender (token differs)")
+    fp8: list[tuple[str, torch.Tensor]] = []  # FP8 weights and scales: dequantised below
     with torch.no_grad():
         for name, dt, shape, address, nbytes in meta["tensors"]:
+            if is_fp8_part(name, dtype_of(dt)):
+                t = torch.empty(shape, dtype=dtype_of(dt))
+                vm_read(pid, int(address), t)
+                fp8.append((name, t))
+                continue
             p, dtype = _target(params, name, shape, dt)
             if p.numel() * torch.empty((), dtype=dtype).element_size() != int(nbytes):
                 raise ValueError(f"weight {name!r}: {nbytes} bytes for shape {shape} {dt}")
@@ -242,6 +278,8 @@ def read_vm_into(model: torch.nn.Module, meta: dict) -> int:
             vm_read(pid, int(address), dst)
             if not direct:
                 p.copy_(dst)
+    if fp8:
+        load_named(model, fp8)
     return len(meta["tensors"])
 
 
@@ -522,7 +560,7 @@ class ServeState:
         recv = []
         for name, dt, shape in zip(req["names"], req["dtypes"], req["shapes"]):
             t = torch.empty(shape, dtype=dtype_of(dt), device=device)
-            pg.broadcast(t, 0).wait()
+            pg.broadcast(wire_view(t), 0).wait()  # FP8 over gloo: its bytes
             recv.append((name, t))
         with self.lock:
             n = load_named(self.model, recv)

@@ -132,9 +132,10 @@ class SGLangEngine:
             self._metrics.update(values)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Counters and off-policy lag since the last call (``rollout/`` keys)."""
+        """Counters and off-policy lag since the last call (``rollout/`` keys; a key that names
+        its own group, ``time/weight_quant``, as it is)."""
         with self._lock:
-            out = {f"rollout/{k}": v for k, v in self._metrics.items()}
+            out = {k if "/" in k else f"rollout/{k}": v for k, v in self._metrics.items()}
             if self._lags:
                 out["rollout/offpolicy_lag"] = sum(self._lags) / len(self._lags)
                 out["rollout/offpolicy_lag_max"] = float(max(self._lags))
@@ -294,11 +295,14 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
         s = dataclasses.replace(s, extra_args=[*s.extra_args, flag])
     root = os.path.join(cfg.trainer.output_dir, "sglang")
     model_path = cfg.model.hf_path or write_model_config(cfg, os.path.join(root, "model"))
+    if s.quantization == "fp8":
+        s, model_path = fp8_fleet(s, model_path, os.path.join(root, "model-fp8"))
     fleet = Fleet(s, model_path, tokenizer.eos_id, os.path.join(root, "logs")).start()
     engine = SGLangEngine(fleet, tokenizer.eos_id, s.concurrency, s.max_retries,
                           s.max_offpolicy_lag, s.request_timeout_s)
     engine.sync = make_strategy(s.weight_sync, fleet, s.sync_dir or
                                 os.path.join(cfg.trainer.output_dir, "weight_sync"))
+    engine.sync.quantization, engine.sync.scale_fmt = s.quantization, s.fp8_scale_fmt
     engine.sync.spots_per_send = s.spot_checks
     engine.sync.flush_retries = s.flush_retries
     if hasattr(engine.sync, "address_override"):
@@ -310,6 +314,33 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
         m = model_config(cfg.model)
         engine.routed_shape = (m.num_hidden_layers, m.num_experts_per_tok)
     return engine
+
+
+def fp8_fleet(s, model_path: str, out_dir: str):
+    """``(section, model dir)`` for servers that serve block-FP8 weights
+    (``rollout.sglang.quantization: fp8``): ``out_dir/config.json`` is ``model_path``'s with
+    the ``quantization_config`` SGLang's ``fp8`` loader reads for block checkpoints (no weight
+    files: the first sync, before any rollout, brings them, FP8 + scales); SGLang servers get
+    ``--quantization fp8`` and, when ``model_path`` held weights (bf16, which an FP8 layer cannot
+    load), ``--load-format dummy`` unless ``extra_args`` names a load format."""
+    import dataclasses
+    import glob
+    import os
+    import shutil
+
+    from megatron_rl.rollout.fp8 import write_quantization_config
+
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copy(os.path.join(model_path, "config.json"), os.path.join(out_dir, "config.json"))
+    write_quantization_config(out_dir, s.fp8_scale_fmt)
+    extra = [str(a) for a in s.extra_args]
+    if s.launcher == "sglang":
+        if not any(a == "--quantization" or a.startswith("--quantization=") for a in extra):
+            extra += ["--quantization", "fp8"]
+        has_weights = bool(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if has_weights and not any(a.startswith("--load-format") for a in extra):
+            extra += ["--load-format", "dummy"]
+    return dataclasses.replace(s, extra_args=extra), out_dir
 
 
 # The probe rule: after a sync every server scores the fixed probe sequence (``probe_length``

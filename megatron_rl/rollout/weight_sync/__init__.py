@@ -83,6 +83,8 @@ def push_single_process(engine, buckets: Iterable[Bucket], version: int,
         raise RuntimeError(f"weight sync v{version} failed its checks: {errors}")
     engine.weight_version = version
     rejoin(engine.fleet, strat.urls, version)
+    if strat.quantization and hasattr(engine, "note_sync"):
+        engine.note_sync({"time/weight_quant": strat.quant_s, "weight_sync_bytes": float(sent)})
     return f"{strat.name} v{version}: {sent} bytes"
 
 

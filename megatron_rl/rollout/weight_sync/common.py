@@ -132,6 +132,9 @@ class SyncStrategy:
 
     name = "base"
     needs_session = False
+    quantization: str | None = None  # rollout.sglang.quantization: "fp8" sends block FP8
+    scale_fmt = "float32"  # rollout.sglang.fp8_scale_fmt (megatron_rl.rollout.fp8)
+    quant_s = 0.0  # seconds the last send spent quantising (time/weight_quant)
 
     def __init__(self, urls: list[str], sync_dir: str, sender: int = 0,
                  model_path: str | None = None, spots_per_send: int = 0,
@@ -239,9 +242,26 @@ class SyncStrategy:
             raise WeightSyncError(f"continue_generation failed: {failed}")
 
     # ---- senders -------------------------------------------------------------------------------
+    def wire_buckets(self, buckets: Iterable[Bucket]) -> Iterable[Bucket]:
+        """The buckets as they go out: with ``quantization="fp8"`` each one quantised as the
+        stream yields it, on its own device (:func:`megatron_rl.rollout.fp8.quantize_buckets`:
+        the layers SGLang quantises as FP8 + ``weight_scale_inv``, the rest unchanged), the time
+        spent summed into :attr:`quant_s`; else unchanged."""
+        self.quant_s = 0.0
+        if self.quantization != "fp8":
+            return buckets
+        from megatron_rl.rollout.fp8 import quantize_buckets
+
+        return quantize_buckets(buckets, self.scale_fmt, self)
+
+    def add_quant_time(self, seconds: float) -> None:
+        """Called by :func:`megatron_rl.rollout.fp8.quantize_buckets` per bucket."""
+        self.quant_s += seconds
+
     def send(self, buckets: Iterable[Bucket], version: int) -> int:
         """Push every bucket; returns the bytes sent. Records spot-check samples."""
         self.spots = []
+        buckets = self.wire_buckets(buckets)
         self.start_send(version)
         total = 0
         try:
@@ -268,10 +288,17 @@ class SyncStrategy:
         """After this sender's last bucket (e.g. flush files)."""
 
     def _remember_spots(self, bucket: Bucket) -> None:
-        """The first tensor of each of the first ``spots_per_send`` buckets (2 rows of it)."""
+        """The first tensor of each of the first ``spots_per_send`` buckets (2 rows of it); an
+        FP8 bucket's first tensor the server holds as sent (FP8 weights and their scales are
+        held dequantised)."""
         if bucket and len(self.spots) < self.spots_per_send:
-            name, t = bucket[0]
-            self.spots.append((name, t.detach()[:2].float().cpu().tolist()))  # 2 rows only
+            from megatron_rl.rollout.fp8 import FP8_DTYPE, SCALE_SUFFIX
+
+            kept = [(n, t) for n, t in bucket
+                    if t.dtype != FP8_DTYPE and not n.endswith(SCALE_SUFFIX)]
+            if kept:
+                name, t = kept[0]
+                self.spots.append((name, t.detach()[:2].float().cpu().tolist()))  # 2 rows only
 
     def spot_check(self, atol: float = 0.0) -> list[str]:
         """``/get_weights_by_name`` of the remembered tensors on every server; mismatches.

@@ -131,8 +131,10 @@ class FromDistributed(SyncStrategy):
 
         th = threading.Thread(target=post, daemon=True)
         th.start()
+        from megatron_rl.rollout.fp8 import wire_view
+
         for _, t in bucket:
-            self.pg.broadcast(t.detach().contiguous(), 0).wait()
+            self.pg.broadcast(wire_view(t.detach().contiguous()), 0).wait()
         th.join()
         if errs:
             raise WeightSyncError(f"update_weights_from_distributed failed: {errs[0]}")

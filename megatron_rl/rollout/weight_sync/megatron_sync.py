@@ -63,7 +63,8 @@ def fleet_plan(engine, generate: bool = True) -> dict | None:
             "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
             "sender_address": getattr(s, "address_override", None),
             "gpus": list(getattr(s, "gpus", None) or []),
-            "probe_length": engine.probe_length, "probe_tolerance": engine.probe_tolerance}
+            "probe_length": engine.probe_length, "probe_tolerance": engine.probe_tolerance,
+            "quantization": s.quantization, "scale_fmt": s.scale_fmt}
 
 
 def _agree(err: str | None, group) -> list[str]:
@@ -85,6 +86,7 @@ def _sender(plan: dict, stage: int, coordinator: SyncStrategy | None) -> SyncStr
         s = _SENDERS[key]
     s.urls, s.sender, s.spots_per_send = list(plan["urls"]), stage, plan["spots"]
     s.gpus = plan.get("gpus", [])
+    s.quantization, s.scale_fmt = plan.get("quantization"), plan.get("scale_fmt", "float32")
     if hasattr(s, "address_override"):
         s.address_override = plan.get("sender_address")
     return s
@@ -95,6 +97,7 @@ def _send_all(sender: SyncStrategy | None, buckets, version: int) -> tuple[int, 
     dropped before the next one is made (the stream then holds one bucket at a time)."""
     total, err = 0, None
     if sender is not None:
+        buckets = sender.wire_buckets(buckets)  # fp8: quantised bucket by bucket, here
         sender.spots = []
         try:
             sender.start_send(version)
@@ -140,7 +143,13 @@ def _actor_probe(actor, plan: dict, last_sender: bool) -> tuple[list[int], list[
     if n <= 1:
         return [], None
     ids = probe_tokens(actor.model_cfg.vocab_size, n)
-    ref = actor_probe_logprobs(actor, ids)
+    if plan.get("quantization") == "fp8":  # what FP8 servers compute with
+        from megatron_rl.rollout.fp8 import fp8_actor_weights
+
+        with fp8_actor_weights(actor.model, plan.get("scale_fmt", "float32")):
+            ref = actor_probe_logprobs(actor, ids)
+    else:
+        ref = actor_probe_logprobs(actor, ids)
     return ids, (ref if last_sender else None)
 
 
@@ -240,15 +249,20 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
         errs = _agree("; ".join(e for e in (spot, perr) if e) or None, mp)
         dist.all_gather_object(diffs, tuple(worst), group=mp)
     byte_list: list = [None] * dist.get_world_size(mp)
-    dist.all_gather_object(byte_list, sent, group=mp)
+    dist.all_gather_object(byte_list, (sent, sender.quant_s if sender is not None else 0.0),
+                           group=mp)
     if errs:
         raise WeightSyncError(f"weight sync v{version} ({plan['strategy']}) failed: {errs}")
     if coord is None:
         return None
-    total = sum(byte_list)
+    total = sum(b for b, _ in byte_list)
     engine.weight_version = version
     gap = worst_gap(ProbeGap(*d) for d in diffs)
-    engine.note_sync({"weight_sync_probe_gap": gap.mean, "weight_sync_probe_max_diff": gap.max,
-                      "weight_sync_s": dt, "weight_sync_gbps": total / dt / 1e9})
+    metrics = {"weight_sync_probe_gap": gap.mean, "weight_sync_probe_max_diff": gap.max,
+               "weight_sync_s": dt, "weight_sync_gbps": total / dt / 1e9,
+               "weight_sync_bytes": float(total)}
+    if plan.get("quantization"):  # the slowest stage's sender (stages quantise in parallel)
+        metrics["time/weight_quant"] = max(q for _, q in byte_list)
+    engine.note_sync(metrics)
     return f"{plan['strategy']} v{version}: {total} bytes in {dt:.2f}s, probe gap " \
            f"{gap.mean:.2e} (largest {gap.max:.2e})"
