@@ -202,10 +202,15 @@ def _tied(model: torch.nn.Module) -> bool:
 
 
 def iter_local_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """Yield ``(local_name, canonical_name, param)`` for every stored parameter of this stage."""
+    """Yield ``(local_name, canonical_name, param)`` for every stored parameter of this stage
+    (LoRA adapter tensors excluded: :mod:`megatron_rl.models.lora`)."""
+    from megatron_rl.models.lora import is_lora_name
+
     offsets = _layer_offsets(model)
     first_expert, _ = local_experts(model)
     for local, param in model.named_parameters():
+        if is_lora_name(local):  # adapters: megatron_rl.models.lora
+            continue
         name = canonical_name(local, offsets, first_expert)
         if name is None:
             continue
@@ -220,7 +225,10 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
     """Canonical full tensors of this pipeline stage (all-gathered over TP). Collective over TP.
 
     ``main`` maps ``id(param)`` to a tensor read instead of the parameter (the fp32 main weights
-    of a bf16/fp16 actor, :func:`megatron_rl.actor.precision.main_param_map`)."""
+    of a bf16/fp16 actor, :func:`megatron_rl.actor.precision.main_param_map`). A weight with a
+    LoRA adapter is read merged (``W + (alpha/rank)·B·A``, shard by shard)."""
+    from megatron_rl.models.lora import merged_shard
+
     from megatron.core import parallel_state as ps
 
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
@@ -228,7 +236,7 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
     out: dict[str, torch.Tensor] = {}
     for _, name, param in iter_local_params(model):
         partitioned, dim = tp_info(param)
-        data = (main.get(id(param), param) if main else param).detach()
+        data = main[id(param)].detach() if main and id(param) in main else merged_shard(param)
         if is_expert_name(name):
             out.update((n, t.cpu()) for n, t in gather_experts(model, name, data))
         elif partitioned and tp > 1:
