@@ -211,17 +211,33 @@ def runtime_last_stage_object(obj):
     return runtime.broadcast_object(obj, runtime.last_stage_rank())
 
 
+def _optimizer_numel(actor, sum_dp: bool) -> tuple[int, int]:
+    """(elements the optimizer holds: this rank's, or with ``sum_dp`` summed over DP (the
+    distributed optimizer's shards), adapter elements of this rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.models import lora
+
+    n = torch.tensor([sum(p.numel() for p in _optimizer_params(actor.optimizer))])
+    if sum_dp:
+        dist.all_reduce(n, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return int(n), sum(p.numel() for _, p, _ in lora.adapter_params(actor.model))
+
+
 def _layout_worker() -> dict:
     from megatron_rl.parallel import runtime
 
     out = {}
     batch = make_batch()
-    for tp, pp, dp in ((2, 2, 1), (2, 1, 2)):
+    for tp, pp, dp, dist_opt in ((2, 2, 1, False), (2, 1, 2, False), (2, 1, 2, True)):
         runtime.init_parallel(tp=tp, pp=pp, dp=dp, timeout_s=120)
-        actor = _actor(lora=True, dp=dp)
+        actor = _actor(lora=True, dp=dp, dist_opt=dist_opt)
         local = _rows(batch, dp)
         hist = _step(actor, local, 0) + _step(actor, local, 1)
-        out[f"tp{tp}pp{pp}dp{dp}"] = _layout_record(actor, hist)
+        rec = out[f"tp{tp}pp{pp}dp{dp}{' distopt' if dist_opt else ''}"] = \
+            _layout_record(actor, hist)
+        rec["optimizer_numel"] = _optimizer_numel(actor, sum_dp=dist_opt)
         del actor
     rank = torch.distributed.get_rank()
     runtime.shutdown()
@@ -273,13 +289,17 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.slow
 def test_lora_training_is_layout_invariant(single):
-    """TP2xPP2 and TP2xDP2 (one 4-rank job) against TP1: metrics (loss, clipped and selected
+    """TP2xPP2 and TP2xDP2 with the standard and the distributed optimizer (one 4-rank job)
+    against TP1: metrics (loss, clipped and selected
     token counts), every adapter gradient of the second step (A's included: B != 0 by then) and
     the adapters after two steps."""
     ref = single["layout"]
     runs = spawn(_layout_worker, 4, timeout_s=400)[0]
     for name, run in runs.items():
-        assert _rel(run["grads"], ref["grads"]) < 1e-5, name
+        held, adapters = run["optimizer_numel"]
+        assert held == adapters, name  # standard (TP2xPP2) and distributed (DP2) optimizer
+        if "distopt" not in name:  # its grad buffers hold each rank's reduced shard only
+            assert _rel(run["grads"], ref["grads"]) < 1e-5, name
         assert min(float(g.abs().max()) for g in ref["grads"].values()) > 0  # A's too
         assert len(run["history"]) == len(ref["history"])
         for got, want in zip(run["history"], ref["history"]):
