@@ -108,6 +108,56 @@ def _optimizer_params(optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.optimizer.param_groups for p in g["params"]]
 
 
+def _hf_logp(model, batch: dict) -> torch.Tensor:
+    """``log p(tokens[t] | tokens[<t])`` of a ``transformers`` model, at the mask's positions
+    (0 elsewhere), as the actor's ``logp`` ``[N, S]``."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"]).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch["tokens"][:, 1:, None])[..., 0]
+    out = torch.zeros(batch["tokens"].shape, dtype=torch.float32)
+    out[:, 1:] = lp
+    return out * batch["mask"]
+
+
+def _export_checks(actor, batch: dict, lora_logp: torch.Tensor, root: str) -> dict:
+    """The PEFT adapter directory loaded by the real ``peft`` onto the HF base model, and the
+    merged HF directory loaded by ``transformers``: their log-probs against the actor's."""
+    import json
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.convert.stream import iter_hf_weight_buckets
+    from megatron_rl.models import lora
+    from megatron_rl.models.lora_export import export_merged_hf, export_peft
+    from megatron_rl.rollout.embedded import build_hf_model
+
+    hf_base = build_hf_model(actor.model_cfg)
+    with lora.adapters_disabled(actor.model):  # the base weights, HF-named
+        base = {n: t.clone() for b in iter_hf_weight_buckets(actor.model) for n, t in b}
+    missing, unexpected = hf_base.load_state_dict(base, strict=False)
+    out = {"hf_load": (list(missing), list(unexpected))}
+    out["hf_base_gap"] = float((_hf_logp(hf_base, batch) - _actor_base_logp(actor, batch)
+                                ).abs().max())
+    peft_dir = export_peft(actor, os.path.join(root, "peft"), base_model="tiny")
+    out["peft_files"] = sorted(os.listdir(peft_dir))
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        out["peft_config"] = json.load(f)
+    model = peft.PeftModel.from_pretrained(hf_base, peft_dir).eval()
+    out["peft_gap"] = float((_hf_logp(model, batch) - lora_logp).abs().max())
+    merged_dir = export_merged_hf(actor, os.path.join(root, "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).float().eval()
+    out["merged_hf_gap"] = float((_hf_logp(merged, batch) - lora_logp).abs().max())
+    return out
+
+
+def _actor_base_logp(actor, batch: dict) -> torch.Tensor:
+    from megatron_rl.models import lora
+
+    with lora.adapters_disabled(actor.model):
+        return _logp(actor, batch)
+
+
 def _single_rank_worker(root: str) -> dict:
     from megatron_rl.actor.lora_config import LoraConfig
     from megatron_rl.models import lora
@@ -150,6 +200,7 @@ def _single_rank_worker(root: str) -> dict:
     plain = _actor(lora=False, kl=False, state=merged)
     out["merged_gap"] = float((_logp(plain, batch) - lora_logp).abs().max())
     del plain
+    out.update(_export_checks(actor, batch, lora_logp, root))
     # adapter-only checkpoint, then a bit-exact resume
     path = actor.save(root, 1)
     out["ckpt_files"] = sorted(os.listdir(path))
@@ -312,3 +363,20 @@ def test_lora_training_is_layout_invariant(single):
         # than the gradients (measured: 3e-5 for most tensors, 1.5e-3 for the worst one)
         assert _rel(run["adapters"], ref["adapters"]) < 1e-3, name
     assert ref["history"][0]["clip_cov/num_selected"] >= 1  # Clip-Cov selected tokens
+
+
+def test_lora_peft_export_loads_in_peft_with_equal_logits(single):
+    """``peft.PeftModel.from_pretrained`` on the HF base model gives the actor's log-probs."""
+    assert single["hf_load"] == ([], [])
+    assert single["hf_base_gap"] < 1e-4  # the HF base model is the actor's base
+    assert single["peft_files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    conf = single["peft_config"]
+    assert (conf["r"], conf["lora_alpha"]) == (RANK, ALPHA)
+    assert conf["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                      "up_proj", "v_proj"]
+    assert single["peft_gap"] < 1e-4, single["peft_gap"]
+    assert single["trained_differs"] > 100 * single["peft_gap"]
+
+
+def test_lora_merged_hf_export_has_equal_logits(single):
+    assert single["merged_hf_gap"] < 1e-4, single["merged_hf_gap"]

@@ -249,6 +249,7 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
     engine.weight_version = version
     gap = worst_gap(ProbeGap(*d) for d in diffs)
     engine.note_sync({"weight_sync_probe_gap": gap.mean, "weight_sync_probe_max_diff": gap.max,
-                      "weight_sync_s": dt, "weight_sync_gbps": total / dt / 1e9})
+                      "weight_sync_s": dt, "weight_sync_gbps": total / dt / 1e9,
+                      "weight_sync_bytes": float(total)})
     return f"{plan['strategy']} v{version}: {total} bytes in {dt:.2f}s, probe gap " \
            f"{gap.mean:.2e} (largest {gap.max:.2e})"
