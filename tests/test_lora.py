@@ -145,6 +145,14 @@ def _export_checks(actor, batch: dict, lora_logp: torch.Tensor, root: str) -> di
         out["peft_config"] = json.load(f)
     model = peft.PeftModel.from_pretrained(hf_base, peft_dir).eval()
     out["peft_gap"] = float((_hf_logp(model, batch) - lora_logp).abs().max())
+    # the weight sync (here into the embedded engine) sends merged weights, bytes counted
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.sync import sync_weights
+
+    engine = EmbeddedEngine(actor.model_cfg, eos_id=0, pad_id=0)
+    sync_weights(actor, engine, bucket_mb=1, version=1)
+    out["sync_bytes"] = (engine.last_sync_bytes, sum(t.numel() * 4 for t in base.values()))
+    out["sync_gap"] = float((_hf_logp(engine.model, batch) - lora_logp).abs().max())
     merged_dir = export_merged_hf(actor, os.path.join(root, "merged"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).float().eval()
     out["merged_hf_gap"] = float((_hf_logp(merged, batch) - lora_logp).abs().max())
@@ -380,3 +388,9 @@ def test_lora_peft_export_loads_in_peft_with_equal_logits(single):
 
 def test_lora_merged_hf_export_has_equal_logits(single):
     assert single["merged_hf_gap"] < 1e-4, single["merged_hf_gap"]
+
+
+def test_lora_weight_sync_sends_merged_weights_and_counts_bytes(single):
+    sent, full = single["sync_bytes"]
+    assert sent == full  # merged: the base model's size (fp32 here), no adapter tensors
+    assert single["sync_gap"] < 1e-4, single["sync_gap"]
