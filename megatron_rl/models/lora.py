@@ -294,8 +294,8 @@ def load_adapters(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None
 def sharded_state_dict(model: torch.nn.Module, prefix: str = "model.") -> dict:
     """megatron ``ShardedTensor`` s of the adapter tensors only (canonical global names, so a
     checkpoint reshards across TP/PP/DP): the adapter-only model part of a LoRA checkpoint."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
     out = {}

@@ -227,9 +227,9 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
     ``main`` maps ``id(param)`` to a tensor read instead of the parameter (the fp32 main weights
     of a bf16/fp16 actor, :func:`megatron_rl.actor.precision.main_param_map`). A weight with a
     LoRA adapter is read merged (``W + (alpha/rank)·B·A``, shard by shard)."""
-    from megatron_rl.models.lora import merged_shard
-
     from megatron.core import parallel_state as ps
+
+    from megatron_rl.models.lora import merged_shard
 
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
     tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
