@@ -27,7 +27,7 @@ class LoraConfig:
     rank: int = 0  # 0: no adapters (full fine-tuning)
     alpha: float = 16.0  # scaling = alpha / rank
     dropout: float = 0.0  # on the adapter's input, training passes only
-    targets: list = field(default_factory=lambda: list(LORA_TARGETS))
+    targets: list = field(default_factory=lambda: list(LORA_TARGETS))  # linear_qkv|proj|fc1|fc2
 
     @property
     def enabled(self) -> bool:
@@ -63,10 +63,11 @@ class LoraConfig:
 
 
 def check_lora_rank(raw: Mapping[str, Any], lora: LoraConfig) -> None:
-    """A given ``actor.lora`` section (``raw``: the merged config mapping) needs ``rank >= 1``
-    (``rank: 0``, the default, means no adapters). Raises :class:`LoraConfigError`."""
+    """A rank given in ``actor.lora`` (``raw``: the merged config mapping) must be ``>= 1``
+    (leaving it out, rank 0, means no adapters). Raises :class:`LoraConfigError`."""
     actor_raw = raw.get("actor") if isinstance(raw.get("actor"), Mapping) else {}
-    if actor_raw.get("lora") is not None and not lora.enabled:
+    lora_raw = actor_raw.get("lora")
+    if isinstance(lora_raw, Mapping) and "rank" in lora_raw and not lora.enabled:
         raise LoraConfigError(f"actor.lora.rank must be >= 1, got {lora.rank} (remove the "
                               "actor.lora section to train all weights)")
 
