@@ -285,7 +285,8 @@ def _optimizer_numel(actor, sum_dp: bool) -> tuple[int, int]:
     return int(n), sum(p.numel() for _, p, _ in lora.adapter_params(actor.model))
 
 
-def _layout_worker() -> dict:
+def _layout_worker(root: str) -> dict:
+    from megatron_rl.models import lora
     from megatron_rl.parallel import runtime
 
     out = {}
@@ -298,6 +299,15 @@ def _layout_worker() -> dict:
         rec = out[f"tp{tp}pp{pp}dp{dp}{' distopt' if dist_opt else ''}"] = \
             _layout_record(actor, hist)
         rec["optimizer_numel"] = _optimizer_numel(actor, sum_dp=dist_opt)
+        if dist_opt:  # adapter-only checkpoint of the distributed optimizer, resumed
+            actor.save(root, 1)
+            want = _step(actor, local, 2), lora.gather_full_adapters(actor.model)
+            fresh = _actor(lora=True, dp=dp, dist_opt=True)
+            fresh.resume(root)
+            got = _step(fresh, local, 2), lora.gather_full_adapters(fresh.model)
+            rec["resume_exact"] = got[0] == want[0] and all(
+                torch.equal(got[1][k], v) for k, v in want[1].items())
+            del fresh
         del actor
     rank = torch.distributed.get_rank()
     runtime.shutdown()
@@ -348,13 +358,14 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
-def test_lora_training_is_layout_invariant(single):
+def test_lora_training_is_layout_invariant(single, tmp_path):
     """TP2xPP2 and TP2xDP2 with the standard and the distributed optimizer (one 4-rank job)
     against TP1: metrics (loss, clipped and selected
     token counts), every adapter gradient of the second step (A's included: B != 0 by then) and
     the adapters after two steps."""
     ref = single["layout"]
-    runs = spawn(_layout_worker, 4, timeout_s=400)[0]
+    runs = spawn(_layout_worker, 4, (str(tmp_path),), timeout_s=400)[0]
+    assert runs["tp2pp1dp2 distopt"]["resume_exact"]  # distributed optimizer, adapter-only
     for name, run in runs.items():
         held, adapters = run["optimizer_numel"]
         assert held == adapters, name  # standard (TP2xPP2) and distributed (DP2) optimizer
