@@ -7,8 +7,8 @@
   weight's rows (per-query-group interleave undone); fc1's ``A`` is shared by ``gate_proj`` and
   ``up_proj``, which take ``lora_B_gate`` / ``lora_B_up``. The scaling ``lora_alpha / r`` is the
   actor's, so the PEFT model computes exactly ``W x + (alpha/r)·B A x`` per HF linear.
-- :func:`export_merged_hf` writes ``config.json`` + ``model.safetensors`` with every adapted
-  weight merged (``W + (alpha/r)·B·A``), streamed bucket by bucket from the live actor.
+- :func:`export_merged_hf` writes ``config.json`` + safetensors shards with every adapted weight
+  merged (``W + (alpha/r)·B·A``), streamed bucket by bucket from the live actor.
 
 Both are collective over all ranks of the actor (every rank must call them); rank 0 writes.
 """
@@ -103,32 +103,39 @@ def export_peft(actor, out_dir: str, base_model: str | None = None) -> str | Non
     return out_dir
 
 
-def export_merged_hf(actor, out_dir: str) -> str | None:
-    """Write ``config.json`` + ``model.safetensors`` of the merged weights (adapters folded into
-    the base; collective; rank 0 writes and returns ``out_dir``). Small and mid-sized models:
-    rank 0 holds the merged HF state dict once before writing it."""
+def export_merged_hf(actor, out_dir: str, shard_bytes: int = 2 * 2**30) -> str | None:
+    """Write ``config.json`` + safetensors shards (with their index) of the merged weights
+    (adapters folded into the base), one shard per streamed bucket of at most ``shard_bytes``:
+    rank 0 holds one bucket at a time. Collective over all ranks; rank 0 writes and returns
+    ``out_dir``, the others return None."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
 
+    from megatron_rl.convert.hf_io import write_index, write_shard
     from megatron_rl.convert.registry import hf_config_dict
     from megatron_rl.convert.stream import iter_hf_weight_buckets
 
-    tensors: dict[str, torch.Tensor] = {}
-    first = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    writer = dist.get_rank() == 0 if dist.is_initialized() else True
+    if writer:
+        os.makedirs(out_dir, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total, dtype = 0, None
     if ps.get_data_parallel_rank() == 0:
-        for bucket in iter_hf_weight_buckets(actor.model, broadcast_pp=True):
-            if first:
-                tensors.update((n, t.detach().cpu().contiguous().clone()) for n, t in bucket)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-        return None
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    conf = hf_config_dict(actor.model_cfg)
-    conf["torch_dtype"] = str(next(iter(tensors.values())).dtype).split(".")[-1]
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(conf, f, indent=2)
+        buckets = iter_hf_weight_buckets(actor.model, shard_bytes, broadcast_pp=True)
+        for i, bucket in enumerate(buckets):
+            if not writer:
+                continue
+            name = f"model-{i + 1:05d}.safetensors"
+            total += write_shard(os.path.join(out_dir, name),
+                                 [(n, t.detach().cpu()) for n, t in bucket])
+            weight_map.update((n, name) for n, _ in bucket)
+            dtype = bucket[0][1].dtype
+    if writer:
+        write_index(out_dir, weight_map, total)
+        conf = hf_config_dict(actor.model_cfg)
+        conf["torch_dtype"] = str(dtype).split(".")[-1]
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(conf, f, indent=2)
     if dist.is_initialized():
         dist.barrier()
-    return out_dir
+    return out_dir if writer else None
