@@ -365,7 +365,6 @@ def test_lora_training_is_layout_invariant(single, tmp_path):
     the adapters after two steps."""
     ref = single["layout"]
     runs = spawn(_layout_worker, 4, (str(tmp_path),), timeout_s=400)[0]
-    assert runs["tp2pp1dp2 distopt"]["resume_exact"]  # distributed optimizer, adapter-only
     for name, run in runs.items():
         held, adapters = run["optimizer_numel"]
         assert held == adapters, name  # standard (TP2xPP2) and distributed (DP2) optimizer
@@ -383,6 +382,7 @@ def test_lora_training_is_layout_invariant(single, tmp_path):
         # than the gradients (measured: 3e-5 for most tensors, 1.5e-3 for the worst one)
         assert _rel(run["adapters"], ref["adapters"]) < 1e-3, name
     assert ref["history"][0]["clip_cov/num_selected"] >= 1  # Clip-Cov selected tokens
+    assert runs["tp2pp1dp2 distopt"]["resume_exact"]  # distributed optimizer, adapter-only
 
 
 def test_lora_peft_export_loads_in_peft_with_equal_logits(single):
