@@ -212,6 +212,7 @@ def _single_rank_worker(root: str) -> dict:
     out.update(_export_checks(actor, batch, lora_logp, root))
     # adapter-only checkpoint, then a bit-exact resume
     path = actor.save(root, 1)
+    out["saved_adapters"], out["root"] = lora.gather_adapters(actor.model), root
     out["ckpt_files"] = sorted(os.listdir(path))
     out["ckpt_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path)
                             for f in fs if not f.endswith(".pt"))
@@ -285,7 +286,7 @@ def _optimizer_numel(actor, sum_dp: bool) -> tuple[int, int]:
     return int(n), sum(p.numel() for _, p, _ in lora.adapter_params(actor.model))
 
 
-def _layout_worker(root: str) -> dict:
+def _layout_worker(root: str, tp1_ckpt: str) -> dict:
     from megatron_rl.models import lora
     from megatron_rl.parallel import runtime
 
@@ -293,6 +294,11 @@ def _layout_worker(root: str) -> dict:
     batch = make_batch()
     for tp, pp, dp, dist_opt in ((2, 2, 1, False), (2, 1, 2, False), (2, 1, 2, True)):
         runtime.init_parallel(tp=tp, pp=pp, dp=dp, timeout_s=120)
+        if pp == 2:  # the TP1 adapter checkpoint, resharded onto TP2xPP2
+            resharded = _actor(lora=True, dp=dp)
+            resharded.resume(tp1_ckpt)
+            out["resharded"] = lora.gather_full_adapters(resharded.model)
+            del resharded
         actor = _actor(lora=True, dp=dp, dist_opt=dist_opt)
         local = _rows(batch, dp)
         hist = _step(actor, local, 0) + _step(actor, local, 1)
@@ -360,11 +366,15 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.slow
 def test_lora_training_is_layout_invariant(single, tmp_path):
     """TP2xPP2 and TP2xDP2 with the standard and the distributed optimizer (one 4-rank job)
-    against TP1: metrics (loss, clipped and selected
-    token counts), every adapter gradient of the second step (A's included: B != 0 by then) and
-    the adapters after two steps."""
+    against TP1: metrics (loss, clipped and selected token counts), every adapter gradient of
+    the second step (A's included: B != 0 by then) and the adapters after two steps. Also: the
+    TP1 adapter checkpoint loads bit-exact at TP2xPP2, and the distributed optimizer's adapter
+    checkpoint resumes bit-exact."""
     ref = single["layout"]
-    runs = spawn(_layout_worker, 4, (str(tmp_path),), timeout_s=400)[0]
+    runs = spawn(_layout_worker, 4, (str(tmp_path), single["root"]), timeout_s=400)[0]
+    resharded = runs.pop("resharded")
+    assert all(torch.equal(resharded[k], v) for k, v in single["saved_adapters"].items())
+    assert sorted(resharded) == sorted(single["saved_adapters"])
     for name, run in runs.items():
         held, adapters = run["optimizer_numel"]
         assert held == adapters, name  # standard (TP2xPP2) and distributed (DP2) optimizer
