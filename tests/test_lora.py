@@ -62,11 +62,11 @@ def make_batch(seed: int = 0) -> dict:
 def _actor(lora: bool, dp: int = 1, dist_opt: bool = False, kl: bool = True, state=None,
            precision: str | None = None):
     from megatron_rl.actor.actor import Actor
-    from megatron_rl.actor.lora_config import LoraConfig
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
     from megatron_rl.loss import LossConfig
     from megatron_rl.models.config import get_preset
+    from megatron_rl.models.lora_config import LoraConfig
 
     lcfg = LoraConfig(rank=RANK, alpha=ALPHA) if lora else LoraConfig()
     loss = LossConfig.for_algorithm("clip_cov", clip_ratio_low=0.2, clip_ratio_high=0.28,
@@ -128,9 +128,9 @@ def _export_checks(actor, batch: dict, lora_logp: torch.Tensor, root: str) -> di
     import peft
     from transformers import AutoModelForCausalLM
 
+    from megatron_rl.convert.lora_export import export_merged_hf, export_peft
     from megatron_rl.convert.stream import iter_hf_weight_buckets
     from megatron_rl.models import lora
-    from megatron_rl.models.lora_export import export_merged_hf, export_peft
     from megatron_rl.rollout.embedded import build_hf_model
 
     hf_base = build_hf_model(actor.model_cfg)
@@ -168,8 +168,8 @@ def _actor_base_logp(actor, batch: dict) -> torch.Tensor:
 
 
 def _single_rank_worker(root: str) -> dict:
-    from megatron_rl.actor.lora_config import LoraConfig
     from megatron_rl.models import lora
+    from megatron_rl.models.lora_config import LoraConfig
     from megatron_rl.models.weights import gather_full_state_dict
     from megatron_rl.parallel import runtime
 

@@ -59,14 +59,14 @@ def _worker(preset: str, rank: int, precision: str | None, steps: int) -> dict:
     from _bench_common import rss_kib
 
     from megatron_rl.actor.actor import Actor
-    from megatron_rl.actor.lora_config import LoraConfig
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.convert.lora_export import peft_tensors
     from megatron_rl.convert.stream import iter_hf_weight_buckets
     from megatron_rl.loss import LossConfig
     from megatron_rl.models.config import get_preset
     from megatron_rl.models.lora import gather_full_adapters
-    from megatron_rl.models.lora_export import peft_tensors
+    from megatron_rl.models.lora_config import LoraConfig
     from megatron_rl.parallel import runtime
 
     runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=600)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.actor.lora_config import LoraConfig
+from megatron_rl.models.lora_config import LoraConfig
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")

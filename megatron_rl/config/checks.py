@@ -237,7 +237,7 @@ def check_trainer(cfg) -> None:
 
 def check_actor_lora(cfg, raw: Mapping[str, Any]) -> None:
     """``actor.lora.rank`` given as 0 (or less) is an error (docs/lora.md)."""
-    from megatron_rl.actor.lora_config import LoraConfigError, check_lora_rank
+    from megatron_rl.models.lora_config import LoraConfigError, check_lora_rank
 
     try:
         check_lora_rank(raw, cfg.actor.lora)

@@ -23,7 +23,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     except (ModelSourceError, ModelConfigError) as exc:
         raise ConfigError(str(exc)) from exc
     validate_routing_replay(cfg, model.is_moe)
-    from megatron_rl.actor.lora_config import LoraConfigError, lora_conflicts
+    from megatron_rl.models.lora_config import LoraConfigError, lora_conflicts
 
     if cfg.actor.lora.enabled:
         for bad, why in lora_conflicts(cfg, model.is_moe):

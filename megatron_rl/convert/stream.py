@@ -42,6 +42,7 @@ from megatron_rl.models.weights import (
     gather_experts,
     is_expert_name,
     iter_local_params,
+    merged_shard,
     tp_info,
     unshard,
 )
@@ -51,9 +52,7 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 def gather_tp(name: str, param: torch.Tensor, group) -> torch.Tensor:
     """Canonical full tensor of a (possibly TP-sharded) parameter, its LoRA adapter merged shard
-    by shard (:func:`megatron_rl.models.lora.merged_shard`). Collective over ``group``."""
-    from megatron_rl.models.lora import merged_shard
-
+    by shard (:func:`megatron_rl.models.weights.merged_shard`). Collective over ``group``."""
     partitioned, dim = tp_info(param)
     data = merged_shard(param)
     tp = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -39,17 +39,18 @@ from typing import Iterator
 
 import torch
 
-from megatron_rl.actor.lora_config import LoraConfig
+from megatron_rl.models.lora_config import LoraConfig
+from megatron_rl.models.weights import (  # noqa: F401 - re-exported
+    LORA_ATTR,
+    canonical_name,
+    is_lora_name,
+    layer_offsets,
+    merged_shard,
+)
 
-ADAPTER = "adapter"  # submodule name of an adapter on its linear
-ATTR = "mrl_lora"  # base weight parameter -> its LoraAdapter
+ADAPTER = "adapter"  # submodule name of an adapter on its linear (weights.is_lora_name)
 _KIND = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row",
          "linear_fc2": "row"}
-
-
-def is_lora_name(name: str) -> bool:
-    """Whether a (local or canonical) parameter name is an adapter tensor."""
-    return f".{ADAPTER}.lora_" in name or ".lora_A" in name or ".lora_B" in name
 
 
 def _tp_group_of(linear: torch.nn.Module):
@@ -151,8 +152,6 @@ def _wrap_forward_impl(linear: torch.nn.Module, adapter: LoraAdapter) -> None:
 
 
 def _canonical_prefix(local: str, offsets: dict[int, int]) -> str:
-    from megatron_rl.models.weights import canonical_name
-
     return canonical_name(local + ".weight", offsets)[: -len(".weight")]
 
 
@@ -161,12 +160,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 1234) -> lis
     parameter. Returns the adapters (in module order). Must run before DDP wrapping."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_rl.models.weights import _layer_offsets
-
     if getattr(getattr(model, "config", None), "num_moe_experts", None):
         raise ValueError("actor.lora: adapters on mixture-of-experts models are not supported "
                          "(dense models only)")
-    offsets = _layer_offsets(model)
+    offsets = layer_offsets(model)
     targets = []
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -184,7 +181,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 1234) -> lis
         ad = LoraAdapter(mod, _KIND[leaf], cfg, _canonical_prefix(name, offsets), seed,
                          fc1=leaf == "linear_fc1")
         mod.add_module(ADAPTER, ad)
-        setattr(mod.weight, ATTR, ad)
+        setattr(mod.weight, LORA_ATTR, ad)
         _wrap_forward_impl(mod, ad)
         adapters.append(ad)
     model.lora_adapters = adapters
@@ -212,15 +209,6 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for a, s in zip(adapters, states):
             a.enabled = s
-
-
-def merged_shard(param: torch.Tensor) -> torch.Tensor:
-    """A base parameter's local shard with its adapter merged (the parameter itself, detached,
-    when it has no adapter or the adapter is off)."""
-    ad = getattr(param, ATTR, None)
-    if ad is None or not ad.enabled:
-        return param.detach()
-    return ad.merged(param.detach())
 
 
 def adapter_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter,

@@ -65,8 +65,8 @@ def export_lora(actor: Actor, ckpt_dir: str, cfg: RunConfig) -> None:
     """A LoRA actor's exports next to its checkpoint (collective): ``<ckpt>/peft`` (PEFT adapter
     directory) and ``<ckpt>/hf`` (merged weights, with the tokenizer files)."""
     from megatron_rl.convert.hf_io import copy_assets
+    from megatron_rl.convert.lora_export import export_merged_hf, export_peft
     from megatron_rl.convert.model_source import tokenizer_dir
-    from megatron_rl.models.lora_export import export_merged_hf, export_peft
 
     export_peft(actor, os.path.join(ckpt_dir, PEFT_SUBDIR), base_model=cfg.model.hf_path)
     out = export_merged_hf(actor, os.path.join(ckpt_dir, HF_SUBDIR))

@@ -21,8 +21,8 @@ from typing import Mapping
 
 import torch
 
-from megatron_rl.actor.lora_config import LoraConfig
 from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.lora_config import LoraConfig
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
