@@ -60,7 +60,7 @@ def make_batch(seed: int = 0) -> dict:
 
 
 def _actor(lora: bool, dp: int = 1, dist_opt: bool = False, kl: bool = True, state=None,
-           precision: str | None = None):
+           precision: str | None = None, **actor_kwargs):
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
@@ -75,7 +75,7 @@ def _actor(lora: bool, dp: int = 1, dist_opt: bool = False, kl: bool = True, sta
                                     kl_loss_coef=0.05)
     return Actor(get_preset("tiny"),
                  ActorConfig(micro_batch_size=SEQS // dp // 2, fused_logprob_entropy=False,
-                             lora=lcfg, precision=precision),
+                             lora=lcfg, precision=precision, **actor_kwargs),
                  OptimConfig(lr=1e-2, adam_eps=1e-6, clip_grad=1.0,
                              use_distributed_optimizer=dist_opt),
                  loss, total_steps=4, seed=7, full_state=state)
@@ -210,6 +210,15 @@ def _single_rank_worker(root: str) -> dict:
     out["merged_gap"] = float((_logp(plain, batch) - lora_logp).abs().max())
     del plain
     out.update(_export_checks(actor, batch, lora_logp, root))
+    # full recomputation (megatron's reentrant checkpoint over a frozen embedding) trains the
+    # same adapters, bit for bit
+    rc = _actor(lora=True, recompute="full")
+    _step(rc, batch, 0)
+    _step(rc, batch, 1)
+    got = lora.gather_full_adapters(rc.model)
+    out["recompute_full_equal"] = all(torch.equal(got[k], v)
+                                      for k, v in out["layout"]["adapters"].items())
+    del rc
     # adapter-only checkpoint, then a bit-exact resume
     path = actor.save(root, 1)
     out["saved_adapters"], out["root"] = lora.gather_adapters(actor.model), root
@@ -466,3 +475,7 @@ def test_lora_bf16_on_cuda(tmp_path):
     # policy moved by up to 6.8 nats)
     assert out["merged_gap"] < 0.15 and out["merged_gap"] < out["trained_differs"] / 20
     assert out["resume_exact"]
+
+
+def test_lora_full_recompute_trains_the_same_adapters(single):
+    assert single["recompute_full_equal"]

@@ -184,9 +184,28 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 1234) -> lis
         setattr(mod.weight, LORA_ATTR, ad)
         _wrap_forward_impl(mod, ad)
         adapters.append(ad)
+    _input_requires_grad(model)
     model.lora_adapters = adapters
     model.lora_config = cfg
     return adapters
+
+
+def _input_requires_grad(model: torch.nn.Module) -> None:
+    """Make the first stage's embedding output require grad in training passes. With the base
+    frozen it would not, and megatron's full recomputation (``tensor_parallel.checkpoint``, a
+    reentrant autograd function) then gives its output no graph: the checkpointed layers'
+    adapters would get no gradient. Later stages receive activations that require grad."""
+    emb = getattr(model, "embedding", None)
+    if emb is None:
+        return
+
+    def hook(_module, _inputs, output):
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) \
+                and not output.requires_grad:
+            return output.requires_grad_(True)
+        return output
+
+    emb.register_forward_hook(hook)
 
 
 def adapters_of(model: torch.nn.Module) -> list[LoraAdapter]:
