@@ -74,8 +74,9 @@ def _actor(lora: bool, dp: int = 1, dist_opt: bool = False, kl: bool = True, sta
                                     cov_stat_source="prepass", use_kl_loss=kl,
                                     kl_loss_coef=0.05)
     return Actor(get_preset("tiny"),
-                 ActorConfig(micro_batch_size=SEQS // dp // 2, fused_logprob_entropy=False,
-                             lora=lcfg, precision=precision, **actor_kwargs),
+                 ActorConfig(**{"micro_batch_size": SEQS // dp // 2,
+                                "fused_logprob_entropy": False, "lora": lcfg,
+                                "precision": precision, **actor_kwargs}),
                  OptimConfig(lr=1e-2, adam_eps=1e-6, clip_grad=1.0,
                              use_distributed_optimizer=dist_opt),
                  loss, total_steps=4, seed=7, full_state=state)
