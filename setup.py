@@ -28,7 +28,7 @@ setup(
         "sglang-router",  # rollout.engine=sglang: the router in front of the rollout fleet
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "ruff", "pyarrow", "triton"],
+        "test": ["pytest>=7", "pytest-timeout", "ruff", "pyarrow", "triton", "peft"],
         "logging": ["tensorboard", "wandb"],
         # NVIDIA's apex is optional and never installed from PyPI (the PyPI package of that name
         # is an unrelated project).

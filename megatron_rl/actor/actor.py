@@ -28,10 +28,19 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.models.weights import load_full_state_dict
 
 
-def _build_model(cfg: ModelConfig, seed: int, state) -> torch.nn.Module:
+def _build_model(cfg: ModelConfig, seed: int, state, lora=None) -> torch.nn.Module:
     """This rank's stage: from a weight source (anything with ``load_into(model)``, e.g.
     :class:`megatron_rl.convert.model_source.HFShardSource`), from canonical full weights,
-    or seeded."""
+    or seeded. With ``lora`` (an enabled :class:`LoraConfig`): megatron's local layer spec, base
+    weights frozen, adapters added (:mod:`megatron_rl.models.lora`)."""
+    if lora is not None and lora.enabled:
+        from megatron_rl.models.builder import local_spec_only
+        from megatron_rl.models.lora import apply_lora
+
+        with local_spec_only():
+            model = _build_model(cfg, seed, state)
+        apply_lora(model, lora, seed)
+        return model
     if hasattr(state, "load_into"):
         from megatron_rl.convert.model_source import build_model_from_source
 
@@ -59,7 +68,9 @@ class Actor:
                  ref_state: Mapping[str, torch.Tensor] | None = None,
                  use_reference: bool = False) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
-        self.model = _build_model(model_cfg, seed, full_state)  # fp32 weights, then cast
+        self.lora = actor_cfg.lora if actor_cfg.lora.enabled else None
+        # fp32 weights, then cast; with LoRA the base is frozen and only adapters train
+        self.model = _build_model(model_cfg, seed, full_state, self.lora)
         variable_shapes(self.model, actor_cfg)
         set_precision(self.model, actor_cfg.precision)
         apply_recompute(self.model, actor_cfg.recompute)
@@ -68,9 +79,12 @@ class Actor:
         self.net = wrap_precision(self.model)
         # Frozen reference policy, only when a KL term needs it (KL loss, or KL in the reward:
         # ``use_reference``): the initial weights
-        # (``ref_state``, else ``full_state``, else the seeded init).
+        # (``ref_state``, else ``full_state``, else the seeded init). With LoRA the reference is
+        # the same model with its adapters off: no second copy of the weights.
         self.ref_model = None
-        if self.loss_cfg.use_kl_loss or use_reference:
+        self.free_reference = self.lora is not None and (self.loss_cfg.use_kl_loss
+                                                         or use_reference)
+        if (self.loss_cfg.use_kl_loss or use_reference) and self.lora is None:
             ref = ref_state if ref_state is not None else full_state
             ref_model = _build_model(model_cfg, seed, ref)
             variable_shapes(ref_model, actor_cfg)
@@ -157,7 +171,16 @@ class Actor:
         return batch
 
     def add_ref_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The reference pass: adds ``ref_logp`` (no-op when no KL term is configured)."""
+        """The reference pass: adds ``ref_logp`` (no-op when no KL term is configured). With
+        LoRA: the actor's own model with every adapter off (the base model)."""
+        if self.free_reference:
+            from megatron_rl.models.lora import adapters_disabled
+
+            with adapters_disabled(self.model):
+                out = self.logprobs(batch, compute_entropy=False)
+            if out is not None:
+                batch["ref_logp"] = out["logp"]
+            return batch
         if self.ref_model is not None:
             if self.ref_offload is not None:
                 self.ref_offload.onload()

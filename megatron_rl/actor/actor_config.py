@@ -3,7 +3,9 @@ guard. Torch-free, so that loading a config imports no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megatron_rl.models.lora_config import LoraConfig
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
@@ -43,6 +45,7 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 0
     pack_sequences: bool = False  # one packed (THD) row per micro-batch (docs/packing.md)
     routing_replay: str = "none"  # none | r2 | r3: MoE expert routing replay (docs/moe.md)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (docs/lora.md)
 
     @property
     def use_fused_head(self) -> bool:

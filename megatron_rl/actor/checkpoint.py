@@ -191,7 +191,12 @@ def _sharded_state(model, optimizer, is_loading: bool, main_from=None
     )
 
     module = getattr(model, "module", model)
-    model_sd = module.sharded_state_dict(prefix="model.")
+    from megatron_rl.models import lora
+
+    if lora.adapters_of(module):  # LoRA: the adapters only (the base comes from its source)
+        model_sd = lora.sharded_state_dict(module, prefix="model.")
+    else:
+        model_sd = module.sharded_state_dict(prefix="model.")
     sd = {"model": model_sd}
     if optimizer is not None:
         # The distributed optimizer's format (ignored by the standard one): loadable at any
@@ -412,7 +417,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
                if isinstance(getattr(v, "data", None), torch.Tensor)}
     state = dist_checkpointing.load(sd, path)
     module = getattr(model, "module", model)
-    module.load_state_dict(_strip_prefix(state["model"], "model."), strict=True)
+    _load_model_part(module, state["model"], path)
     with torch.no_grad():  # the main params themselves (no-op when loaded in place)
         for k, t in targets.items():
             if k in state["model"] and t is not state["model"][k] and t.dtype == torch.float32:
@@ -429,6 +434,24 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None,
         if os.path.exists(rng_path):
             rng_ok = _set_rng_state(safe_torch_load(rng_path))
     return {"step": meta["step"], "trainer": meta["trainer"], "rng_restored": rng_ok}
+
+
+def _load_model_part(module, loaded: dict, path: str) -> None:
+    """Copy the loaded model part into ``module``: every tensor (strict), or with LoRA the
+    adapter tensors (an adapter-only checkpoint; the frozen base is loaded from its source)."""
+    from megatron_rl.models import lora
+
+    if not lora.adapters_of(module):
+        module.load_state_dict(_strip_prefix(loaded, "model."), strict=True)
+        return
+    with torch.no_grad():
+        for name, param, _ in lora.adapter_params(module):
+            t = loaded.get("model." + name)
+            if t is None:
+                raise CheckpointError(f"{path} has no adapter tensor {name!r} (not a LoRA "
+                                      "checkpoint of this actor.lora.targets)")
+            if t is not param:
+                param.copy_(t.to(param.dtype))
 
 
 def _strip_prefix(sd: dict, prefix: str) -> dict:

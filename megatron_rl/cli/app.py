@@ -270,7 +270,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from megatron_rl.run.export import export_run
 
     try:
-        out = export_run(args.run_dir, args.step, args.out)
+        out = export_run(args.run_dir, args.step, args.out, args.format)
     except (FileNotFoundError, ValueError) as exc:
         print(f"export error: {exc}", file=sys.stderr)
         return 2
@@ -353,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, default=None,
                     help="checkpoint after this many RL steps (default: the newest)")
     ex.add_argument("--out", required=True, help="output directory")
+    ex.add_argument("--format", choices=("hf", "peft"), default="hf",
+                    help="hf: a Hugging Face directory (LoRA runs: adapters merged); peft: the "
+                    "PEFT adapter directory of a LoRA run (docs/lora.md)")
     ex.set_defaults(func=_cmd_export)
 
     sw = sub.add_parser("sweep", help="run a sweep file (base config x one axis per sweep), "

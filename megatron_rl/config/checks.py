@@ -235,6 +235,16 @@ def check_trainer(cfg) -> None:
                      f"{t.keep_checkpoints}")
 
 
+def check_actor_lora(cfg, raw: Mapping[str, Any]) -> None:
+    """``actor.lora.rank`` given as 0 (or less) is an error (docs/lora.md)."""
+    from megatron_rl.models.lora_config import LoraConfigError, check_lora_rank
+
+    try:
+        check_lora_rank(raw, cfg.actor.lora)
+    except LoraConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     """All load-time checks (``raw``: the merged YAML + overrides mapping the config was built
     from). May normalise ``cfg`` in place: the actor temperature, loss override numbers, the
@@ -242,6 +252,7 @@ def check_run_config(cfg, raw: Mapping[str, Any]) -> None:
     check_advantage(cfg.trainer.advantage)
     check_names(cfg)
     check_ranges(cfg)  # every number in its range, every choice allowed
+    check_actor_lora(cfg, raw)
     check_sampling(cfg)
     one_temperature(cfg, raw)
     normalize_loss(cfg)

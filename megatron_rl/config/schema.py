@@ -86,6 +86,7 @@ RANGES: dict[str, Range] = {
     "actor.micro_batch_size": ONE_UP, "actor.mini_batch_size": NONNEG, "actor.ppo_epochs": ONE_UP,
     "actor.temperature": POS, "actor.logprob_chunk_size": ONE_UP,
     "actor.max_consecutive_skips": ONE_UP, "actor.max_tokens_per_micro_batch": NONNEG,
+    "actor.lora.alpha": POS, "actor.lora.dropout": BETA,
     "optim.lr": POS, "optim.min_lr": NONNEG, "optim.weight_decay": NONNEG,
     "optim.adam_beta1": BETA, "optim.adam_beta2": BETA, "optim.adam_eps": POS,
     "optim.clip_grad": NONNEG, "optim.lr_warmup_steps": NONNEG, "optim.lr_decay_steps": ONE_UP,
@@ -109,7 +110,11 @@ RANGES: dict[str, Range] = {
 }
 
 # Numeric fields without a range: none today (every number has one).
-UNBOUNDED: dict[str, str] = {}
+UNBOUNDED: dict[str, str] = {
+    "actor.lora.rank": "0 (the default) means no adapters; a rank given in the config must be >= 1 "
+                       "(config/checks.py check_actor_lora), negative values are refused by "
+                       "LoraConfig",
+}
 
 
 def _choices(module: str, name: str) -> Callable[[], tuple[str, ...]]:

@@ -23,6 +23,12 @@ def validate_run_config(cfg: RunConfig) -> None:
     except (ModelSourceError, ModelConfigError) as exc:
         raise ConfigError(str(exc)) from exc
     validate_routing_replay(cfg, model.is_moe)
+    from megatron_rl.models.lora_config import LoraConfigError, lora_conflicts
+
+    if cfg.actor.lora.enabled:
+        for bad, why in lora_conflicts(cfg, model.is_moe):
+            raise ConfigError(str(LoraConfigError(f"actor.lora cannot be combined with {bad}: "
+                                                  f"{why}")))
     for old, new in (("prompt_field", "prompt_key"), ("answer_field", "answer_key")):
         if getattr(cfg.data, old) is not None:
             raise ConfigError(f"data.{old} was renamed data.{new}; use data.{new}="

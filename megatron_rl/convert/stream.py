@@ -18,6 +18,9 @@ Pipeline ownership (``broadcast_pp``):
 - ``True``: every rank yields every tensor. Stages take turns in order; the owning stage
   broadcasts each bucket (names/shapes first, then the tensors) over the pipeline group.
 
+LoRA: a weight with an adapter is sent merged, ``W + (alpha/rank)·B·A`` computed on each TP shard
+before the gather (one shard-sized temporary), so every sync strategy sends merged weights.
+
 Memory: one bucket plus one gathered tensor; there is never a full-model copy. At TP=1 a tensor
 that needs no re-layout is yielded as a view of the live parameter (copy it if you keep it past
 the next optimizer step). Names follow the HF checkpoint convention: no ``lm_head.weight`` when
@@ -39,6 +42,7 @@ from megatron_rl.models.weights import (
     gather_experts,
     is_expert_name,
     iter_local_params,
+    merged_shard,
     tp_info,
     unshard,
 )
@@ -47,9 +51,10 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 def gather_tp(name: str, param: torch.Tensor, group) -> torch.Tensor:
-    """Canonical full tensor of a (possibly TP-sharded) parameter. Collective over ``group``."""
+    """Canonical full tensor of a (possibly TP-sharded) parameter, its LoRA adapter merged shard
+    by shard (:func:`megatron_rl.models.weights.merged_shard`). Collective over ``group``."""
     partitioned, dim = tp_info(param)
-    data = param.detach()
+    data = merged_shard(param)
     tp = dist.get_world_size(group) if dist.is_initialized() else 1
     if not partitioned or tp == 1:
         return data

@@ -12,8 +12,9 @@ rows only (:func:`megatron_rl.models.heads.response_logits`), so no prompt-token
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,22 @@ def transformer_engine_importable() -> bool:
     except Exception:  # noqa: BLE001 - a broken TE install means "not available"
         return False
     return True
+
+
+_LOCAL_SPEC_ONLY: list[bool] = []  # non-empty inside local_spec_only()
+
+
+@contextlib.contextmanager
+def local_spec_only() -> Iterator[None]:
+    """Inside the block :func:`build_gpt_model` (``use_te=None``) builds megatron's local spec
+    even where Transformer Engine is available: LoRA adapters (:mod:`megatron_rl.models.lora`)
+    hook megatron's own ``ColumnParallelLinear``/``RowParallelLinear``, not TE's fused
+    layer-norm linears."""
+    _LOCAL_SPEC_ONLY.append(True)
+    try:
+        yield
+    finally:
+        _LOCAL_SPEC_ONLY.pop()
 
 
 def transformer_engine_available() -> bool:
@@ -183,7 +200,8 @@ def build_gpt_model(cfg: ModelConfig, params_dtype: torch.dtype = torch.float32,
     if seed is not None:
         torch.manual_seed(seed)
     tcfg = make_transformer_config(cfg, params_dtype, **config_overrides)
-    use_te = transformer_engine_available() if use_te is None else use_te
+    if use_te is None:
+        use_te = transformer_engine_available() and not _LOCAL_SPEC_ONLY
     if cfg.moe_grouped_gemm and not (use_te and transformer_engine_available()):
         raise RuntimeError(
             "model.moe_grouped_gemm=true needs Transformer Engine on a CUDA machine (the gpu "

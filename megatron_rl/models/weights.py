@@ -64,6 +64,29 @@ def _layer_offsets(model: torch.nn.Module) -> dict[int, int]:
     return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
 
 
+layer_offsets = _layer_offsets
+
+# LoRA (megatron_rl.models.lora): adapter tensors live in a submodule ``adapter`` of their linear
+# (names ``...linear_qkv.adapter.lora_A``; canonical ``...linear_qkv.lora_A``), and a base weight
+# with an adapter carries it as ``param.mrl_lora``.
+LORA_ATTR = "mrl_lora"
+
+
+def is_lora_name(name: str) -> bool:
+    """Whether a (local or canonical) parameter name is a LoRA adapter tensor."""
+    return ".adapter.lora_" in name or ".lora_A" in name or ".lora_B" in name
+
+
+def merged_shard(param: torch.Tensor) -> torch.Tensor:
+    """A base parameter's local shard with its LoRA adapter merged, ``W_i + (alpha/r)·B·A`` on
+    this rank's shard (:meth:`megatron_rl.models.lora.LoraAdapter.merged`); the parameter itself,
+    detached, when it has no adapter or the adapter is off."""
+    ad = getattr(param, LORA_ATTR, None)
+    if ad is None or not ad.enabled:
+        return param.detach()
+    return ad.merged(param.detach())
+
+
 def expert_rest(rest: str, shift: int, grouped: bool = False) -> str | None:
     """The one translation of a routed expert's in-layer tensor name (``rest`` follows
     ``decoder.layers.L.``); None when ``rest`` is not a routed expert's tensor.
@@ -202,10 +225,13 @@ def _tied(model: torch.nn.Module) -> bool:
 
 
 def iter_local_params(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """Yield ``(local_name, canonical_name, param)`` for every stored parameter of this stage."""
+    """Yield ``(local_name, canonical_name, param)`` for every stored parameter of this stage
+    (LoRA adapter tensors excluded: :mod:`megatron_rl.models.lora`)."""
     offsets = _layer_offsets(model)
     first_expert, _ = local_experts(model)
     for local, param in model.named_parameters():
+        if is_lora_name(local):  # adapters: megatron_rl.models.lora
+            continue
         name = canonical_name(local, offsets, first_expert)
         if name is None:
             continue
@@ -220,7 +246,8 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
     """Canonical full tensors of this pipeline stage (all-gathered over TP). Collective over TP.
 
     ``main`` maps ``id(param)`` to a tensor read instead of the parameter (the fp32 main weights
-    of a bf16/fp16 actor, :func:`megatron_rl.actor.precision.main_param_map`)."""
+    of a bf16/fp16 actor, :func:`megatron_rl.actor.precision.main_param_map`). A weight with a
+    LoRA adapter is read merged (``W + (alpha/rank)·B·A``, shard by shard)."""
     from megatron.core import parallel_state as ps
 
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
@@ -228,7 +255,7 @@ def gather_stage_state_dict(model: torch.nn.Module, tp_group=None,
     out: dict[str, torch.Tensor] = {}
     for _, name, param in iter_local_params(model):
         partitioned, dim = tp_info(param)
-        data = (main.get(id(param), param) if main else param).detach()
+        data = main[id(param)].detach() if main and id(param) in main else merged_shard(param)
         if is_expert_name(name):
             out.update((n, t.cpu()) for n, t in gather_experts(model, name, data))
         elif partitioned and tp > 1:

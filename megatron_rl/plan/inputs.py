@@ -72,6 +72,8 @@ class PlanInputs:
     head_chunk: int | None = None
     use_ref: bool = False
     offload_ref: bool = True
+    lora_rank: int = 0  # actor.lora.rank: frozen base + trainable adapters (0: full fine-tuning)
+    lora_targets: tuple = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     servers: int = 0
     server_tp: int = 1
     server_mem_fraction: float = 0.85
@@ -192,6 +194,7 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
         gen_responses=(r.gen_batch_size or t.train_batch_size) * r.n,
         fused_head=True if fused is None else fused, head_chunk=a.logprob_chunk_size,
         use_ref=cfg.loss.build().use_kl_loss, offload_ref=bool(getattr(a, "offload_ref", True)),
+        lora_rank=a.lora.rank, lora_targets=a.lora.modules,
         servers=servers if r.engine == "sglang" or servers else 0,
         server_tp=int(_sglang_field(cfg, "tp_size", 1)),
         server_mem_fraction=float(_sglang_field(cfg, "mem_fraction_static", 0.85)),

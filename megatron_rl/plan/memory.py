@@ -8,7 +8,9 @@
   holds ``min(pp, n_micro)``) with no / selective / full recomputation; the output head's working
   set (the fused kernel's row chunk, or the ``[tokens, V/TP]`` logits of the unfused op);
 * the **reference model** (only when the loss has a KL term): resident weights, or none on the GPU
-  when offloaded to CPU between its passes;
+  when offloaded to CPU between its passes; none with LoRA (the base with adapters off);
+* with LoRA (``actor.lora.rank``): the frozen base weights in the training dtype, and the main
+  weights, gradients and Adam moments of the adapters only;
 * one **rollout server** GPU (SGLang, ``server_tp`` GPUs per server): weights + the KV cache of the
   configured concurrency at full length, against the ``mem_fraction_static`` budget;
 * with ``rollout.sglang.colocate`` (servers on the actor's GPUs, taking turns): each phase of the
@@ -128,10 +130,40 @@ def optimizer_state_bytes(params: int, x: PlanInputs, shard: int | None = None,
     }
 
 
+def lora_layer_params(m: ModelConfig, rank: int, tp: int, targets) -> int:
+    """Adapter parameters of one layer on one TP rank (docs/lora.md): a column-parallel target
+    holds ``A [r, in]`` whole and ``B [out/tp, r]``, a row-parallel one ``A [r, in/tp]`` and
+    ``B [out, r]`` whole."""
+    h, f, d = m.hidden_size, m.intermediate_size, m.kv_channels
+    qkv_out = (m.num_attention_heads + 2 * m.num_key_value_heads) * d
+    shapes = {"linear_qkv": ("column", h, qkv_out), "linear_fc1": ("column", h, 2 * f),
+              "linear_proj": ("row", m.num_attention_heads * d, h), "linear_fc2": ("row", f, h)}
+    n = 0
+    for t in targets:
+        kind, fan_in, fan_out = shapes[t]
+        n += rank * fan_in + fan_out // tp * rank if kind == "column" else \
+            rank * fan_in // tp + fan_out * rank
+    return n
+
+
+def lora_state_bytes(x: PlanInputs, stage: int) -> dict[str, float]:
+    """A LoRA actor's GPU of ``stage``: the frozen base weights (no gradient, no optimizer
+    state) and the adapters with their weights, fp32 main copies, gradients and Adam moments."""
+    base = stage_params(x.model, x.tp, x.pp, stage, x.ep)
+    adapters = (x.model.num_hidden_layers // x.pp) * lora_layer_params(
+        x.model, x.lora_rank, x.tp, x.lora_targets)
+    items = {"weights (frozen base)": float(base * _dtype_bytes(x.precision))}
+    items.update(optimizer_state_bytes(adapters, x, prefix="LoRA adapter "))
+    return items
+
+
 def actor_state_bytes(x: PlanInputs, stage: int) -> dict[str, float]:
     """Weights, gradients and optimizer state of one GPU of ``stage``: the dense parts sharded
     over DP, an MoE model's experts (its EP shard) over the expert-data-parallel group, as
-    megatron-core's distributed optimizer does (one buffer per group)."""
+    megatron-core's distributed optimizer does (one buffer per group). With LoRA
+    (``x.lora_rank``): :func:`lora_state_bytes`."""
+    if x.lora_rank > 0:
+        return lora_state_bytes(x, stage)
     experts = stage_expert_params(x.model, x.pp, x.ep)
     dense = stage_params(x.model, x.tp, x.pp, stage, x.ep) - experts
     items = optimizer_state_bytes(dense, x, prefix="dense " if x.model.is_moe else "")
@@ -217,7 +249,9 @@ def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
             if x.pp > 1:  # the last stage holds one micro-batch's activations
                 items.update(activation_bytes(dataclasses.replace(x, n_micro=1, pp=x.pp)))
             items.update(head_bytes(x))
-        if x.use_ref:
+        if x.use_ref and x.lora_rank > 0:
+            items["reference model (the base, adapters off: no copy)"] = 0.0
+        elif x.use_ref:
             p = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
             items["reference model" + (" (offloaded to CPU)" if x.offload_ref else "")] = (
                 0.0 if x.offload_ref else p)

@@ -39,7 +39,10 @@ def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, floa
     out = {"rollout (one generation round)": gen * (2 * body + attn_coef * x.seq_len)
            + x.rollout_responses * x.response_len * head,
            "old-policy log-probs": fwd,
-           "train (fwd + bwd)": 3 * fwd + recompute[x.recompute] + resp * head}  # head recompute
+           # backward: input gradients + weight gradients (LoRA: no weight gradients of the
+           # frozen base; the adapters' are negligible)
+           "train (fwd + bwd)": (2 if x.lora_rank > 0 else 3) * fwd + recompute[x.recompute]
+           + resp * head}  # head recompute
     if x.use_ref:
         out["reference log-probs"] = fwd
     return out

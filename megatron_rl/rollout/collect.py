@@ -132,6 +132,8 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
     metrics.update(rollout_metrics(shaped_all, records))
     metrics.update({f"rollout/{k}": float(v) for k, v in counters.items()})
     metrics.update(getattr(engine, "pop_metrics", dict)())  # SGLang fleet: lag, retries
+    if not hasattr(engine, "pop_metrics") and getattr(engine, "last_sync_bytes", None):
+        metrics["rollout/weight_sync_bytes"] = float(engine.last_sync_bytes)  # embedded engine
     return records, metrics
 
 

@@ -41,13 +41,30 @@ def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str
     else:
         buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True)
         if engine is not None:
-            out = engine.update_weights(as_engine_dtype(buckets, engine), version)
+            sent = [0]
+            out = engine.update_weights(counted(as_engine_dtype(buckets, engine), sent), version)
+            note_sync_bytes(engine, sent[0])
         else:
             for _ in buckets:
                 pass
     if hooks is not None:
         hooks.after_send()
     return out
+
+
+def counted(buckets, box: list):
+    """The buckets unchanged, adding their bytes to ``box[0]`` as they pass."""
+    for bucket in buckets:
+        box[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+        yield bucket
+
+
+def note_sync_bytes(engine, nbytes: int) -> None:
+    """Record the bytes of the last weight sync: ``rollout/weight_sync_bytes`` in the step's
+    metrics where the engine reports sync metrics, else ``engine.last_sync_bytes``."""
+    engine.last_sync_bytes = nbytes
+    if hasattr(engine, "note_sync"):
+        engine.note_sync({"weight_sync_bytes": float(nbytes)})
 
 
 def as_engine_dtype(buckets, engine):

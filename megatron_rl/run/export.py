@@ -25,6 +25,7 @@ from megatron_rl.actor.actor import Actor
 from megatron_rl.config.sections import RunConfig
 
 HF_SUBDIR = "hf"
+PEFT_SUBDIR = "peft"  # LoRA runs: the PEFT adapter directory of each checkpoint
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -50,10 +51,28 @@ class ExportingActor(Actor):
 
     def save(self, root: str, step: int, trainer_state: dict | None = None) -> str:
         path = super().save(root, step, trainer_state)
+        if self.lora is not None:  # adapter-only checkpoint: export from the live actor
+            export_lora(self, path, self.run_cfg)
+            dist.barrier()
+            return path
         export_checkpoint(path, self.run_cfg, os.path.join(path, HF_SUBDIR),
                           rank=dist.get_rank(), world_size=dist.get_world_size())
         dist.barrier()
         return path
+
+
+def export_lora(actor: Actor, ckpt_dir: str, cfg: RunConfig) -> None:
+    """A LoRA actor's exports next to its checkpoint (collective): ``<ckpt>/peft`` (PEFT adapter
+    directory) and ``<ckpt>/hf`` (merged weights, with the tokenizer files)."""
+    from megatron_rl.convert.hf_io import copy_assets
+    from megatron_rl.convert.lora_export import export_merged_hf, export_peft
+    from megatron_rl.convert.model_source import tokenizer_dir
+
+    export_peft(actor, os.path.join(ckpt_dir, PEFT_SUBDIR), base_model=cfg.model.hf_path)
+    out = export_merged_hf(actor, os.path.join(ckpt_dir, HF_SUBDIR))
+    tok = tokenizer_dir(cfg.model)
+    if out is not None and tok:
+        copy_assets(tok, out, lambda _m: None)
 
 
 def export_checkpoint(ckpt_dir: str, cfg: RunConfig, out_dir: str, rank: int = 0,
@@ -128,8 +147,23 @@ def load_run_config(run_dir: str) -> RunConfig:
         return _build(RunConfig, json.load(f), "")
 
 
-def export_run(run_dir: str, step: int | None, out_dir: str) -> str:
-    """``python -m megatron_rl export``: the HF directory of a run's checkpoint (one process)."""
+def export_run(run_dir: str, step: int | None, out_dir: str, fmt: str = "hf") -> str:
+    """``python -m megatron_rl export``: the HF directory of a run's checkpoint (one process).
+    A LoRA run's checkpoints hold the adapters only; their exports were written at save time
+    (``fmt``: ``hf`` the merged weights, ``peft`` the adapter directory) and are copied."""
     cfg = load_run_config(run_dir)
     ckpt = checkpoint_for_step(run_dir, step)
+    if cfg.actor.lora.enabled:
+        src = os.path.join(ckpt, PEFT_SUBDIR if fmt == "peft" else HF_SUBDIR)
+        if not os.path.isdir(src):
+            raise FileNotFoundError(f"{src} does not exist: a LoRA checkpoint holds the adapters "
+                                    "only, and its exports are written when it is saved "
+                                    "(trainer.export_hf: true)")
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        shutil.copytree(src, out_dir)
+        return out_dir
+    if fmt == "peft":
+        raise ValueError(f"--format peft needs a LoRA run; {run_dir} trained all weights "
+                         "(actor.lora.rank 0)")
     return export_checkpoint(ckpt, cfg, out_dir, log=print)

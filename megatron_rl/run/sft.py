@@ -55,7 +55,9 @@ def run_sft(cfg, tokenizer, train_rows: list[dict] | None, make_actor) -> tuple[
                        s.steps, actor_cfg=dataclasses.replace(
                            cfg.actor, micro_batch_size=micro, mini_batch_size=0, ppo_epochs=1,
                            temperature=1.0,  # supervised NLL of the model itself (T = 1)
-                           routing_replay="none"))  # dataset text: no rollout routing to replay
+                           routing_replay="none",  # dataset text: no rollout routing to replay
+                           # the warm start makes the base model: all weights (LoRA is RL's)
+                           lora=dataclasses.replace(cfg.actor.lora, rank=0)))
     rng = random.Random(cfg.trainer.seed)
     dp_rank = ps.get_data_parallel_rank()
     log = []

@@ -62,11 +62,15 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     if not resuming:
         init_state, _ = initial_weights(cfg, tok, driver.train_rows, setup.make_actor)
     controller = setup.entropy_controller(cfg)
+    # LoRA: the checkpoints hold the adapters only; a resumed run rebuilds its frozen base from
+    # the initial weights, which are kept like a reference policy's
+    lora = cfg.actor.lora.enabled
+    ref_state = reference_weights(t.output_dir, loss_cfg.use_kl_loss or needs_reference(cfg)
+                                  or lora, init_state, resuming)
     actor = setup.make_actor(
         cfg, cfg.optim, loss_cfg, t.total_steps * setup.opt_steps_per_rl_step(cfg),
-        full_state=init_state, entropy_controller=controller, use_reference=needs_reference(cfg),
-        ref_state=reference_weights(t.output_dir, loss_cfg.use_kl_loss or needs_reference(cfg),
-                                    init_state, resuming))
+        full_state=ref_state if lora and resuming else init_state, entropy_controller=controller,
+        use_reference=needs_reference(cfg), ref_state=ref_state)
     critic = setup.make_critic(cfg, init_state) if t.advantage == "gae" else None
     critic_root = os.path.join(t.output_dir, "critic_checkpoints")
     del init_state
