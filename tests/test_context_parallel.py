@@ -1,0 +1,192 @@
+"""Context parallelism (``parallel.cp``): layout, exact CP attention, CP1 vs CP2 invariance.
+
+Single-process tests check the load-balanced split, the token budget's per-rank count and the
+load-time errors. ONE spawned 2-rank gloo job runs the same actor (same weights, same global
+batch of right-padded rows whose length 22 is not a multiple of 2 x CP, so the CP path pads)
+at DP2xCP1 and at DP1xCP2, for DAPO + Clip-Cov (pre-pass statistics) and GSPO, and compares:
+the old pass's log-probs and entropies, the Clip-Cov token selection, the update metrics (loss
+and statistics) and the reduced gradients. (DP2 vs one process is covered by the DP layout
+tests; both layouts here use all the world's two ranks.)
+
+fp32 slack: CP attention computes each query row's scores against the same keys as CP 1 but in a
+``[S/CP, S]`` GEMM instead of ``[S, S]`` and the gradient of K/V arrives as a sum over CP ranks,
+so summation orders differ in the last bits. Measured on this batch: log-probs and entropies
+(values ~5) within 4.8e-7 absolute (asserted: 2e-6), loss and metrics within 1e-7 relative
+(asserted: 1e-6), gradients 3e-7 relative L2 (asserted: 1e-6); the selected token sets are
+identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.actor.micro_batches import TokenBudgetError, rank_tokens, token_budget_groups
+from megatron_rl.parallel.backend import ParallelConfigError
+from megatron_rl.parallel.context_parallel import (
+    gathered_order,
+    local_positions,
+    padded_length,
+    split_rows,
+)
+from megatron_rl.parallel.launch import spawn
+from megatron_rl.parallel.runtime import validate_layout
+
+SEQS, SEQ, VOCAB = 4, 22, 256
+
+
+# ---- single process ----------------------------------------------------------------------------
+def test_load_balanced_split():
+    """Rank r holds chunks r and 2CP-1-r of the row padded to a multiple of 2CP; the ranks
+    together hold every position once, and the gather order puts them back in place."""
+    assert padded_length(22, 2) == 24 and padded_length(22, 1) == 22
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert local_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    for cp in (2, 4):
+        held = torch.cat([local_positions(8 * cp, cp, r) for r in range(cp)])
+        assert torch.equal(held[gathered_order(8, cp)], torch.arange(8 * cp))
+    row = torch.arange(22).view(1, 22)
+    parts = [split_rows(row, 2, r, fill=-1) for r in range(2)]
+    assert parts[0].tolist() == [[0, 1, 2, 3, 4, 5, 18, 19, 20, 21, -1, -1]]
+    assert parts[1].tolist() == [[6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+def test_token_budget_counts_tokens_per_rank_after_the_split():
+    """verl#3415: a budget counts each rank's tokens after the CP split (rows padded to 2CP),
+    not the rows' tokens; at CP2 a micro-batch carries about twice the row tokens of CP1."""
+    assert (rank_tokens(22, 1), rank_tokens(22, 2), rank_tokens(24, 4)) == (22, 12, 6)
+    assert rank_tokens(25, 4) == 8  # 25 -> 32 padded, 8 per rank
+    lengths = [22, 22, 22, 22]
+    assert token_budget_groups(lengths, 48) == [[0, 1], [2, 3]]  # 2 rows x 22 <= 48
+    assert token_budget_groups(lengths, 48, cp=2) == [[0, 1, 2, 3]]  # 4 rows x 12 per rank
+    assert token_budget_groups(lengths, 24, cp=2) == [[0, 1], [2, 3]]
+    with pytest.raises(TokenBudgetError, match="12 per rank at parallel.cp=2"):
+        token_budget_groups(lengths, 11, cp=2)
+
+
+def test_layout_errors_name_the_fields():
+    assert validate_layout(8, 2, 1, None, cp=2) == 2
+    with pytest.raises(ParallelConfigError, match=r"context_parallel_size \(2\) x "
+                                                  r"data_parallel_size \(2\) = 16"):
+        validate_layout(8, 2, 2, 2, cp=2)
+    with pytest.raises(ParallelConfigError, match="context_parallel_size must be a positive"):
+        validate_layout(2, 1, 1, None, cp=0)
+    with pytest.raises(ParallelConfigError, match=r"not divisible .* context_parallel_size"):
+        validate_layout(6, 1, 1, None, cp=4)
+
+
+# ---- one 2-rank job: CP1 (DP2) vs CP2 (DP1) -----------------------------------------------------
+def make_global_batch(seed: int = 0) -> dict:
+    """Prompt + right-padded response rows (one ends at the last column), advantages, noise."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (SEQS, SEQ), generator=g)
+    mask = torch.zeros(SEQS, SEQ, dtype=torch.bool)
+    for b, (p, r) in enumerate([(3, 12), (5, 9), (2, 20), (6, 4)]):
+        mask[b, p:p + r] = True
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(SEQS, SEQ).contiguous()
+    noise = 0.3 * torch.randn(SEQS, SEQ, generator=g)
+    return {"tokens": tokens, "mask": mask, "advantages": adv * mask, "old_noise": noise}
+
+
+def loss_configs() -> dict:
+    from megatron_rl.loss import LossConfig
+
+    return {
+        # DAPO clip-higher + Clip-Cov (first update: statistics from the old pass)
+        "dapo_clip_cov": LossConfig.for_algorithm(
+            "clip_cov", clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=0.1,
+            clip_cov_lb=-100.0, clip_cov_ub=100.0, cov_stat_source="prepass"),
+        "gspo": LossConfig.for_algorithm("gspo", clip_ratio_low=0.05, clip_ratio_high=0.05,
+                                         loss_agg_mode="seq-mean-token-mean"),
+    }
+
+
+def _run_layout(dp: int, cp: int, name: str, loss_cfg) -> dict:
+    """One old pass + one update (one mini-batch, one row per micro-batch, so the micro-batches
+    are the same rows at both layouts) at DP x CP; the whole batch's values."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor import train_step
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, dp=dp, cp=cp, timeout_s=120)
+    full = make_global_batch()
+    r = ps.get_data_parallel_rank()
+    rows = slice(r * SEQS // dp, (r + 1) * SEQS // dp)
+    batch = {k: v[rows].clone() for k, v in full.items()}
+    noise = batch.pop("old_noise")
+    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=1),
+                  OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0), loss_cfg,
+                  total_steps=1, seed=7)
+    picked: list[torch.Tensor] = []
+    orig = train_step.PolicyUpdater._cov_selection
+
+    def record(self, mbs, ctx, *args, **kwargs):  # the selected tokens, as the loss gets them
+        selected, stats = orig(self, mbs, ctx, *args, **kwargs)
+        if selected is not None:
+            picked.append(torch.cat([s.bool() for s in selected]))
+        return selected, stats
+
+    train_step.PolicyUpdater._cov_selection = record
+    try:
+        actor.add_old_logprobs(batch)
+        batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
+        history = actor.update(batch, 0)
+    finally:
+        train_step.PolicyUpdater._cov_selection = orig
+    grads = torch.cat([p.main_grad.detach().flatten().double()
+                       for p in actor.model.parameters()])
+    local = {"logp": batch["old_logp"] - noise * batch["mask"],
+             "entropy": batch["old_entropy"],
+             "selected": torch.cat(picked) if picked else None}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (r, local))
+    by_dp = dict(every)  # CP peers hold the same rows: one entry per DP rank
+    out = {k: None if by_dp[0][k] is None else torch.cat([by_dp[i][k] for i in range(dp)])
+           for k in local}
+    out["cp_peers_agree"] = all(torch.equal(v["logp"], by_dp[rr]["logp"]) for rr, v in every)
+    out.update(history=history, grads=grads)
+    return out
+
+
+def _cp_worker() -> dict:
+    from megatron_rl.parallel import runtime
+
+    results = {}
+    for name, cfg in loss_configs().items():
+        results[name] = {(dp, cp): _run_layout(dp, cp, name, cfg) for dp, cp in ((2, 1), (1, 2))}
+    runtime.shutdown()
+    return results
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cp2_matches_cp1():
+    """DP2xCP1 vs DP1xCP2 in one 2-rank job: log-probs, entropy, selected tokens, loss and
+    metrics, gradients (fp32 slack: see the module docstring)."""
+    reports = spawn(_cp_worker, 2, timeout_s=360)
+    for rank, res in enumerate(reports):
+        for name, by_layout in res.items():
+            a, b = by_layout[(2, 1)], by_layout[(1, 2)]
+            assert b["cp_peers_agree"], (rank, name)
+            assert torch.allclose(b["logp"], a["logp"], atol=2e-6, rtol=0), (rank, name)
+            assert torch.allclose(b["entropy"], a["entropy"], atol=2e-6, rtol=0), (rank, name)
+            if a["selected"] is not None:
+                assert a["selected"].any(), name  # the bounds select something
+                assert torch.equal(a["selected"], b["selected"]), (rank, name)
+            assert len(a["history"]) == len(b["history"]) == 1
+            for ma, mb in zip(a["history"], b["history"]):
+                assert ma.keys() == mb.keys(), name
+                for k in ma:
+                    assert mb[k] == pytest.approx(ma[k], rel=1e-6, abs=1e-7), (rank, name, k)
+            assert _rel(b["grads"], a["grads"]) <= 1e-6, (rank, name)
