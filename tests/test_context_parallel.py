@@ -76,6 +76,24 @@ def test_layout_errors_name_the_fields():
         validate_layout(6, 1, 1, None, cp=4)
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (["parallel.cp=2", "actor.pack_sequences=true"], "parallel.cp=2 needs padded rows"),
+    (["parallel.cp=3"], r"max_position_embeddings \(512\) is not a multiple of 2 x "
+                        r"parallel.cp = 6"),
+    (["parallel.cp=2", "actor.routing_replay=r2", "model.preset=tiny-qwen3-moe"],
+     "parallel.cp=2 is not supported with actor.routing_replay"),
+    (["parallel.cp=0"], "parallel.cp"),
+])
+def test_config_refuses_impossible_cp_layouts(overrides, match):
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+    cfg = load_config(None, ["parallel.cp=2"])  # padded rows, dense model: accepted
+    assert cfg.parallel.cp == 2
+
+
 # ---- one 2-rank job: CP1 (DP2) vs CP2 (DP1) -----------------------------------------------------
 def make_global_batch(seed: int = 0) -> dict:
     """Prompt + right-padded response rows (one ends at the last column), advantages, noise."""

@@ -72,7 +72,7 @@ def layout_worker(tp: int, pp: int, preset: str, full_state: dict | None, micro_
                                    chunk_size=chunk_size)
     wall = time.perf_counter() - t0
     reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-                and ps.get_data_parallel_rank() == 0)
+                and runtime.first_replica())
     result = None
     if reporter:
         result = {"outs": outs, "wall_s": wall}

@@ -32,6 +32,7 @@ def validate_run_config(cfg: RunConfig) -> None:
                           f"{cfg.data.max_prompt_length}")
     cfg.loss.build()
     validate_parallel_section(cfg.parallel)
+    validate_context_parallel(cfg, model.max_position_embeddings)
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "
                           f"{ADVANTAGES}")
@@ -88,6 +89,36 @@ def validate_parallel_section(p: ParallelSection) -> None:
         raise ConfigError(f"parallel.ep={p.ep} must divide the ranks of a pipeline stage, "
                           f"parallel.tp x parallel.dp = {p.tp * p.dp} (megatron-core carves "
                           "expert parallelism out of them)")
+
+
+def validate_context_parallel(cfg: RunConfig, max_positions: int) -> None:
+    """``parallel.cp`` > 1 (each sequence split over cp ranks, docs/parallelism.md): the paths
+    that cannot split a sequence are refused here, naming the fields. Rows are padded to a
+    multiple of ``2 x cp`` inside the forward, so the model's position table must hold that
+    padding: ``max_position_embeddings`` a multiple of ``2 x cp``."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.actor.pack_sequences:
+        raise ConfigError(f"parallel.cp={cp} needs padded rows: actor.pack_sequences=true runs "
+                          "packed (THD) rows, which have no context-parallel attention on the "
+                          "SDPA backend; set actor.pack_sequences=false or parallel.cp=1")
+    if cfg.trainer.advantage == "gae":
+        raise ConfigError(f"parallel.cp={cp} is not supported with trainer.advantage='gae' "
+                          "(the critic runs unsplit sequences); allowed with parallel.cp > 1: "
+                          "the critic-free advantages")
+    if cfg.actor.routing_replay != "none":
+        raise ConfigError(f"parallel.cp={cp} is not supported with actor.routing_replay="
+                          f"{cfg.actor.routing_replay!r} (routed experts are recorded per whole "
+                          "sequence); use actor.routing_replay=none or parallel.cp=1")
+    if cfg.parallel.ep > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.ep={cfg.parallel.ep} is not "
+                          "supported (allowed with parallel.cp > 1: parallel.ep=1)")
+    if max_positions % (2 * cp):
+        raise ConfigError(f"parallel.cp={cp}: the model's max_position_embeddings "
+                          f"({max_positions}) is not a multiple of 2 x parallel.cp = {2 * cp}; "
+                          "sequences are padded to a multiple of 2 x cp, so the longest padded "
+                          "sequence would not fit the position table")
 
 
 def validate_env_critic(cfg: RunConfig) -> None:

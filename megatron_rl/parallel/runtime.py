@@ -314,6 +314,14 @@ def last_stage_rank() -> int:
     return int(t.item())
 
 
+def first_replica() -> bool:
+    """True on the ranks of DP replica 0 and CP rank 0: the one copy of the weights that sends
+    them (weight sync) or reports them. Weights are replicated over DP and over CP."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+
 def shutdown() -> None:
     """Tear down megatron parallel_state and torch.distributed (safe to call twice)."""
     from megatron.core import parallel_state as ps
