@@ -1,12 +1,12 @@
 """Context parallelism (``parallel.cp``): layout, exact CP attention, CP1 vs CP2 invariance.
 
 Single-process tests check the load-balanced split, the token budget's per-rank count and the
-load-time errors. ONE spawned 2-rank gloo job runs the same actor (same weights, same global
+load-time errors. One spawned 2-rank gloo job runs the same actor (same weights, same global
 batch of right-padded rows whose length 22 is not a multiple of 2 x CP, so the CP path pads)
-at DP2xCP1 and at DP1xCP2, for DAPO + Clip-Cov (pre-pass statistics) and GSPO, and compares:
-the old pass's log-probs and entropies, the Clip-Cov token selection, the update metrics (loss
-and statistics) and the reduced gradients. (DP2 vs one process is covered by the DP layout
-tests; both layouts here use all the world's two ranks.)
+at DP2xCP1 and at DP1xCP2, for DAPO + Clip-Cov and GSPO, and compares: the old pass's
+log-probs and entropies, the Clip-Cov token selection, the update metrics (loss and
+statistics) and the reduced gradients; a 4-rank job does the same at PP2 (DAPO + Clip-Cov).
+(DP2 vs one process is covered by the DP layout tests; both layouts use the same ranks.)
 
 fp32 slack: CP attention computes each query row's scores against the same keys as CP 1 but in a
 ``[S/CP, S]`` GEMM instead of ``[S, S]`` and the gradient of K/V arrives as a sum over CP ranks,
@@ -120,7 +120,7 @@ def loss_configs() -> dict:
     }
 
 
-def _run_layout(dp: int, cp: int, name: str, loss_cfg) -> dict:
+def _run_layout(dp: int, cp: int, name: str, loss_cfg, tp: int = 1, pp: int = 1) -> dict:
     """One old pass + one update (one mini-batch, one row per micro-batch, so the micro-batches
     are the same rows at both layouts) at DP x CP; the whole batch's values."""
     import torch.distributed as dist
@@ -133,7 +133,7 @@ def _run_layout(dp: int, cp: int, name: str, loss_cfg) -> dict:
     from megatron_rl.models.config import get_preset
     from megatron_rl.parallel import runtime
 
-    runtime.init_parallel(tp=1, pp=1, dp=dp, cp=cp, timeout_s=120)
+    runtime.init_parallel(tp=tp, pp=pp, dp=dp, cp=cp, timeout_s=120)
     full = make_global_batch()
     r = ps.get_data_parallel_rank()
     rows = slice(r * SEQS // dp, (r + 1) * SEQS // dp)
@@ -154,31 +154,41 @@ def _run_layout(dp: int, cp: int, name: str, loss_cfg) -> dict:
     train_step.PolicyUpdater._cov_selection = record
     try:
         actor.add_old_logprobs(batch)
-        batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
+        if "old_logp" in batch:  # last stage
+            batch["old_logp"] = batch["old_logp"] + noise * batch["mask"]
         history = actor.update(batch, 0)
     finally:
         train_step.PolicyUpdater._cov_selection = orig
     grads = torch.cat([p.main_grad.detach().flatten().double()
                        for p in actor.model.parameters()])
-    local = {"logp": batch["old_logp"] - noise * batch["mask"],
-             "entropy": batch["old_entropy"],
+    last = ps.is_pipeline_last_stage()
+    local = {"logp": batch["old_logp"] - noise * batch["mask"] if last else None,  # the pass's
+             "entropy": batch.get("old_entropy"),
              "selected": torch.cat(picked) if picked else None}
+    where = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), r,
+             ps.get_context_parallel_rank())
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (r, local))
-    by_dp = dict(every)  # CP peers hold the same rows: one entry per DP rank
-    out = {k: None if by_dp[0][k] is None else torch.cat([by_dp[i][k] for i in range(dp)])
-           for k in local}
-    out["cp_peers_agree"] = all(torch.equal(v["logp"], by_dp[rr]["logp"]) for rr, v in every)
-    out.update(history=history, grads=grads)
+    dist.all_gather_object(every, (where, local, grads, history))
+    table = {w: rest for w, *rest in every}
+    tail = pp - 1  # rows of the whole batch: last stage, TP rank 0, one entry per DP rank
+    out = {k: None if table[(tail, 0, 0, 0)][0][k] is None else
+           torch.cat([table[(tail, 0, i, 0)][0][k] for i in range(dp)]) for k in local}
+    out["cp_peers_agree"] = all(torch.equal(loc["logp"], table[(p, t, d, 0)][0]["logp"])
+                                for (p, t, d, _c), (loc, _g, _h) in table.items() if p == tail)
+    # the gradient of every weight: TP rank 0 of every stage (TP ranks hold slices)
+    out["grads"] = torch.cat([table[(p, 0, 0, 0)][1] for p in range(pp)])
+    out["history"] = table[(tail, 0, 0, 0)][2]
     return out
 
 
-def _cp_worker() -> dict:
+def _cp_worker(tp: int = 1, pp: int = 1, names: tuple[str, ...] | None = None) -> dict:
     from megatron_rl.parallel import runtime
 
     results = {}
     for name, cfg in loss_configs().items():
-        results[name] = {(dp, cp): _run_layout(dp, cp, name, cfg) for dp, cp in ((2, 1), (1, 2))}
+        if names is None or name in names:
+            results[name] = {(dp, cp): _run_layout(dp, cp, name, cfg, tp=tp, pp=pp)
+                             for dp, cp in ((2, 1), (1, 2))}
     runtime.shutdown()
     return results
 
@@ -189,10 +199,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_cp2_matches_cp1():
-    """DP2xCP1 vs DP1xCP2 in one 2-rank job: log-probs, entropy, selected tokens, loss and
-    metrics, gradients (fp32 slack: see the module docstring)."""
-    reports = spawn(_cp_worker, 2, timeout_s=360)
+@pytest.mark.parametrize("tp,pp,names", [(1, 1, None), (1, 2, ("dapo_clip_cov",))],
+                         ids=["tp1pp1", "pp2"])
+def test_cp2_matches_cp1(tp, pp, names):
+    """DP2xCP1 vs DP1xCP2 in one job (2 ranks; 4 with PP2: the pipeline's P2P shapes are the
+    CP-split ones): log-probs, entropy, selected tokens, loss and metrics, gradients (fp32
+    slack: see the module docstring)."""
+    reports = spawn(_cp_worker, 2 * tp * pp, (tp, pp, names), timeout_s=360)
     for rank, res in enumerate(reports):
         for name, by_layout in res.items():
             a, b = by_layout[(2, 1)], by_layout[(1, 2)]
