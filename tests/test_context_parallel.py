@@ -94,6 +94,64 @@ def test_config_refuses_impossible_cp_layouts(overrides, match):
     assert cfg.parallel.cp == 2
 
 
+def _attention(heads: int = 8, groups: int = 2, d: int = 16):
+    """An :class:`SDPAttention` of one layer (TP 1) without parallel_state."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl.models.attention import SDPAttention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                            num_query_groups=groups, kv_channels=d, attention_dropout=0.0,
+                            use_cpu_initialization=True)
+    one = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    return SDPAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=one)
+
+
+def _cp_attention_matches_causal(device: str, dtype: torch.dtype, sdpa: bool, atol: float):
+    """Each CP rank's rows of :meth:`SDPAttention.global_causal` (its queries against the whole
+    row's keys, mask on global positions) equal the unsplit causal attention's rows, forward and
+    gradients (summed over ranks, as the K/V gather's reduce-scatter does)."""
+    attn = _attention()
+    attn.use_sdpa_on_cpu = sdpa
+    g = torch.Generator().manual_seed(0)
+    s, b, d = 24, 2, 16
+    q0, k0, v0 = (torch.randn(s, b, n, d, generator=g).to(device, dtype) for n in (8, 2, 2))
+    w = torch.randn(s, b, 8 * d, generator=g).to(device, dtype)
+    q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+    ref = attn(q, k, v, None)
+    (ref.float() * w.float()).sum().backward()
+    for cp in (2, 4):
+        grads = [torch.zeros_like(x, dtype=torch.float32) for x in (q0, k0, v0)]
+        for r in range(cp):
+            pos = local_positions(s, cp, r, device)
+            ql, kf, vf = (x.clone().requires_grad_() for x in (q0[pos], k0, v0))
+            out = attn.global_causal(ql, kf, vf, pos)
+            torch.testing.assert_close(out.float(), ref[pos].float(), atol=atol, rtol=0)
+            (out.float() * w[pos].float()).sum().backward()
+            grads[0][pos] += ql.grad.float()
+            grads[1] += kf.grad.float()
+            grads[2] += vf.grad.float()
+        for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(got, want.float(), atol=10 * atol, rtol=0)
+
+
+@pytest.mark.parametrize("sdpa", [False, True], ids=["megatron_order", "sdpa_kernel"])
+def test_cp_attention_rows_equal_causal_attention(sdpa):
+    _cp_attention_matches_causal("cpu", torch.float32, sdpa, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cp_attention_rows_equal_causal_attention_cuda(dtype):
+    """The CUDA path (SDPA with the global-position mask) on one GPU: fp32 1e-5, bf16 2e-2
+    (bf16 outputs; the unsplit reference runs is_causal kernels, the CP rows a masked one)."""
+    _cp_attention_matches_causal("cuda", dtype, True, atol=1e-5 if dtype == torch.float32
+                                 else 2e-2)
+
+
 # ---- one 2-rank job: CP1 (DP2) vs CP2 (DP1) -----------------------------------------------------
 def make_global_batch(seed: int = 0) -> dict:
     """Prompt + right-padded response rows (one ends at the last column), advantages, noise."""

@@ -218,10 +218,18 @@ class SDPAttention(MegatronModule):
                                       "parallelism (only causal rows are split)")
         cp = torch.distributed.get_world_size(self.cp_group)
         rank = torch.distributed.get_rank(self.cp_group)
-        sq, b = query.shape[0], query.shape[1]
         key, value = gather_sequence(key, self.cp_group), gather_sequence(value, self.cp_group)
-        pos_q = local_positions(sq * cp, cp, rank, query.device)
-        keep = pos_q[:, None] >= torch.arange(sq * cp, device=query.device)[None, :]
+        pos_q = local_positions(query.shape[0] * cp, cp, rank, query.device)
+        return self.global_causal(query, key, value, pos_q)
+
+    def global_causal(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      pos_q: torch.Tensor) -> torch.Tensor:
+        """Queries ``[Sq, B, h, D]`` at global positions ``pos_q [Sq]`` (int64) against all
+        keys/values ``[Sk, B, g, D]`` of the row (global order): query ``i`` sees keys
+        ``0..pos_q[i]``. Returns ``[Sq, B, h*D]`` (megatron's operation order on CPU, SDPA with
+        a boolean mask on CUDA or with ``use_sdpa_on_cpu``)."""
+        sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
+        keep = pos_q[:, None] >= torch.arange(sk, device=query.device)[None, :]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, h|g, S, D]
         if not q.is_cuda and not self.use_sdpa_on_cpu:
             return self._megatron_order(q, k, v, keep, False)
