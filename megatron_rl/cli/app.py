@@ -13,7 +13,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     rep = parity(args.tp, args.pp, preset=args.model, micro_batches=args.micro_batches,
                  batch=args.batch, seq=args.seq, seed=args.seed, temperature=args.temperature,
-                 chunk_size=args.chunk_size)
+                 chunk_size=args.chunk_size, cp=args.cp)
     print(format_report(rep, args.atol))
     return 0 if rep.ok(args.atol) else 1
 
@@ -299,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "TP1xPP1 on the same weights (gloo processes on CPU)")
     c.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     c.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    c.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence split over cp ranks (default 1)")
     c.add_argument("--model", default="tiny", help="model preset (default tiny)")
     c.add_argument("--micro-batches", type=int, default=2,
                    help="micro-batches per pipeline pass (default 2)")
