@@ -62,7 +62,8 @@ class Plan:
     @property
     def layout(self) -> str:
         x = self.inputs
-        return f"TP{x.tp}xPP{x.pp}xDP{x.dp}" + (f"xEP{x.ep}" if x.model.is_moe else "")
+        return (f"TP{x.tp}xPP{x.pp}" + (f"xCP{x.cp}" if x.cp > 1 else "") + f"xDP{x.dp}"
+                + (f"xEP{x.ep}" if x.model.is_moe else ""))
 
 
 def make_plan(x: PlanInputs) -> Plan:
