@@ -25,7 +25,14 @@ from megatron_rl.plan.memory import (
     stage_params,
     total_params,
 )
-from megatron_rl.plan.step_time import ALLTOALL, alltoall_bytes, step_seconds, swap_seconds
+from megatron_rl.plan.step_time import (
+    ALLTOALL,
+    CP_KV,
+    alltoall_bytes,
+    cp_kv_bytes,
+    step_seconds,
+    swap_seconds,
+)
 
 
 @dataclass
@@ -195,6 +202,10 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
         f"communication: the MoE all-to-all only ({alltoall_bytes(x) / GIB:.1f} GiB per GPU per "
         f"step leave the rank, {x.intra_node_gbps:g} GB/s in a node, {x.inter_node_gbps:g} GB/s "
         f"between nodes of {x.gpus_per_node} GPUs)")
+    if CP_KV in p.seconds:
+        comm = (f"communication: the CP K/V exchange only ({cp_kv_bytes(x) / GIB:.1f} GiB per GPU "
+                f"per step, {x.intra_node_gbps:g} GB/s in a node, {x.inter_node_gbps:g} GB/s "
+                f"between nodes of {x.gpus_per_node} GPUs, not overlapped)")
     lines += ["", f"step time at MFU {x.mfu:.0%} (actor), {x.rollout_mfu:.0%} (rollout), "
                   f"{x.peak_tflops:g} TFLOP/s peak, padded max lengths (upper bound), "
                   f"{comm}:"]
