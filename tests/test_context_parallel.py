@@ -3,7 +3,8 @@
 Single-process tests check the load-balanced split, the token budget's per-rank count and the
 load-time errors. One spawned 2-rank gloo job runs the same actor (same weights, same global
 batch of right-padded rows whose length 22 is not a multiple of 2 x CP, so the CP path pads)
-at DP2xCP1 and at DP1xCP2, for DAPO + Clip-Cov and GSPO, and compares: the old pass's
+at DP2xCP1 and at DP1xCP2, for DAPO + Clip-Cov and GSPO (with the fused log-prob/entropy head),
+and compares: the old pass's
 log-probs and entropies, the Clip-Cov token selection, the update metrics (loss and
 statistics) and the reduced gradients; a 4-rank job does the same at PP2 (DAPO + Clip-Cov).
 (DP2 vs one process is covered by the DP layout tests; both layouts use the same ranks.)
@@ -197,7 +198,8 @@ def _run_layout(dp: int, cp: int, name: str, loss_cfg, tp: int = 1, pp: int = 1)
     rows = slice(r * SEQS // dp, (r + 1) * SEQS // dp)
     batch = {k: v[rows].clone() for k, v in full.items()}
     noise = batch.pop("old_noise")
-    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=1),
+    actor = Actor(get_preset("tiny"),
+                  ActorConfig(micro_batch_size=1, fused_logprob_entropy=name == "gspo"),
                   OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0), loss_cfg,
                   total_steps=1, seed=7)
     picked: list[torch.Tensor] = []
