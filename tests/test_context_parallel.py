@@ -6,7 +6,8 @@ batch of right-padded rows whose length 22 is not a multiple of 2 x CP, so the C
 at DP2xCP1 and at DP1xCP2, for DAPO + Clip-Cov and GSPO (with the fused log-prob/entropy head),
 and compares: the old pass's
 log-probs and entropies, the Clip-Cov token selection, the update metrics (loss and
-statistics) and the reduced gradients; a 4-rank job does the same at PP2 (DAPO + Clip-Cov).
+statistics) and the reduced gradients, and the critic's values, GAE advantages, value-loss
+metrics and gradients; a 4-rank job does the same at PP2 (DAPO + Clip-Cov).
 (DP2 vs one process is covered by the DP layout tests; both layouts use the same ranks.)
 
 fp32 slack: CP attention computes each query row's scores against the same keys as CP 1 but in a
@@ -241,6 +242,43 @@ def _run_layout(dp: int, cp: int, name: str, loss_cfg, tp: int = 1, pp: int = 1)
     return out
 
 
+def _run_critic(dp: int, cp: int) -> dict:
+    """The critic at DP x CP: values, GAE advantages and returns of the whole batch (turn
+    rewards on each row's last response token), one update's metrics and reduced gradients."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.config.sections import CriticSection
+    from megatron_rl.critic.critic import Critic
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.parallel import runtime
+
+    runtime.init_parallel(tp=1, pp=1, dp=dp, cp=cp, timeout_s=120)
+    full = make_global_batch()
+    last = (full["mask"] * torch.arange(1, SEQ + 1)).argmax(1)
+    full["token_rewards"] = torch.zeros(SEQS, SEQ).index_put(
+        (torch.arange(SEQS), last), torch.tensor([1.0, 0.0, 0.5, 1.0]))
+    r = ps.get_data_parallel_rank()
+    rows = slice(r * SEQS // dp, (r + 1) * SEQS // dp)
+    batch = {k: full[k][rows].clone() for k in ("tokens", "mask", "token_rewards")}
+    critic = Critic(get_preset("tiny"), CriticSection(lr=1e-2, gamma=0.95, lam=0.9,
+                                                       cliprange_value=0.5),
+                    ActorConfig(micro_batch_size=1, mini_batch_size=SEQS), 2, seed=5)
+    batch = critic.add_advantages(batch)
+    batch["values"] = batch["values"] + 0.1 * batch["mask"]  # a value loss with a gradient
+    history = critic.update(batch, 0)
+    local = {k: batch[k] for k in ("values", "returns", "advantages")}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (r, local))
+    by_dp = dict(every)
+    out = {k: torch.cat([by_dp[i][k] for i in range(dp)]) for k in local}
+    out["history"] = history
+    out["grads"] = torch.cat([p.main_grad.detach().flatten().double()
+                              for p in critic.model.parameters()])
+    return out
+
+
 def _cp_worker(tp: int = 1, pp: int = 1, names: tuple[str, ...] | None = None) -> dict:
     from megatron_rl.parallel import runtime
 
@@ -249,6 +287,8 @@ def _cp_worker(tp: int = 1, pp: int = 1, names: tuple[str, ...] | None = None) -
         if names is None or name in names:
             results[name] = {(dp, cp): _run_layout(dp, cp, name, cfg, tp=tp, pp=pp)
                              for dp, cp in ((2, 1), (1, 2))}
+    if tp == pp == 1:
+        results["critic"] = {(dp, cp): _run_critic(dp, cp) for dp, cp in ((2, 1), (1, 2))}
     runtime.shutdown()
     return results
 
@@ -263,10 +303,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
                          ids=["tp1pp1", "pp2"])
 def test_cp2_matches_cp1(tp, pp, names):
     """DP2xCP1 vs DP1xCP2 in one job (2 ranks; 4 with PP2: the pipeline's P2P shapes are the
-    CP-split ones): log-probs, entropy, selected tokens, loss and metrics, gradients (fp32
-    slack: see the module docstring)."""
+    CP-split ones): log-probs, entropy, selected tokens, loss and metrics, gradients; at PP1 also
+    the critic's values, GAE advantages, value-loss metrics and gradients (fp32 slack: see the
+    module docstring)."""
     reports = spawn(_cp_worker, 2 * tp * pp, (tp, pp, names), timeout_s=360)
     for rank, res in enumerate(reports):
+        critic = res.pop("critic", None)
+        if critic is not None:  # values, GAE, the value loss's metrics and gradients
+            a, b = critic[(2, 1)], critic[(1, 2)]
+            for k in ("values", "returns", "advantages"):
+                assert torch.allclose(b[k], a[k], atol=2e-6, rtol=0), (rank, k)
+            ma, mb = a["history"][-1], b["history"][-1]
+            assert any(k.startswith("critic/") for k in ma) and ma.keys() == mb.keys()
+            for k in ma:
+                assert mb[k] == pytest.approx(ma[k], rel=1e-6, abs=1e-7), (rank, "critic", k)
+            assert float(a["grads"].norm()) > 0 and _rel(b["grads"], a["grads"]) <= 1e-6, rank
         for name, by_layout in res.items():
             a, b = by_layout[(2, 1)], by_layout[(1, 2)]
             assert b["cp_peers_agree"], (rank, name)

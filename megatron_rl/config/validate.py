@@ -103,10 +103,6 @@ def validate_context_parallel(cfg: RunConfig, max_positions: int) -> None:
         raise ConfigError(f"parallel.cp={cp} needs padded rows: actor.pack_sequences=true runs "
                           "packed (THD) rows, which have no context-parallel attention on the "
                           "SDPA backend; set actor.pack_sequences=false or parallel.cp=1")
-    if cfg.trainer.advantage == "gae":
-        raise ConfigError(f"parallel.cp={cp} is not supported with trainer.advantage='gae' "
-                          "(the critic runs unsplit sequences); allowed with parallel.cp > 1: "
-                          "the critic-free advantages")
     if cfg.actor.routing_replay != "none":
         raise ConfigError(f"parallel.cp={cp} is not supported with actor.routing_replay="
                           f"{cfg.actor.routing_replay!r} (routed experts are recorded per whole "

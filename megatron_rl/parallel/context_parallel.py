@@ -190,8 +190,7 @@ def cp_response_logprob_entropy(head: torch.nn.Module, hidden: Tensor, tokens: T
 
     cp, rank, group = cp_size(), cp_rank(), cp_group()
     bsz, seq = tokens.shape
-    sp = padded_length(seq, cp)
-    pos = local_positions(sp, cp, rank, tokens.device)  # [S_loc] global positions
+    pos = local_positions(padded_length(seq, cp), cp, rank, tokens.device)  # [S_loc] global
     nxt = pos + 1  # the token each local position predicts
     valid = nxt < seq
     nxt_c = nxt.clamp_max(seq - 1)
@@ -202,12 +201,24 @@ def cp_response_logprob_entropy(head: torch.nn.Module, hidden: Tensor, tokens: T
     mask_loc[:, 1:] = mask.bool().index_select(1, nxt_c) & valid
     kwargs.pop("index", None)
     logp, ent = response_logprob_entropy(head, hidden, tok_loc, mask_loc, **kwargs)
+    return (sum_over_cp(to_next_columns(logp[:, 1:], seq, pos), group),
+            None if ent is None else sum_over_cp(to_next_columns(ent[:, 1:], seq, pos), group))
 
-    def place(x: Tensor | None) -> Tensor | None:
-        if x is None:
-            return None
-        full = x.new_zeros(bsz, seq + 1)  # column seq: the padded positions' sink
-        cols = torch.where(valid, nxt, torch.full_like(nxt, seq))
-        return full.index_copy(1, cols, x[:, 1:])[:, :seq]
 
-    return sum_over_cp(place(logp), group), sum_over_cp(place(ent), group)
+def to_next_columns(x: Tensor, seq: int, pos: Tensor) -> Tensor:
+    """``x [B, S_loc]`` computed at this rank's global positions ``pos [S_loc]`` -> ``[B, seq]``
+    with the value of position ``p`` in column ``p + 1`` (the token it predicts; positions whose
+    next token is past ``seq`` are dropped), zeros in the other columns."""
+    nxt = pos + 1
+    cols = torch.where(nxt < seq, nxt, torch.full_like(nxt, seq))  # column seq: a sink
+    return x.new_zeros(x.shape[0], seq + 1).index_copy(1, cols, x)[:, :seq]
+
+
+def cp_token_values(value_head: torch.nn.Module, hidden: Tensor, mask: Tensor) -> Tensor:
+    """The critic's values ``[B, S]`` fp32 of the tokens in ``mask`` from this CP rank's hidden
+    states ``[S_p / cp, B, H]`` (token ``t`` reads position ``t - 1``), summed over CP."""
+    cp, rank = cp_size(), cp_rank()
+    seq = mask.shape[1]
+    pos = local_positions(padded_length(seq, cp), cp, rank, mask.device)
+    v = value_head(hidden).squeeze(-1).transpose(0, 1).float()  # [B, S_loc]
+    return sum_over_cp(to_next_columns(v, seq, pos), cp_group()) * mask.float()
