@@ -90,7 +90,7 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
         common = ps.get_pipeline_model_parallel_world_size() > 1  # fixed P2P shapes
         from megatron_rl.actor.packing import PackedMicroBatches  # imports megatron-core
 
-        packed = PackedMicroBatches(micro_batches, common=common, device=device)
+        packed = PackedMicroBatches(micro_batches, common=common, device=device, cp=cp)
     # the response positions of every micro-batch: one host sync here, none per micro-batch
     index = response_indices([mb["mask"].to(device) for mb in micro_batches]) \
         if ps.is_pipeline_last_stage() and packed is None and cp == 1 \

@@ -62,7 +62,9 @@ def group_cost(lengths: Sequence[int], packed: bool = False, cp: int = 1) -> int
     lengths."""
     if not lengths:
         return 0
-    return sum(lengths) if packed else len(lengths) * rank_tokens(max(lengths), cp)
+    if packed:  # under CP each segment is padded to 2 x cp and split
+        return sum(rank_tokens(n, cp) for n in lengths)
+    return len(lengths) * rank_tokens(max(lengths), cp)
 
 
 def token_budget_groups(lengths: Sequence[int], budget: int, packed: bool = False,
@@ -76,7 +78,7 @@ def token_budget_groups(lengths: Sequence[int], budget: int, packed: bool = Fals
         raise TokenBudgetError(f"actor.max_tokens_per_micro_batch must be >= 1, got {budget}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     def cost(n: int) -> int:
-        return n if packed else rank_tokens(n, cp)
+        return rank_tokens(n, cp)
 
     if order and cost(lengths[order[0]]) > budget:
         i = order[0]
@@ -87,15 +89,16 @@ def token_budget_groups(lengths: Sequence[int], budget: int, packed: bool = Fals
     sums: list[int] = []
     for i in order:
         n = lengths[i]
-        if packed:  # first fit decreasing on the summed length
+        if packed:  # first fit decreasing on the summed (per-rank) length
+            c = cost(n)
             for g, total in enumerate(sums):
-                if total + n <= budget:
+                if total + c <= budget:
                     groups[g].append(i)
-                    sums[g] += n
+                    sums[g] += c
                     break
             else:
                 groups.append([i])
-                sums.append(n)
+                sums.append(c)
         elif groups and (len(groups[-1]) + 1) * cost(lengths[groups[-1][0]]) <= budget:
             groups[-1].append(i)  # sorted: the group's first row is its longest
         else:

@@ -282,9 +282,9 @@ class PolicyUpdater:
         # megatron-core's PackedSeqParams: imported here, config loading must not need megatron
         from megatron_rl.actor.packing import PackedMicroBatches, token_counts, token_metrics
 
-        packed = PackedMicroBatches(mbs, common=_pipeline_size() > 1) \
-            if self.cfg.pack_sequences else None
         cp = cp_size()  # > 1: each row split over the CP ranks (parallel/context_parallel.py)
+        packed = PackedMicroBatches(mbs, common=_pipeline_size() > 1, cp=cp) \
+            if self.cfg.pack_sequences else None
         # response positions of every micro-batch: one host sync per mini-batch, not per micro
         index = response_indices([mb["mask"] for mb in mbs]) \
             if last and packed is None and cp == 1 else None

@@ -99,10 +99,6 @@ def validate_context_parallel(cfg: RunConfig, max_positions: int) -> None:
     cp = cfg.parallel.cp
     if cp == 1:
         return
-    if cfg.actor.pack_sequences:
-        raise ConfigError(f"parallel.cp={cp} needs padded rows: actor.pack_sequences=true runs "
-                          "packed (THD) rows, which have no context-parallel attention on the "
-                          "SDPA backend; set actor.pack_sequences=false or parallel.cp=1")
     if cfg.actor.routing_replay != "none":
         raise ConfigError(f"parallel.cp={cp} is not supported with actor.routing_replay="
                           f"{cfg.actor.routing_replay!r} (routed experts are recorded per whole "

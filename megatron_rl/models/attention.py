@@ -121,8 +121,7 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention: attention bias needs TE")
         if packed_seq_params is not None:
             if self.cp_group is not None:
-                raise NotImplementedError("SDPAttention: packed (THD) rows with context "
-                                          "parallelism need Transformer Engine")
+                return self._packed_cp(query, key, value, packed_seq_params)
             return self._packed(query, key, value, packed_seq_params)
         if self.cp_group is not None:
             return self._cp(query, key, value, attention_mask)
@@ -222,14 +221,49 @@ class SDPAttention(MegatronModule):
         pos_q = local_positions(query.shape[0] * cp, cp, rank, query.device)
         return self.global_causal(query, key, value, pos_q)
 
+    def _packed_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   params: Any) -> torch.Tensor:
+        """Packed (THD) rows under context parallelism, exact: every segment (length a multiple
+        of ``2 CP``, ``params.seqlens``) is split as one row is (chunks ``r`` and ``2 CP - 1 - r``
+        on rank ``r``); this rank's queries ``[T/CP, h, D]`` attend to all keys/values of the
+        packed row, all-gathered over the CP group into packed order ``[T, g, D]``, causal within
+        each segment on packed positions. Returns ``[T/CP, h*D]``."""
+        from megatron_rl.parallel.context_parallel import (
+            gather_sequence,
+            local_positions,
+            packed_gathered_order,
+        )
+
+        seqlens = tuple(getattr(params, "seqlens", ()) or ())
+        if not seqlens:
+            raise NotImplementedError("SDPAttention: packed rows with context parallelism need "
+                                      "the segment lengths on the host (HostPackedSeqParams)")
+        cp = torch.distributed.get_world_size(self.cp_group)
+        rank = torch.distributed.get_rank(self.cp_group)
+        dev = query.device
+        order = packed_gathered_order(seqlens, cp, dev)
+        key = gather_sequence(key, self.cp_group, order)  # [T, g, D]
+        value = gather_sequence(value, self.cp_group, order)
+        outs, q0, k0 = [], 0, 0
+        for n in seqlens:  # one segment at a time: its local queries against its keys
+            nq = n // cp
+            pos_q = local_positions(n, cp, rank, dev)
+            outs.append(self.global_causal(query[q0:q0 + nq].unsqueeze(1),
+                                           key[k0:k0 + n].unsqueeze(1),
+                                           value[k0:k0 + n].unsqueeze(1), pos_q))
+            q0, k0 = q0 + nq, k0 + n
+        return torch.cat(outs).reshape(query.shape[0], self.heads * self.head_dim)
+
     def global_causal(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      pos_q: torch.Tensor) -> torch.Tensor:
+                      pos_q: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Queries ``[Sq, B, h, D]`` at global positions ``pos_q [Sq]`` (int64) against all
         keys/values ``[Sk, B, g, D]`` of the row (global order): query ``i`` sees keys
-        ``0..pos_q[i]``. Returns ``[Sq, B, h*D]`` (megatron's operation order on CPU, SDPA with
-        a boolean mask on CUDA or with ``use_sdpa_on_cpu``)."""
+        ``0..pos_q[i]`` (or where ``keep [Sq, Sk]`` is True). Returns ``[Sq, B, h*D]``
+        (megatron's operation order on CPU, SDPA with a boolean mask on CUDA or with
+        ``use_sdpa_on_cpu``)."""
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
-        keep = pos_q[:, None] >= torch.arange(sk, device=query.device)[None, :]
+        if keep is None:
+            keep = pos_q[:, None] >= torch.arange(sk, device=query.device)[None, :]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, h|g, S, D]
         if not q.is_cuda and not self.use_sdpa_on_cpu:
             return self._megatron_order(q, k, v, keep, False)

@@ -118,21 +118,46 @@ def _reduce_scatter_seq(g: Tensor, group: Any) -> Tensor:
     return g[rank * n:(rank + 1) * n].clone()
 
 
+def packed_local_positions(seqlens: tuple[int, ...] | list[int], cp: int, rank: int,
+                           device: torch.device | str = "cpu") -> Tensor:
+    """Packed positions ``[T / cp]`` (int64, ascending) CP rank ``rank`` holds of a packed row
+    whose segments have lengths ``seqlens`` (each a multiple of ``2 * cp``): chunks ``rank``
+    and ``2 * cp - 1 - rank`` of every segment, as Transformer Engine's THD CP layout."""
+    parts, start = [], 0
+    for n in seqlens:
+        if n % (2 * cp):
+            raise ValueError(f"packed segment of {n} tokens is not a multiple of 2 x cp = "
+                             f"{2 * cp}")
+        parts.append(local_positions(n, cp, rank, device) + start)
+        start += n
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def packed_gathered_order(seqlens: tuple[int, ...] | list[int], cp: int,
+                          device: torch.device | str = "cpu") -> Tensor:
+    """The permutation putting an all-gather of every rank's packed tokens (rank order) into
+    packed position order."""
+    return torch.argsort(torch.cat([packed_local_positions(seqlens, cp, r, device)
+                                    for r in range(cp)]))
+
+
 class GatherSequence(torch.autograd.Function):
     """All-gather ``x [S_loc, ...]`` (this CP rank's tokens) into ``[S_loc * cp, ...]`` in global
-    position order; backward: reduce-scatter (sum over the ranks whose queries used each key)."""
+    position order (``order``: the permutation, default :func:`gathered_order` of one row);
+    backward: reduce-scatter (sum over the ranks whose queries used each key)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any) -> Tensor:
+    def forward(ctx, x: Tensor, group: Any, order: Tensor | None = None) -> Tensor:
         cp = dist.get_world_size(group)
-        order = gathered_order(x.shape[0], cp, x.device)
+        if order is None:
+            order = gathered_order(x.shape[0], cp, x.device)
         ctx.group, ctx.order = group, order
         return _all_gather_seq(x, group).index_select(0, order)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         unordered = torch.empty_like(grad).index_copy_(0, ctx.order, grad)
-        return _reduce_scatter_seq(unordered, ctx.group), None
+        return _reduce_scatter_seq(unordered, ctx.group), None, None
 
 
 class SumOverCP(torch.autograd.Function):
@@ -151,9 +176,9 @@ class SumOverCP(torch.autograd.Function):
         return grad, None
 
 
-def gather_sequence(x: Tensor, group: Any) -> Tensor:
+def gather_sequence(x: Tensor, group: Any, order: Tensor | None = None) -> Tensor:
     """:class:`GatherSequence` (``[S_loc, ...]`` -> ``[S_loc * cp, ...]``, global order)."""
-    return GatherSequence.apply(x, group)
+    return GatherSequence.apply(x, group, order)
 
 
 def sum_over_cp(x: Tensor | None, group: Any) -> Tensor | None:
