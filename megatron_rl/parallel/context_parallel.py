@@ -17,6 +17,12 @@ What runs where:
   log-probs/entropies of its rows, so every token reduction of the loss (token counts,
   token-mean, sequence aggregation, Clip-Cov/KL-Cov selection, entropy diagnostics, metrics)
   sees exactly the tokens it sees at CP 1; the loss is computed identically on each CP rank.
+* packed (THD) rows (:mod:`megatron_rl.actor.packing`): every sequence's segment is padded to a
+  multiple of ``2 * CP`` and split the same way per segment (:func:`packed_local_positions`,
+  Transformer Engine's THD CP layout); ``cu_seqlens`` stay the global ones, megatron's THD RoPE
+  takes this rank's rotary chunks per segment.
+* host syncs: the head finds this rank's response tokens with one ``nonzero`` per micro-batch
+  (CP 1 has one per mini-batch); attention and the gathers have none.
 * gradients: each CP rank's backward reaches only its own positions (plus, through the K/V
   gather, the keys/values it holds), so the parameter gradient of the replica is the **sum**
   over its CP ranks. Megatron DDP averages over DP x CP and megatron's schedule multiplies the
