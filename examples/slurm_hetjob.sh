@@ -1,10 +1,11 @@
 # Shared body of the heterogeneous-job recipes (examples/dapo_32b.sh, examples/dapo_qwen3_30b_a3b.sh),
 # sourced by them after they set: REPO SHARED RUN_DIR CONFIG MODEL_PATH TRAIN_FILE PYTHON DRY
-# GPUS_PER_NODE ACTOR_TP ACTOR_PP ACTOR_DP [ACTOR_EP] SERVER_TP SERVERS_PER_NODE SGLANG_PORT
+# GPUS_PER_NODE ACTOR_TP ACTOR_PP ACTOR_DP [ACTOR_EP] [ACTOR_CP] SERVER_TP SERVERS_PER_NODE SGLANG_PORT
 # ROUTER_PORT MAX_LEN. Group 1 gets the SGLang fleet and its router, group 0 the actor (one srun
 # task per GPU); the recipe's own arguments ("$@") are config overrides of the actor's `train`.
 # Not a job script of its own.
 ACTOR_EP=${ACTOR_EP:-1}
+ACTOR_CP=${ACTOR_CP:-1}
 
 PIDS=()
 run() {  # run a command, or print it under MRL_DRY_RUN=1
@@ -23,9 +24,12 @@ FLEET_NODELIST=${SLURM_JOB_NODELIST_HET_GROUP_1:?$NEED_HET}
 mapfile -t ACTOR_HOSTS < <(hosts "$ACTOR_NODELIST")
 mapfile -t FLEET_HOSTS < <(hosts "$FLEET_NODELIST")
 WORLD=$(( ${#ACTOR_HOSTS[@]} * GPUS_PER_NODE ))
-if (( WORLD != ACTOR_TP * ACTOR_PP * ACTOR_DP )); then
+LAYOUT="TP$ACTOR_TP x PP$ACTOR_PP"
+if (( ACTOR_CP > 1 )); then LAYOUT+=" x CP$ACTOR_CP"; fi
+LAYOUT+=" x DP$ACTOR_DP"
+if (( WORLD != ACTOR_TP * ACTOR_PP * ACTOR_CP * ACTOR_DP )); then
   echo "[slurm] actor group has ${#ACTOR_HOSTS[@]} nodes x $GPUS_PER_NODE GPUs = $WORLD ranks but" \
-       "TP$ACTOR_TP x PP$ACTOR_PP x DP$ACTOR_DP needs $(( ACTOR_TP * ACTOR_PP * ACTOR_DP ))" >&2
+       "$LAYOUT needs $(( ACTOR_TP * ACTOR_PP * ACTOR_CP * ACTOR_DP ))" >&2
   exit 2
 fi
 if (( GPUS_PER_NODE % ACTOR_EP )); then  # EP groups are consecutive ranks: keep each in one node
@@ -94,6 +98,7 @@ else
 fi
 EP_ARGS=()
 (( ACTOR_EP > 1 )) && EP_ARGS=(parallel.ep="$ACTOR_EP")
+(( ACTOR_CP > 1 )) && EP_ARGS+=(parallel.cp="$ACTOR_CP")
 rc=0
 run srun --het-group=0 --ntasks-per-node="$GPUS_PER_NODE" --kill-on-bad-exit=1 \
   --cpus-per-task=12 "$PYTHON" -m megatron_rl train "$CONFIG" \

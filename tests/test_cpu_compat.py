@@ -79,6 +79,12 @@ def _scenario(name: str, model, batch, ddp, optimizer, root: str) -> None:
         from megatron_rl.models.config import get_preset
 
         build_gpt_model(get_preset("tiny-qwen3-moe"), seed=0)
+    elif name == "cp_pos_emb":  # the rotary table's CP split (both ranks as one CP group)
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(
+            8, cp_group=torch.distributed.group.WORLD)
+        assert emb.shape[0] == 4
     else:  # current_device (rotary, P2P shapes), cuda_factories (schedule counters, causal mask)
         forward_logprob_entropy(model, batch)
 

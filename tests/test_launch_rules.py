@@ -143,7 +143,7 @@ def test_cli_rejects_task_count_that_is_not_the_layout(monkeypatch, capsys, tmp_
     monkeypatch.setenv("SLURM_NTASKS", "3")
     rc = main(["train", "examples/tiny_dapo.yaml", f"output_dir={tmp_path}"])
     assert rc == 2
-    assert "srun started 3 task(s) but parallel.tp x pp x dp = 2 x 2 x 1 = 4" in (
+    assert "srun started 3 task(s) but parallel.tp x pp x cp x dp = 2 x 2 x 1 x 1 = 4" in (
         capsys.readouterr().err)
 
 

@@ -29,11 +29,20 @@ from megatron_rl.plan.memory import (
     total_params,
 )
 from megatron_rl.plan.report import make_plan
-from megatron_rl.plan.step_time import ALLTOALL, alltoall_bytes, alltoall_seconds, step_flops
+from megatron_rl.plan.step_time import (
+    ALLTOALL,
+    CP_KV,
+    alltoall_bytes,
+    alltoall_seconds,
+    cp_kv_bytes,
+    cp_kv_seconds,
+    step_flops,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAPO_32B = os.path.join(ROOT, "examples", "dapo_32b.yaml")
 DAPO_MOE = os.path.join(ROOT, "examples", "dapo_qwen3_30b_a3b.yaml")
+DAPO_CP = os.path.join(ROOT, "examples", "dapo_qwen3_8b_32k.yaml")
 TINY = get_preset("tiny")  # h 128, f 256, 4 layers, 8 heads, 4 KV heads, head dim 16, V 256
 # h 64, 4 layers, 4 heads x 16, 2 KV heads, V 256 untied; 8 experts, top-2, expert FFN 32
 TINY_MOE = get_preset("tiny-qwen3-moe")
@@ -230,6 +239,57 @@ def test_activations_by_hand():
     cpu = activation_bytes(dataclasses.replace(x, device="cpu", precision="fp32"))
     per_token_cpu = 6 * 128 + (128 + 2 * 64 + 128) + 4 * 256
     assert sum(cpu.values()) == 4 * tokens * per_token_cpu * 4
+
+
+def test_context_parallel_memory_and_kv_exchange_by_hand():
+    """CP: each rank holds 1/cp of the tokens plus the K/V gathered from the other CP ranks; the
+    head scores 1/cp of the response rows; the K/V exchange per layer and pass direction goes
+    over NVLink while TP x CP fits a node; optimizer state shards over DP x CP."""
+    x = PlanInputs(model=TINY, precision="bf16", device="gpu", micro_batch_size=2,
+                   prompt_len=24, response_len=8, n_micro=4, responses_per_step=8)
+    per_token = 4 * 128 + (128 + 2 * 64 + 128) + 3 * 256  # as in test_activations_by_hand
+    cp2 = dataclasses.replace(x, cp=2)
+    gathered = 2 * 32 * (2 * 4 * 16) / 2  # rows x tokens x K/V per token x (cp - 1) / cp
+    assert sum(activation_bytes(cp2).values()) == 4 * (32 * per_token + gathered) * 2
+    assert cp2.actor_gpus == 2 and make_plan(cp2).layout == "TP1xPP1xCP2xDP1"
+    # old-policy forward + update forward and backward, 4 layers, 8 rows of 32 tokens, bf16
+    assert cp_kv_bytes(cp2) == 3 * 4 * 8 * 32 * (2 * 4 * 16 * 2) / 2
+    assert cp_kv_seconds(cp2) == pytest.approx(cp_kv_bytes(cp2) / 200e9)
+    wide = dataclasses.replace(cp2, tp=8, cp=2)  # TP8 x CP2 spans two nodes
+    assert cp_kv_seconds(wide) == pytest.approx(cp_kv_bytes(wide) / 40e9)
+    assert make_plan(cp2).seconds[CP_KV] == pytest.approx(cp_kv_seconds(cp2))
+    assert CP_KV not in make_plan(x).seconds and cp_kv_bytes(x) == 0
+    opt = optimizer_state_bytes(1000, dataclasses.replace(cp2, dp=2, distributed_optimizer=True))
+    assert opt["Adam moments (fp32)"] == 8 * 1000 / 4
+    with pytest.raises(PlanError, match="cp=2 with ep=2"):
+        PlanInputs(model=TINY_MOE, dp=2, ep=2, cp=2).validate()
+
+
+def test_search_includes_context_parallelism():
+    """Dense models: every CP that divides the GPUs (up to max_cp); MoE models: CP 1."""
+    x = PlanInputs(model=get_preset("qwen3-8b"), dp=16, precision="bf16",
+                   distributed_optimizer=True, prompt_len=2048, response_len=32768, n_micro=4,
+                   responses_per_step=64)
+    plans = search(x, 16, recompute=("none",))
+    assert {p.inputs.cp for p in plans} == {1, 2, 4, 8}  # max_cp 8
+    assert all(p.inputs.actor_gpus == 16 for p in plans)
+    assert any("CP" in p.layout for p in plans if p.fits)
+    moe = PlanInputs(model=get_preset("qwen3-30b-a3b"), dp=16, precision="bf16",
+                     distributed_optimizer=True, n_micro=8, responses_per_step=512)
+    assert {p.inputs.cp for p in search(moe, 16, recompute=("full",))} == {1}
+
+
+def test_dapo_qwen3_8b_32k_yaml_plans_with_cp(capsys):
+    """The long-context recipe: 32k responses, CP2, and the plan's verdict with and without CP."""
+    cfg = load_config(DAPO_CP)
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.cp, p.dp) == (4, 1, 2, 2)
+    assert cfg.rollout.max_new_tokens >= 32768
+    assert main(["plan", DAPO_CP]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: TP4xPP1xCP2xDP2 FITS" in out and f"{CP_KV} " in out
+    assert main(["plan", DAPO_CP, "parallel.cp=1", "parallel.dp=4"]) == 1  # no CP: no fit
+    assert "verdict: TP4xPP1xDP4 DOES NOT FIT" in capsys.readouterr().out
 
 
 def test_32b_layouts_flagged():

@@ -13,6 +13,8 @@ from megatron_rl.cli.repro import (
     ReproError,
     compare_dirs,
     compare_runs,
+    layout_label,
+    layout_overrides,
     parse_layouts,
     passed,
     read_metrics,
@@ -23,6 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_parse_layouts():
     assert parse_layouts("1x1x1, 2x2x1") == [(1, 1, 1), (2, 2, 1)]
+    assert parse_layouts("1x1x1,1x1x1x2") == [(1, 1, 1), (1, 1, 1, 2)]  # CP as a 4th field
+    assert layout_overrides((1, 1, 1, 2))[-1] == "parallel.cp=2"
+    assert layout_label((1, 2, 1, 2)) == "TP1 x PP2 x DP1 x CP2"
     for bad in ("1x1", "1x1x1", "2x0x1,1x1x1", "ax1x1,1x1x1"):
         with pytest.raises(ReproError, match="layout"):
             parse_layouts(bad)

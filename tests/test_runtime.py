@@ -58,6 +58,9 @@ def test_validate_layout_errors(world, tp, pp, dp, needle):
         validate_layout(world, tp, pp, dp)
 
 
-def test_context_parallel_refused():
-    with pytest.raises(ParallelConfigError, match="context_parallel_size=2 is not supported"):
-        validate_layout(4, 1, 1, cp=2)
+def test_context_parallel_layout():
+    """CP takes its share of the world (DP = world / (TP x PP x CP)); CP with EP is refused."""
+    assert validate_layout(4, 1, 1, cp=2) == 2
+    with pytest.raises(ParallelConfigError, match="context_parallel_size=2 with "
+                                                  "expert_parallel_size=2 is not supported"):
+        validate_layout(4, 1, 1, cp=2, ep=2)

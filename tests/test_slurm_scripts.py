@@ -18,15 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 DAPO_SH = REPO / "examples" / "dapo_32b.sh"
 MOE_SH = REPO / "examples" / "dapo_qwen3_30b_a3b.sh"
 TINY_SH = REPO / "examples" / "tiny_slurm.sh"
+CP_SH = REPO / "examples" / "dapo_qwen3_8b_32k.sh"
 
 
-@pytest.mark.parametrize("script", [DAPO_SH, MOE_SH, TINY_SH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [DAPO_SH, MOE_SH, TINY_SH, CP_SH], ids=lambda p: p.name)
 def test_bash_syntax(script):
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("script", [DAPO_SH, MOE_SH, TINY_SH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [DAPO_SH, MOE_SH, TINY_SH, CP_SH], ids=lambda p: p.name)
 def test_requeue_and_resume(script):
     text = script.read_text()
     assert "#SBATCH --requeue" in text and "#SBATCH --open-mode=append" in text
@@ -138,6 +139,28 @@ def test_qwen3_moe_script_runs_its_config_layout(tmp_path):
     assert len(cfg.rollout.sglang.servers) == 4
     r = _dry_run(tmp_path, "gpu[001-003]", "gpu[101-102]", script=MOE_SH)
     assert r.returncode == 2 and "3 nodes x 8 GPUs = 24 ranks but TP1 x PP1 x DP16" in r.stderr
+
+
+def test_qwen3_8b_32k_script_runs_its_config_layout(tmp_path):
+    """``dapo_qwen3_8b_32k.sh``: the actor layout (with CP) is its config's and reaches
+    ``train`` as ``parallel.cp``; a wrong node count is refused naming the CP size."""
+    from megatron_rl.config.load import load_config
+
+    par = yaml.safe_load((REPO / "examples" / "dapo_qwen3_8b_32k.yaml").read_text())["parallel"]
+    m = re.search(r"^ACTOR_TP=(\d+) ACTOR_PP=(\d+) ACTOR_CP=(\d+) ACTOR_DP=(\d+)",
+                  CP_SH.read_text(), re.M)
+    assert m and tuple(map(int, m.groups())) == (par["tp"], par["pp"], par["cp"], par["dp"])
+    r = _dry_run(tmp_path, "gpu[001-002]", "gpu[101-102]", "trainer.total_steps=3",
+                 script=CP_SH)
+    assert r.returncode == 0, r.stderr
+    _servers, _router, actor = _commands(r.stdout)
+    train = actor[actor.index("train") + 1:]
+    assert {"parallel.tp=4", "parallel.pp=1", "parallel.dp=2", "parallel.cp=2"} <= set(train)
+    overrides = [a for a in train[1:] if not a.startswith(("model.", "data.path="))]
+    cfg = load_config(train[0], overrides)
+    assert (cfg.parallel.cp, cfg.rollout.max_new_tokens) == (2, 32768)
+    r = _dry_run(tmp_path, "gpu[001-003]", "gpu[101-102]", script=CP_SH)
+    assert r.returncode == 2 and "24 ranks but TP4 x PP1 x CP2 x DP2 needs 16" in r.stderr
 
 
 # ---- examples/tiny_slurm.sh fits the node ------------------------------------------------------

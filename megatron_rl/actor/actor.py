@@ -26,6 +26,7 @@ from megatron_rl.loss import LossConfig
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.models.weights import load_full_state_dict
+from megatron_rl.parallel.context_parallel import cp_size
 
 
 def _build_model(cfg: ModelConfig, seed: int, state, lora=None) -> torch.nn.Module:
@@ -133,7 +134,7 @@ class Actor:
             # every DP rank runs the same count (fillers last; their outputs are dropped)
             mbs, groups = budget_forward_batches(dict(batch), self.cfg.max_tokens_per_micro_batch,
                                                  packed=self.cfg.pack_sequences,
-                                                 group=dp_host_group())
+                                                 group=dp_host_group(), cp=cp_size())
         else:
             mbs = self.micro_batches(batch)
         outs = forward_logprob_entropy(model or self.net, mbs,

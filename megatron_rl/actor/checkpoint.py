@@ -170,11 +170,13 @@ def _set_rng_state(state: dict[str, Any]) -> bool:
     return True
 
 
-def _layout_key() -> tuple[int, int, int]:
+def _layout_key() -> tuple[int, ...]:
+    """(TP, PP, DP), plus CP when it is > 1 (keys of CP-1 checkpoints are unchanged)."""
     from megatron.core import parallel_state as ps
 
+    cp = ps.get_context_parallel_world_size()
     return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_data_parallel_world_size())
+            ps.get_data_parallel_world_size()) + ((cp,) if cp > 1 else ())
 
 
 def _sharded_state(model, optimizer, is_loading: bool, main_from=None

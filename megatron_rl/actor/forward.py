@@ -11,6 +11,12 @@ import torch
 from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
+from megatron_rl.parallel.context_parallel import (
+    cp_model_forward,
+    cp_response_logprob_entropy,
+    cp_size,
+    padded_length,
+)
 
 
 def _position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -59,6 +65,10 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     micro-batch's forward records its expert ids into ``mb["routed_experts"]`` (a view into the
     batch) when ``record_routing``, else replays them.
 
+    Context parallelism (``parallel.cp`` > 1, padded rows): each rank runs its two chunks of
+    every row (:mod:`megatron_rl.parallel.context_parallel`) and every CP rank returns the full
+    ``[B, S]`` values.
+
     Returns, on the last pipeline stage, one dict per micro-batch with ``logp`` and ``entropy``
     (``[B, S]`` fp32, zero outside the mask); an empty list on the other stages.
     """
@@ -75,14 +85,16 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     from megatron.core import parallel_state as ps
 
     packed = None
+    cp = cp_size()
     if pack:
         common = ps.get_pipeline_model_parallel_world_size() > 1  # fixed P2P shapes
         from megatron_rl.actor.packing import PackedMicroBatches  # imports megatron-core
 
-        packed = PackedMicroBatches(micro_batches, common=common, device=device)
+        packed = PackedMicroBatches(micro_batches, common=common, device=device, cp=cp)
     # the response positions of every micro-batch: one host sync here, none per micro-batch
     index = response_indices([mb["mask"].to(device) for mb in micro_batches]) \
-        if ps.is_pipeline_last_stage() and packed is None else [None] * len(micro_batches)
+        if ps.is_pipeline_last_stage() and packed is None and cp == 1 \
+        else [None] * len(micro_batches)
 
     def forward_step(data_iterator, model_chunk):
         i, mb = next(data_iterator)
@@ -92,6 +104,9 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
             routing.before_forward(mb, record_routing)
         if packed is not None:
             hidden = packed.model_forward(model_chunk, i, **call_kwargs)
+        elif cp > 1:
+            hidden = cp_model_forward(model_chunk, tokens, **call_kwargs,
+                                      **padding_kwargs(model_chunk, mask))
         else:  # MoE: right padding stays out of the router's statistics
             hidden = model_chunk(tokens, _position_ids(tokens), None, **call_kwargs,
                                  **padding_kwargs(model_chunk, mask))
@@ -103,6 +118,8 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
                       entropy_grad=False, chunk_size=chunk_size, fused=fused)
             if packed is not None:
                 logp, ent = packed.logprob_entropy(head, hidden_states, i, **kw)
+            elif cp > 1:
+                logp, ent = cp_response_logprob_entropy(head, hidden_states, tokens, mask, **kw)
             else:
                 logp, ent = response_logprob_entropy(head, hidden_states, tokens, mask,
                                                      index=index[i], **kw)
@@ -116,7 +133,7 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(micro_batches))),
             model=[model], num_microbatches=len(micro_batches),
-            seq_length=seq if packed is None else packed.seq_length,
+            seq_length=padded_length(seq, cp) if packed is None else packed.seq_length,
             micro_batch_size=bsz if packed is None else packed.micro_batch_size,
             forward_only=True, collect_non_loss_data=True)
     finally:

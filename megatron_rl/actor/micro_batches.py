@@ -8,7 +8,10 @@ row (no response token) has length 1. With ``actor.max_tokens_per_micro_batch = 
   ``budget``: padded rows cost ``rows x longest row of the micro-batch`` (each micro-batch is
   padded to its own longest row, not the step's); packed rows (``packed=True``, one THD row per
   micro-batch) cost the sum of their lengths. Rows are taken longest first (sorted greedy), so
-  rows of similar length share a micro-batch and padding stays small.
+  rows of similar length share a micro-batch and padding stays small. With context parallelism
+  (``parallel.cp`` > 1) the budget counts the tokens **each rank** processes after the CP split:
+  a micro-batch's rows are padded to a multiple of ``2 x cp`` and each rank holds ``1/cp`` of
+  them, so a micro-batch carries up to ``cp x budget`` tokens of rows (:func:`rank_tokens`).
 - :func:`balance_over_dp` spreads the rows of one global mini-batch over DP ranks, the same
   number of rows each, so that every rank gets about the same number of tokens (sorted greedy:
   the longest row goes to the rank with the fewest tokens that still has room).
@@ -45,40 +48,58 @@ def row_lengths(mask: torch.Tensor) -> list[int]:
     return [int(v) for v in last.cpu().tolist()]
 
 
-def group_cost(lengths: Sequence[int], packed: bool = False) -> int:
-    """Tokens processed by one micro-batch of rows with these lengths."""
+def rank_tokens(length: int, cp: int = 1) -> int:
+    """Tokens of a padded row of ``length`` that one rank processes under context parallelism
+    ``cp``: the row rounded up to a multiple of ``2 x cp``, divided by ``cp`` (``length`` at
+    CP 1)."""
+    if cp <= 1:
+        return length
+    return -(-length // (2 * cp)) * 2
+
+
+def group_cost(lengths: Sequence[int], packed: bool = False, cp: int = 1) -> int:
+    """Tokens processed (per rank, after a ``cp`` split) by one micro-batch of rows with these
+    lengths."""
     if not lengths:
         return 0
-    return sum(lengths) if packed else len(lengths) * max(lengths)
+    if packed:  # under CP each segment is padded to 2 x cp and split
+        return sum(rank_tokens(n, cp) for n in lengths)
+    return len(lengths) * rank_tokens(max(lengths), cp)
 
 
-def token_budget_groups(lengths: Sequence[int], budget: int, packed: bool = False
-                        ) -> list[list[int]]:
+def token_budget_groups(lengths: Sequence[int], budget: int, packed: bool = False,
+                        cp: int = 1) -> list[list[int]]:
     """Rows (indices into ``lengths``) grouped into micro-batches of at most ``budget``
     processed tokens (see :func:`group_cost`). Longest rows first; indices ascending inside a
     group; groups ordered by their longest row (descending). A row longer than ``budget`` is a
-    :class:`TokenBudgetError` (the config check refuses such budgets at load time)."""
+    :class:`TokenBudgetError` (the config check refuses such budgets at load time). ``cp``:
+    padded rows are costed per rank after the context-parallel split (:func:`rank_tokens`)."""
     if budget < 1:
         raise TokenBudgetError(f"actor.max_tokens_per_micro_batch must be >= 1, got {budget}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    if order and lengths[order[0]] > budget:
+    def cost(n: int) -> int:
+        return rank_tokens(n, cp)
+
+    if order and cost(lengths[order[0]]) > budget:
         i = order[0]
-        raise TokenBudgetError(f"row {i} has {lengths[i]} tokens, more than "
+        per_rank = f" ({cost(lengths[i])} per rank at parallel.cp={cp})" if cp > 1 else ""
+        raise TokenBudgetError(f"row {i} has {lengths[i]} tokens{per_rank}, more than "
                                f"actor.max_tokens_per_micro_batch={budget}")
     groups: list[list[int]] = []
     sums: list[int] = []
     for i in order:
         n = lengths[i]
-        if packed:  # first fit decreasing on the summed length
+        if packed:  # first fit decreasing on the summed (per-rank) length
+            c = cost(n)
             for g, total in enumerate(sums):
-                if total + n <= budget:
+                if total + c <= budget:
                     groups[g].append(i)
-                    sums[g] += n
+                    sums[g] += c
                     break
             else:
                 groups.append([i])
-                sums.append(n)
-        elif groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+                sums.append(c)
+        elif groups and (len(groups[-1]) + 1) * cost(lengths[groups[-1][0]]) <= budget:
             groups[-1].append(i)  # sorted: the group's first row is its longest
         else:
             groups.append([i])
@@ -189,31 +210,33 @@ def unsplit_rows(parts: Sequence[torch.Tensor], groups: Sequence[Sequence[int]],
 
 
 def budget_micro_batches(batch: dict, rows: slice, budget: int, seq_ids: torch.Tensor | None,
-                         group=None, packed: bool = False) -> list[dict]:
+                         group=None, packed: bool = False, cp: int = 1) -> list[dict]:
     """Token-budget micro-batches of ``batch``'s rows ``rows`` (one mini-batch of this rank),
     each cut to its longest row; ``seq_ids`` ``[rows]`` int64 (their global sequence indices,
     on the batch's device) travel as ``mb["seq_id"]``. With ``group`` (the gloo DP group,
     :func:`dp_host_group`) every rank ends with the same count (:func:`fill_to_agreed_count`).
-    ``packed``: the budget counts summed lengths (each micro-batch runs as one packed row)."""
+    ``packed``: the budget counts summed lengths (each micro-batch runs as one packed row).
+    ``cp``: the budget counts each rank's tokens after the context-parallel split."""
     sub = {k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in batch.items()}
     if seq_ids is not None:
         sub["seq_id"] = seq_ids
     seq = sub["tokens"].shape[1]
     lengths = row_lengths(sub["mask"])
-    groups = token_budget_groups(lengths, budget, packed)
+    groups = token_budget_groups(lengths, budget, packed, cp)
     mbs = [take_rows(sub, g, max(lengths[i] for i in g), seq) for g in groups]
     return fill_to_agreed_count(mbs, sub, seq, group)
 
 
-def budget_forward_batches(batch: dict, budget: int, packed: bool = False, group=None
-                           ) -> tuple[list[dict], list[list[int]]]:
+def budget_forward_batches(batch: dict, budget: int, packed: bool = False, group=None,
+                           cp: int = 1) -> tuple[list[dict], list[list[int]]]:
     """Forward-only passes: all of this rank's rows in token-budget micro-batches; returns the
     micro-batches and the row groups of the real ones (for :func:`unsplit_rows`). With ``group``
     (the gloo DP group, :func:`dp_host_group`) every rank runs the same count, fillers last
-    (:func:`fill_to_agreed_count`): with experts each forward is an all-to-all over DP ranks."""
+    (:func:`fill_to_agreed_count`): with experts each forward is an all-to-all over DP ranks.
+    ``cp``: the budget counts each rank's tokens after the context-parallel split."""
     seq = batch["tokens"].shape[1]
     lengths = row_lengths(batch["mask"])
-    groups = token_budget_groups(lengths, budget, packed)
+    groups = token_budget_groups(lengths, budget, packed, cp)
     mbs = [take_rows(batch, g, max(lengths[i] for i in g), seq) for g in groups]
     return fill_to_agreed_count(mbs, batch, seq, group), groups
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -116,23 +117,32 @@ class PackedMicroBatch:
     used: int  # sum of the rows' lengths (T minus filler)
 
 
-def pack_micro_batch(tokens: Tensor, lengths: Sequence[int], total: int) -> PackedMicroBatch:
+def pack_micro_batch(tokens: Tensor, lengths: Sequence[int], total: int,
+                     seg_multiple: int = 1) -> PackedMicroBatch:
     """Pack the first ``lengths[b]`` tokens of each row of ``tokens [B, S]`` into ``[1, total]``
-    (``total >= sum(lengths)``; the rest is one filler segment of token 0)."""
+    (``total >= sum(lengths)``; the rest is one filler segment of token 0). ``seg_multiple``
+    (context parallelism: ``2 x cp``): each row's segment is right-padded with token 0 to a
+    multiple of it (``total`` must then be one too)."""
     dev = tokens.device
     bsz, seq = tokens.shape
     used = int(sum(lengths))
-    if total < used:
-        raise ValueError(f"packed length {total} < {used} valid tokens")
+    seg_lens = [round_up(int(n), seg_multiple) for n in lengths]
+    occupied = sum(seg_lens)
+    if total < occupied:
+        raise ValueError(f"packed length {total} < {occupied} valid (+ segment padding) tokens")
     lens = torch.tensor(list(lengths), dtype=torch.long, device=dev)
-    starts = torch.cumsum(lens, 0) - lens
+    seg_t = torch.tensor(seg_lens, dtype=torch.long, device=dev)
+    starts = torch.cumsum(seg_t, 0) - seg_t
     rows = torch.repeat_interleave(torch.arange(bsz, device=dev), lens, output_size=used)
-    cols = torch.arange(used, device=dev) - starts[rows]
-    filler = total - used
+    cols = torch.arange(used, device=dev) - (torch.cumsum(lens, 0) - lens)[rows]
+    filler = total - occupied
     packed = torch.zeros(1, total, dtype=tokens.dtype, device=dev)
-    packed[0, :used] = tokens[rows, cols]
-    pos = torch.cat([cols, torch.arange(filler, device=dev)]).unsqueeze(0)
-    seqlens = tuple(int(n) for n in lengths if n > 0) + ((filler,) if filler else ())
+    packed[0, starts[rows] + cols] = tokens[rows, cols]
+    seg_rows = torch.repeat_interleave(torch.arange(bsz, device=dev), seg_t,
+                                       output_size=occupied)
+    seg_cols = torch.arange(occupied, device=dev) - starts[seg_rows]
+    pos = torch.cat([seg_cols, torch.arange(filler, device=dev)]).unsqueeze(0)
+    seqlens = tuple(n for n in seg_lens if n > 0) + ((filler,) if filler else ())
     cu_ints = (0, *itertools.accumulate(seqlens))
     cu = torch.tensor(cu_ints, dtype=torch.int32, device=dev)
     # the same on the host, for megatron's unfused RoPE (forward_params)
@@ -155,7 +165,7 @@ class PackedMicroBatches:
     micro_batch_size = 1
 
     def __init__(self, micro_batches: Sequence[dict], common: bool, multiple: int = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, cp: int = 1) -> None:
         def dev(t: Tensor) -> Tensor:
             return t if device is None else t.to(device)
 
@@ -166,13 +176,17 @@ class PackedMicroBatches:
         for m in self.masks:
             per.append(flat[k:k + m.shape[0]])
             k += m.shape[0]
-        totals = [round_up(max(sum(p), 1), multiple) for p in per]
+        # context parallelism: every segment a multiple of 2 x cp, split per segment
+        self.cp, seg = cp, (2 * cp if cp > 1 else 1)
+        multiple = multiple * seg // math.gcd(multiple, seg)
+        totals = [round_up(max(sum(round_up(n, seg) for n in p), 1), multiple) for p in per]
         if common:
             totals = [max(totals)] * len(totals)
-        self.packs = [pack_micro_batch(dev(mb["tokens"]), p, t)
+        self.packs = [pack_micro_batch(dev(mb["tokens"]), p, t, seg)
                       for mb, p, t in zip(micro_batches, per, totals)]
         self.seq_length = max(totals)
         self._index: list[tuple[Tensor, Tensor]] | None = None
+        self._local: dict[int, Tensor] = {}
 
     @property
     def used_tokens(self) -> int:
@@ -194,8 +208,24 @@ class PackedMicroBatches:
             kwargs["padding_mask"] = packed_padding_mask(p.tokens.shape[1], p.used,
                                                          p.tokens.device)
         host_rope = p.tokens.is_cuda and host_rope_model(model_chunk)
-        return model_chunk(p.tokens, p.position_ids, None,
+        tokens, position_ids = p.tokens, p.position_ids
+        if self.cp > 1:  # this CP rank's chunks of every segment; cu_seqlens stay global
+            local = self.local_positions(i)
+            tokens, position_ids = tokens[:, local], position_ids[:, local]
+            if "padding_mask" in kwargs:
+                kwargs["padding_mask"] = kwargs["padding_mask"][:, local]
+        return model_chunk(tokens, position_ids, None,
                            packed_seq_params=forward_params(p.params, host_rope), **kwargs)
+
+    def local_positions(self, i: int) -> Tensor:
+        """Packed positions ``[T / cp]`` of micro-batch ``i`` this CP rank runs."""
+        if i not in self._local:
+            from megatron_rl.parallel.context_parallel import cp_rank, packed_local_positions
+
+            p = self.packs[i]
+            self._local[i] = packed_local_positions(p.params.seqlens, self.cp, cp_rank(),
+                                                    p.tokens.device)
+        return self._local[i]
 
     def index(self, i: int) -> tuple[Tensor, Tensor]:
         """``(b, t)`` response positions of micro-batch ``i`` in the rows' view (one host sync
@@ -213,6 +243,8 @@ class PackedMicroBatches:
         p = self.packs[i]
         b, t = self.index(i)
         pos = p.starts[b] + t  # packed position of each response token
+        if self.cp > 1:
+            return self._logprob_entropy_cp(head, hidden, i, b, t, pos, **head_kwargs)
         logp, ent = response_logprob_entropy(
             head, hidden, p.tokens, None, index=(torch.zeros_like(pos), pos), **head_kwargs)
 
@@ -220,6 +252,33 @@ class PackedMicroBatches:
             if x is None:
                 return None
             return x.new_zeros(p.shape).index_put((b, t), x[0, pos])
+
+        return unpack(logp), unpack(ent)
+
+    def _logprob_entropy_cp(self, head: torch.nn.Module, hidden: Tensor, i: int, b: Tensor,
+                            t: Tensor, pos: Tensor, **head_kwargs: Any
+                            ) -> tuple[Tensor, Tensor | None]:
+        """Context parallelism: the response tokens whose predicting position (``pos - 1``) this
+        rank holds, scored from its ``hidden [T/cp, 1, H]``; summed over CP into ``[B, S]``."""
+        from megatron_rl.parallel.context_parallel import cp_group, sum_over_cp
+
+        p = self.packs[i]
+        local = self.local_positions(i)
+        where = torch.full((p.tokens.shape[1],), -1, dtype=torch.long, device=pos.device)
+        where[local] = torch.arange(local.numel(), device=pos.device)
+        row = where[pos - 1]
+        mine = (row >= 0).nonzero(as_tuple=True)[0]  # one host sync per micro-batch
+        b, t, pos, row = b[mine], t[mine], pos[mine], row[mine]
+        tok = p.tokens.new_zeros(1, local.numel() + 1)  # head convention: hidden[j] -> col j+1
+        tok[0, row + 1] = p.tokens[0, pos]
+        logp, ent = response_logprob_entropy(
+            head, hidden, tok, None, index=(torch.zeros_like(row), row + 1), **head_kwargs)
+
+        def unpack(x: Tensor | None) -> Tensor | None:
+            if x is None:
+                return None
+            return sum_over_cp(x.new_zeros(p.shape).index_put((b, t), x[0, row + 1]),
+                               cp_group())
 
         return unpack(logp), unpack(ent)
 

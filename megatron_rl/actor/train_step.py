@@ -52,6 +52,12 @@ from megatron_rl.loss.rollout_correction import denominator_masks
 from megatron_rl.loss.siren import SirenTerm, siren_select
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
+from megatron_rl.parallel.context_parallel import (
+    cp_model_forward,
+    cp_response_logprob_entropy,
+    cp_size,
+    padded_length,
+)
 
 COV_LOSSES = ("clip_cov", "kl_cov")
 # losses whose per-mini-batch statistics need the current weights' log-probs (a no-grad pre-pass
@@ -277,10 +283,12 @@ class PolicyUpdater:
         # megatron-core's PackedSeqParams: imported here, config loading must not need megatron
         from megatron_rl.actor.packing import PackedMicroBatches, token_counts, token_metrics
 
-        packed = PackedMicroBatches(mbs, common=_pipeline_size() > 1) \
+        cp = cp_size()  # > 1: each row split over the CP ranks (parallel/context_parallel.py)
+        packed = PackedMicroBatches(mbs, common=_pipeline_size() > 1, cp=cp) \
             if self.cfg.pack_sequences else None
         # response positions of every micro-batch: one host sync per mini-batch, not per micro
-        index = response_indices([mb["mask"] for mb in mbs]) if last and packed is None else None
+        index = response_indices([mb["mask"] for mb in mbs]) \
+            if last and packed is None and cp == 1 else None
         head_kwargs = dict(temperature=self.cfg.temperature, compute_entropy=compute_ent,
                            entropy_grad=ent_grad, chunk_size=self.cfg.logprob_chunk_size,
                            fused=self.cfg.use_fused_head)
@@ -292,6 +300,9 @@ class PolicyUpdater:
                 self.routing.before_forward(mb, False)
             if packed is not None:
                 hidden = packed.model_forward(model_chunk, i, **half_kwargs)
+            elif cp > 1:
+                hidden = cp_model_forward(model_chunk, tokens, **half_kwargs,
+                                          **padding_kwargs(model_chunk, mask))
             else:
                 pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(
                     tokens)
@@ -301,6 +312,9 @@ class PolicyUpdater:
             def loss_func(hidden_states):
                 if packed is not None:
                     logp, ent = packed.logprob_entropy(module, hidden_states, i, **head_kwargs)
+                elif cp > 1:  # full [B, S] values on every CP rank (summed over CP)
+                    logp, ent = cp_response_logprob_entropy(module, hidden_states, tokens, mask,
+                                                            **head_kwargs)
                 else:
                     logp, ent = response_logprob_entropy(module, hidden_states, tokens, mask,
                                                          index=index[i], **head_kwargs)
@@ -313,7 +327,7 @@ class PolicyUpdater:
                     entropy_coeff=alpha)
                 acc.update(out.stats)
                 losses.append(out.loss.detach())
-                # The schedule divides by n_micro and DDP averages over DP: undo both.
+                # The schedule divides by n_micro and DDP averages over DP x CP: undo both.
                 return out.loss_for_backward * n_micro, {}
 
             return hidden, loss_func
@@ -324,7 +338,7 @@ class PolicyUpdater:
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(list(enumerate(mbs))),
                 model=[self.model], num_microbatches=n_micro,
-                seq_length=seq if packed is None else packed.seq_length,
+                seq_length=padded_length(seq, cp) if packed is None else packed.seq_length,
                 micro_batch_size=bsz if packed is None else packed.micro_batch_size,
                 forward_only=False)
         finally:
@@ -397,7 +411,7 @@ class PolicyUpdater:
                     rows = slice(slices[0].start, slices[-1].stop)
                     mbs = budget_micro_batches(batch, rows, budget, global_seq_ids(
                         batch, rows, dp, ps.get_data_parallel_rank()),
-                        dp_host_group(), packed=self.cfg.pack_sequences)
+                        dp_host_group(), packed=self.cfg.pack_sequences, cp=cp_size())
                 else:
                     mbs = self._micro_batches(batch, slices)
                 history.append(self.train_minibatch(

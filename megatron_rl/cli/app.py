@@ -13,7 +13,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     rep = parity(args.tp, args.pp, preset=args.model, micro_batches=args.micro_batches,
                  batch=args.batch, seq=args.seq, seed=args.seed, temperature=args.temperature,
-                 chunk_size=args.chunk_size)
+                 chunk_size=args.chunk_size, cp=args.cp)
     print(format_report(rep, args.atol))
     return 0 if rep.ok(args.atol) else 1
 
@@ -93,7 +93,7 @@ def _launch_plan(cfg, command: str):
     from megatron_rl.parallel.launch import launch_mode
 
     rank0 = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.dp
     plan = launch_mode(os.environ)
     if plan.mode == "refuse":
         print(f"[{command}] {plan.message}", file=sys.stderr)
@@ -194,7 +194,7 @@ def _launch_local(cfg, command: str, world: int, request: dict | None = None) ->
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
-          f"{cfg.parallel.pp} x DP{cfg.parallel.dp}", flush=True)
+          f"{cfg.parallel.pp} x CP{cfg.parallel.cp} x DP{cfg.parallel.dp}", flush=True)
     try:
         spawn(_train_worker, world, (cfg, command, request), timeout_s=7 * 24 * 3600, env=env,
               handle_signals=True, preload=("megatron_rl.actor.actor", "megatron_rl.run.trainer"))
@@ -245,8 +245,9 @@ def _run_in_place(cfg, command: str, plan, world: int, request: dict | None = No
 
     if plan.world_size != world:
         print(f"[{command}] {plan.mode} started {plan.world_size} task(s) but parallel.tp x pp x "
-              f"dp = {cfg.parallel.tp} x {cfg.parallel.pp} x {cfg.parallel.dp} = {world}; "
-              f"start {world} tasks or change the layout", file=sys.stderr)
+              f"cp x dp = {cfg.parallel.tp} x {cfg.parallel.pp} x {cfg.parallel.cp} x "
+              f"{cfg.parallel.dp} = {world}; start {world} tasks or change the layout",
+              file=sys.stderr)
         return 2
     os.environ.update(plan.env)
     threads = threads_per_rank()
@@ -298,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "TP1xPP1 on the same weights (gloo processes on CPU)")
     c.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     c.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    c.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence split over cp ranks (default 1)")
     c.add_argument("--model", default="tiny", help="model preset (default tiny)")
     c.add_argument("--micro-batches", type=int, default=2,
                    help="micro-batches per pipeline pass (default 2)")

@@ -1,5 +1,5 @@
-"""Layout-parity smoke check: the same weights and batch at TP1xPP1 and at TPxPP give the same
-per-token log-prob and entropy.
+"""Layout-parity smoke check: the same weights and batch at TP1xPP1 and at TPxPP (xCP) give the
+same per-token log-prob and entropy.
 
 The reference run builds the model at TP1xPP1 from a seed and exports its canonical weights; the
 parallel run builds its model from a *different* seed and then loads those weights through
@@ -28,6 +28,12 @@ class ParityReport:
     max_abs_entropy: float
     wall_s: float
     samples: list[tuple[float, float, float, float]]  # (logp_ref, logp_par, H_ref, H_par)
+    cp: int = 1  # context-parallel size of the parallel run
+
+    @property
+    def label(self) -> str:
+        """``TPxPP`` (``TPxPPxCP`` with context parallelism)."""
+        return f"TP{self.tp}xPP{self.pp}" + (f"xCP{self.cp}" if self.cp > 1 else "")
 
     def ok(self, atol: float) -> bool:
         return self.max_abs_logp <= atol and self.max_abs_entropy <= atol
@@ -49,7 +55,8 @@ def make_batch(micro_batches: int, batch: int, seq: int, vocab: int, seed: int =
 
 
 def layout_worker(tp: int, pp: int, preset: str, full_state: dict | None, micro_batches: list,
-                  seed: int, temperature: float, chunk_size: int | None) -> dict | None:
+                  seed: int, temperature: float, chunk_size: int | None, cp: int = 1
+                  ) -> dict | None:
     """Run in each spawned rank: build, (load), forward; the reporting rank returns results."""
     from megatron.core import parallel_state as ps
 
@@ -59,7 +66,7 @@ def layout_worker(tp: int, pp: int, preset: str, full_state: dict | None, micro_
     from megatron_rl.models.weights import gather_full_state_dict, load_full_state_dict
     from megatron_rl.parallel import runtime
 
-    runtime.init_parallel(tp=tp, pp=pp, seed=seed, timeout_s=120)
+    runtime.init_parallel(tp=tp, pp=pp, cp=cp, seed=seed, timeout_s=120)
     cfg = get_preset(preset)
     model = build_gpt_model(cfg, seed=seed)
     exported = None
@@ -72,7 +79,7 @@ def layout_worker(tp: int, pp: int, preset: str, full_state: dict | None, micro_
                                    chunk_size=chunk_size)
     wall = time.perf_counter() - t0
     reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-                and ps.get_data_parallel_rank() == 0)
+                and runtime.first_replica())
     result = None
     if reporter:
         result = {"outs": outs, "wall_s": wall}
@@ -84,10 +91,11 @@ def layout_worker(tp: int, pp: int, preset: str, full_state: dict | None, micro_
 
 def run_layout(tp: int, pp: int, preset: str, micro_batches: list, full_state: dict | None,
                seed: int, temperature: float = 1.0, chunk_size: int | None = None,
-               timeout_s: float = 300.0) -> dict:
-    """Spawn ``tp*pp`` gloo ranks for one layout; return the merged reports."""
-    results = spawn(layout_worker, tp * pp, (tp, pp, preset, full_state, micro_batches, seed,
-                                             temperature, chunk_size), timeout_s=timeout_s)
+               timeout_s: float = 300.0, cp: int = 1) -> dict:
+    """Spawn ``tp*pp*cp`` gloo ranks for one layout; return the merged reports."""
+    results = spawn(layout_worker, tp * pp * cp, (tp, pp, preset, full_state, micro_batches,
+                                                  seed, temperature, chunk_size, cp),
+                    timeout_s=timeout_s)
     merged: dict = {}
     for r in results:
         if r:
@@ -109,29 +117,32 @@ def compare(ref: list[dict], got: list[dict], masks: list[torch.Tensor]) -> tupl
 
 def parity(tp: int, pp: int, preset: str = "tiny", micro_batches: int = 2, batch: int = 2,
            seq: int = 32, seed: int = 1234, temperature: float = 1.0,
-           chunk_size: int | None = None, log=print) -> ParityReport:
-    """Reference at TP1xPP1, then the requested layout with resharded weights; compare."""
+           chunk_size: int | None = None, log=print, cp: int = 1) -> ParityReport:
+    """Reference at TP1xPP1, then the requested layout (``cp``: context-parallel size, each
+    sequence split over ``cp`` ranks) with resharded weights; compare."""
     from megatron_rl.models.config import get_preset
 
     cfg = get_preset(preset)
     mbs = make_batch(micro_batches, batch, seq, cfg.vocab_size, seed)
     log(f"[check] reference run TP1xPP1 ({preset}, {micro_batches}x{batch}x{seq} tokens) ...")
     ref = run_layout(1, 1, preset, mbs, None, seed, temperature, chunk_size)
-    log(f"[check] parallel run TP{tp}xPP{pp} ({tp * pp} gloo processes, weights resharded from "
+    label = f"TP{tp}xPP{pp}" + (f"xCP{cp}" if cp > 1 else "")
+    log(f"[check] parallel run {label} ({tp * pp * cp} gloo processes, weights resharded from "
         "the reference) ...")
-    got = run_layout(tp, pp, preset, mbs, ref["state"], seed + 1, temperature, chunk_size)
+    got = run_layout(tp, pp, preset, mbs, ref["state"], seed + 1, temperature, chunk_size,
+                     cp=cp)
     dl, de, n = compare(ref["outs"], got["outs"], [mb["mask"] for mb in mbs])
     m0 = mbs[0]["mask"]
     r0, g0 = ref["outs"][0], got["outs"][0]
     samples = list(zip(r0["logp"][m0].tolist(), g0["logp"][m0].tolist(),
                        r0["entropy"][m0].tolist(), g0["entropy"][m0].tolist()))
-    return ParityReport(tp, pp, n, dl, de, got["wall_s"], samples)
+    return ParityReport(tp, pp, n, dl, de, got["wall_s"], samples, cp)
 
 
 def format_report(rep: ParityReport, atol: float, max_rows: int = 8) -> str:
     """Human-readable per-token table plus the verdict line."""
-    lines = [f"{'token':>5} {'logp TP1xPP1':>13} {f'logp TP{rep.tp}xPP{rep.pp}':>13} "
-             f"{'H TP1xPP1':>10} {f'H TP{rep.tp}xPP{rep.pp}':>10}"]
+    lines = [f"{'token':>5} {'logp TP1xPP1':>13} {f'logp {rep.label}':>13} "
+             f"{'H TP1xPP1':>10} {f'H {rep.label}':>10}"]
     for i, (lr, lp, hr, hp) in enumerate(rep.samples[:max_rows]):
         lines.append(f"{i:>5} {lr:>13.6f} {lp:>13.6f} {hr:>10.6f} {hp:>10.6f}")
     verdict = "PASS" if rep.ok(atol) else "FAIL"

@@ -59,22 +59,35 @@ class ReproError(ValueError):
     """Bad repro arguments or a run that did not produce metrics."""
 
 
-def parse_layouts(text: str) -> list[tuple[int, int, int]]:
-    """``"1x1x1,2x2x1"`` -> ``[(1, 1, 1), (2, 2, 1)]`` (TP x PP x DP)."""
+def parse_layouts(text: str) -> list[tuple[int, ...]]:
+    """``"1x1x1,2x2x1,1x1x1x2"`` -> ``[(1, 1, 1), (2, 2, 1), (1, 1, 1, 2)]`` (TP x PP x DP, and
+    a fourth field CP, context parallelism, when it is given)."""
     out = []
     for item in text.split(","):
         parts = item.strip().lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ReproError(f"--layouts: {item!r} is not TPxPPxDP with positive integers "
-                             f"(e.g. 2x2x1)")
+        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ReproError(f"--layouts: {item!r} is not TPxPPxDP[xCP] with positive integers "
+                             f"(e.g. 2x2x1 or 1x1x1x2)")
         out.append(tuple(int(p) for p in parts))
     if len(out) < 2:
         raise ReproError("--layouts needs at least two layouts to compare")
     return out
 
 
-def layout_name(layout: tuple[int, int, int]) -> str:
+def layout_name(layout: tuple[int, ...]) -> str:
     return "x".join(str(v) for v in layout)
+
+
+def layout_overrides(layout: tuple[int, ...]) -> list[str]:
+    """``parallel.*`` overrides of a ``(tp, pp, dp[, cp])`` layout."""
+    tp, pp, dp, cp = (*layout, 1)[:4]
+    return [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}", f"parallel.cp={cp}"]
+
+
+def layout_label(layout: tuple[int, ...]) -> str:
+    """``TP2 x PP2 x DP1`` (``x CP2`` appended with context parallelism)."""
+    tp, pp, dp, cp = (*layout, 1)[:4]
+    return f"TP{tp} x PP{pp} x DP{dp}" + (f" x CP{cp}" if cp > 1 else "")
 
 
 def compared(key: str, value) -> bool:
@@ -242,7 +255,7 @@ def _run(cmd: list[str], log_path: str, timeout_s: float,
                          f"{log_path}:\n{tail}")
 
 
-def run_layouts(config: str | None, overrides: list[str], layouts: list[tuple[int, int, int]],
+def run_layouts(config: str | None, overrides: list[str], layouts: list[tuple[int, ...]],
                 steps: int, out: str, sft_per_layout: bool = False,
                 timeout_s: float = 3600) -> dict[str, str]:
     """Train once per layout; returns ``{layout name: run dir}``."""
@@ -254,30 +267,27 @@ def run_layouts(config: str | None, overrides: list[str], layouts: list[tuple[in
     cfg_arg = [config] if config else []
     common = list(overrides) + [f"trainer.total_steps={steps}", "trainer.resume=false"]
     if cfg.sft.steps > 0 and not sft_per_layout:
-        tp, pp, dp = layouts[0]
         sft_dir = os.path.join(out, "sft")
         print(f"[repro] SFT warm start once at {layout_name(layouts[0])} -> {sft_dir}",
               flush=True)
-        _run(base + ["sft"] + cfg_arg + list(overrides) + [
-            f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+        _run(base + ["sft"] + cfg_arg + list(overrides) + layout_overrides(layouts[0]) + [
             f"trainer.output_dir={sft_dir}"], os.path.join(out, "sft.log"), timeout_s)
         common += [f"model.init_weights={os.path.join(sft_dir, 'sft_weights.pt')}",
                    "sft.steps=0"]
     runs = {}
     bar = Progress(steps * len(layouts), "repro", unit="steps", every_s=60.0)
-    for i, (tp, pp, dp) in enumerate(layouts):
-        name = layout_name((tp, pp, dp))
+    for i, layout in enumerate(layouts):
+        name = layout_name(layout)
         run_dir = os.path.join(out, name)
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended metrics
-        print(f"[repro] training {steps} steps at TP{tp} x PP{pp} x DP{dp} -> {run_dir}",
+        print(f"[repro] training {steps} steps at {layout_label(layout)} -> {run_dir}",
               flush=True)
 
         def poll(i: int = i, run_dir: str = run_dir, name: str = name) -> None:
             bar.set(i * steps + min(steps, last_logged_step(run_dir)),
                     info=f"layout {i + 1}/{len(layouts)} ({name})")
 
-        _run(base + ["train"] + cfg_arg + common + [
-            f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.dp={dp}",
+        _run(base + ["train"] + cfg_arg + common + layout_overrides(layout) + [
             f"trainer.output_dir={run_dir}"], os.path.join(out, f"{name}.log"), timeout_s, poll)
         bar.set((i + 1) * steps)
         runs[name] = run_dir
@@ -337,7 +347,7 @@ def add_repro_subcommand(sub) -> None:
     p.add_argument("config", nargs="?", default=None, help="YAML run config")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p.add_argument("--layouts", default="1x1x1,2x2x1,1x2x2",
-                   help="comma-separated TPxPPxDP layouts; the first is the reference")
+                   help="comma-separated TPxPPxDP[xCP] layouts; the first is the reference")
     p.add_argument("--steps", type=int, default=10, help="RL steps per run")
     p.add_argument("--out", default="runs/repro", help="directory of the runs and the report")
     p.add_argument("--atol", type=float, default=DEFAULT_ATOL,

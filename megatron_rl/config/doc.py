@@ -35,7 +35,7 @@ UNDOCUMENTED = "(undocumented)"
 EXTRA_DOCS: dict[str, str] = {
     "parallel.tp": "tensor-parallel size",
     "parallel.pp": "pipeline-parallel size",
-    "parallel.dp": "data-parallel size; world size = tp x pp x dp",
+    "parallel.dp": "data-parallel size; world size = tp x pp x cp x dp",
     "data.task_kwargs": "keyword arguments of the reasoning-gym task generator",
     "data.train_size": "generated training prompts (reasoning-gym tasks)",
     "data.val_size": "held-out validation prompts",

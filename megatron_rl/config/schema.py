@@ -65,6 +65,7 @@ SEED = Range(0, SEED_MAX)
 
 RANGES: dict[str, Range] = {
     "parallel.tp": ONE_UP, "parallel.pp": ONE_UP, "parallel.dp": ONE_UP, "parallel.ep": ONE_UP,
+    "parallel.cp": ONE_UP,
     "parallel.timeout_s": POS, "parallel.host_timeout_s": POS,
     "model.moe_aux_loss_coeff": NONNEG, "model.moe_z_loss_coeff": NONNEG,
     "data.max_prompt_length": NONNEG, "data.train_size": ONE_UP, "data.val_size": ONE_UP,

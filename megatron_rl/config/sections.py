@@ -33,6 +33,7 @@ class ParallelSection:
     pp: int = 1
     dp: int = 1
     ep: int = 1  # expert-parallel size: MoE experts split over ep ranks (docs/moe.md)
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks (docs/parallelism.md)
     backend: str = "auto"  # auto (NCCL with GPUs, else gloo) | nccl | gloo (CPU ranks); docs/gpu.md
     timeout_s: float = 1800.0  # collectives of the update, checkpoints, weight sync
     host_timeout_s: float = 14400.0  # host objects: ranks wait here while rank 0 generates

@@ -38,6 +38,7 @@ def validate_run_config(cfg: RunConfig) -> None:
                           f"{cfg.data.max_prompt_length}")
     cfg.loss.build()
     validate_parallel_section(cfg.parallel)
+    validate_context_parallel(cfg, model.max_position_embeddings)
     if cfg.trainer.advantage not in ADVANTAGES:
         raise ConfigError(f"trainer.advantage={cfg.trainer.advantage!r} is not one of "
                           f"{ADVANTAGES}")
@@ -98,6 +99,28 @@ def validate_parallel_section(p: ParallelSection) -> None:
         raise ConfigError(f"parallel.ep={p.ep} must divide the ranks of a pipeline stage, "
                           f"parallel.tp x parallel.dp = {p.tp * p.dp} (megatron-core carves "
                           "expert parallelism out of them)")
+
+
+def validate_context_parallel(cfg: RunConfig, max_positions: int) -> None:
+    """``parallel.cp`` > 1 (each sequence split over cp ranks, docs/parallelism.md): the paths
+    that cannot split a sequence are refused here, naming the fields. Rows are padded to a
+    multiple of ``2 x cp`` inside the forward, so the model's position table must hold that
+    padding: ``max_position_embeddings`` a multiple of ``2 x cp``."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.actor.routing_replay != "none":
+        raise ConfigError(f"parallel.cp={cp} is not supported with actor.routing_replay="
+                          f"{cfg.actor.routing_replay!r} (routed experts are recorded per whole "
+                          "sequence); use actor.routing_replay=none or parallel.cp=1")
+    if cfg.parallel.ep > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.ep={cfg.parallel.ep} is not "
+                          "supported (allowed with parallel.cp > 1: parallel.ep=1)")
+    if max_positions % (2 * cp):
+        raise ConfigError(f"parallel.cp={cp}: the model's max_position_embeddings "
+                          f"({max_positions}) is not a multiple of 2 x parallel.cp = {2 * cp}; "
+                          "sequences are padded to a multiple of 2 x cp, so the longest padded "
+                          "sequence would not fit the position table")
 
 
 def validate_env_critic(cfg: RunConfig) -> None:

@@ -46,16 +46,36 @@ from megatron_rl.actor.precision import model_call_kwargs, set_precision, wrap_p
 from megatron_rl.actor.train_step import ActorConfig, minibatch_slices, split_rows
 from megatron_rl.critic.gae import gae_advantages, masked_whiten
 from megatron_rl.critic.value_loss import value_loss_token_mean
+from megatron_rl.parallel.context_parallel import (
+    cp_model_forward,
+    cp_size,
+    cp_token_values,
+    padded_length,
+)
 
 
 def token_values(model: torch.nn.Module, hidden: torch.Tensor, mask: torch.Tensor
                  ) -> torch.Tensor:
     """Values ``[B, S]`` fp32 of the tokens marked in ``mask`` (zero elsewhere) from the last
-    stage's hidden states ``[S, B, H]``: token ``t`` reads position ``t - 1``."""
+    stage's hidden states ``[S, B, H]``: token ``t`` reads position ``t - 1``. Context
+    parallelism: ``hidden`` holds this rank's ``S_p / cp`` positions; every CP rank returns the
+    full values (:func:`~megatron_rl.parallel.context_parallel.cp_token_values`)."""
+    if cp_size() > 1:
+        return cp_token_values(model.value_head, hidden, mask)
     v = model.value_head(hidden).squeeze(-1).transpose(0, 1).float()  # [B, S]
     out = torch.zeros_like(v)
     out[:, 1:] = v[:, :-1]
     return out * mask.float()
+
+
+def _trunk_forward(model_chunk: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
+                   call: dict) -> torch.Tensor:
+    """The trunk on ``tokens [B, S]``: all positions, or this CP rank's ``S_p / cp`` under
+    context parallelism (MoE: the padding mask travels along)."""
+    if cp_size() > 1:
+        return cp_model_forward(model_chunk, tokens, **call, **padding_kwargs(model_chunk, mask))
+    return model_chunk(tokens, _position_ids(tokens), None, **call,
+                       **padding_kwargs(model_chunk, mask))
 
 
 def _is_last_stage() -> bool:
@@ -113,7 +133,7 @@ class Critic:
         if budget:
             mbs, groups = budget_forward_batches(  # one count over DP, fillers last
                 {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, budget,
-                group=dp_host_group())
+                group=dp_host_group(), cp=cp_size())
         else:
             mbs = self._micro_batches(batch)
         bsz, seq = validate_micro_batches(mbs, bool(budget))
@@ -123,16 +143,15 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call,
-                                 **padding_kwargs(model_chunk, mask))
+            hidden = _trunk_forward(model_chunk, tokens, mask, self._call)
             return hidden, lambda h, non_loss_data=True: token_values(model, h, mask)
 
         net.eval()
         try:
             outs = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=[net],
-                num_microbatches=len(mbs), seq_length=seq, micro_batch_size=bsz,
-                forward_only=True, collect_non_loss_data=True)
+                num_microbatches=len(mbs), seq_length=padded_length(seq, cp_size()),
+                micro_batch_size=bsz, forward_only=True, collect_non_loss_data=True)
         finally:
             net.train()
         if not _is_last_stage():
@@ -180,8 +199,7 @@ class Critic:
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             tokens, mask = mb["tokens"].to(device), mb["mask"].to(device)
-            hidden = model_chunk(tokens, _position_ids(tokens), None, **self._call,
-                                 **padding_kwargs(model_chunk, mask))
+            hidden = _trunk_forward(model_chunk, tokens, mask, self._call)
 
             def loss_func(h):
                 vpred = token_values(model, h, mask)
@@ -190,7 +208,8 @@ class Critic:
                     self.cfg.cliprange_value, ctx.token_denominator)
                 vsum = (vpred.detach() * mask.float()).sum() / ctx.token_denominator
                 sums.append(torch.stack([loss.detach(), clip.detach(), vsum]))
-                # The schedule divides by n_micro and DDP averages over DP: undo both.
+                # The schedule divides by n_micro and DDP averages over DP (x CP, which the
+                # schedule multiplies back): undo both.
                 return loss * n_micro * ctx.grad_scale, {}
 
             return hidden, loss_func
@@ -199,7 +218,8 @@ class Critic:
         self.optimizer.zero_grad()
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp],
-            num_microbatches=n_micro, seq_length=seq, micro_batch_size=bsz, forward_only=False)
+            num_microbatches=n_micro, seq_length=padded_length(seq, cp_size()),
+            micro_batch_size=bsz, forward_only=False)
         metrics: dict[str, float] = {}
         bad = torch.zeros(2, device=device)
         if last:
@@ -244,7 +264,8 @@ class Critic:
             for slices in plan:
                 if budget:  # the value loss is a token mean: no sequence index needed
                     rows = slice(slices[0].start, slices[-1].stop)
-                    mbs = budget_micro_batches(local, rows, budget, None, dp_host_group())
+                    mbs = budget_micro_batches(local, rows, budget, None, dp_host_group(),
+                                               cp=cp_size())
                 else:
                     mbs = [{k: v[s] for k, v in local.items()} for s in slices]
                 metrics = self.train_minibatch(mbs)

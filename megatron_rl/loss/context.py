@@ -22,8 +22,16 @@ all micro-batches **and** all DP ranks gives the mini-batch loss of one process 
 and **summing** parameter gradients over DP ranks gives that process's gradient. Megatron DDP
 *averages* gradients over DP, so back-propagate ``loss * ctx.grad_scale`` with
 ``grad_scale = dp_size`` (the default, ``dp_grad_average=True``); after DDP's average the gradient
-equals the single-process gradient. If the megatron schedule also divides each micro-batch loss by
-the number of micro-batches (``calculate_per_token_loss=False``), multiply by that number as well.
+equals the single-process gradient. With context parallelism (``parallel.cp``) every CP rank of a
+DP replica computes the same loss from the CP-summed per-token values
+(:mod:`megatron_rl.parallel.context_parallel`) and its backward reaches only its own tokens, so
+the replica's gradient is the *sum* over its CP ranks; megatron DDP averages over DP x CP and
+megatron's schedule multiplies a ``(loss, dict)`` loss by the CP size
+(``pipeline_parallel/schedules.py``, ``forward_step_calc_loss``), so ``grad_scale`` stays
+``dp_size``. Every token reduction here (counts, selections) is over the DP group only: the CP
+ranks of a replica already see all of its tokens. If the megatron schedule also divides each
+micro-batch loss by the number of micro-batches (``calculate_per_token_loss=False``), multiply by
+that number as well.
 """
 
 from __future__ import annotations

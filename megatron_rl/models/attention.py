@@ -17,6 +17,13 @@ Packed rows (megatron-core ``PackedSeqParams`` with ``qkv_format='thd'``, see
 :mod:`megatron_rl.actor.packing`): ``query [T, heads/TP, D]`` -> ``[T, heads/TP * D]``, causal
 within each ``cu_seqlens`` segment and never across (:meth:`SDPAttention._packed`).
 
+Context parallelism (``parallel.cp`` > 1, padded rows): each rank holds two chunks of every row;
+:meth:`SDPAttention._cp` all-gathers K/V over the CP group (backward: reduce-scatter of dK/dV)
+and masks causally on global positions -- exact, on CPU/gloo and CUDA/NCCL alike. With
+Transformer Engine, megatron's ``TEDotProductAttention`` runs TE's own CP attention with
+``cp_comm_type`` ``"p2p"`` (ring exchange of K/V, overlapped with compute; set in
+:func:`megatron_rl.models.builder.make_transformer_config`).
+
 Shapes: ``query [Sq, B, heads/TP, D]``, ``key``/``value [Sk, B, groups/TP, D]`` ->
 ``context [Sq, B, heads/TP * D]``, all on the inputs' device and dtype.
 """
@@ -78,8 +85,13 @@ class SDPAttention(MegatronModule):
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, **_unused: Any) -> None:
         super().__init__(config=config)
+        self.cp_group = None  # context parallelism: K/V gathered over this group (see _cp)
         if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention: context parallelism is not supported")
+            self.cp_group = getattr(pg_collection, "cp", None)
+            if self.cp_group is None:
+                from megatron.core import parallel_state as ps
+
+                self.cp_group = ps.get_context_parallel_group()
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(f"SDPAttention: softmax_type={config.softmax_type!r}")
         if pg_collection is not None and hasattr(pg_collection, "tp"):
@@ -108,7 +120,11 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention: attention bias needs TE")
         if packed_seq_params is not None:
+            if self.cp_group is not None:
+                return self._packed_cp(query, key, value, packed_seq_params)
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            return self._cp(query, key, value, attention_mask)
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, h|g, S, D]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -185,6 +201,76 @@ class SDPAttention(MegatronModule):
                                                    scale=self.softmax_scale, enable_gqa=gqa)
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
         return torch.cat(outs) if outs else query.new_zeros(0, self.heads * self.head_dim)
+
+    def _cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Context-parallel causal attention, exact: this CP rank's queries ``[S_loc, B, h, D]``
+        (chunks ``r`` and ``2 CP - 1 - r`` of the row, :mod:`megatron_rl.parallel.
+        context_parallel`) against every key/value of the row, all-gathered over the CP group
+        into global order ``[S_loc * CP, B, g, D]`` (backward: a reduce-scatter of dK/dV), with
+        the causal mask on global positions. Returns ``[S_loc, B, h*D]``; scores
+        ``[B, h, S_loc, S_loc * CP]`` (1/CP of the unsplit ones)."""
+        from megatron_rl.parallel.context_parallel import gather_sequence, local_positions
+
+        if attention_mask is not None:
+            raise NotImplementedError("SDPAttention: an explicit attention_mask with context "
+                                      "parallelism (only causal rows are split)")
+        cp = torch.distributed.get_world_size(self.cp_group)
+        rank = torch.distributed.get_rank(self.cp_group)
+        key, value = gather_sequence(key, self.cp_group), gather_sequence(value, self.cp_group)
+        pos_q = local_positions(query.shape[0] * cp, cp, rank, query.device)
+        return self.global_causal(query, key, value, pos_q)
+
+    def _packed_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   params: Any) -> torch.Tensor:
+        """Packed (THD) rows under context parallelism, exact: every segment (length a multiple
+        of ``2 CP``, ``params.seqlens``) is split as one row is (chunks ``r`` and ``2 CP - 1 - r``
+        on rank ``r``); this rank's queries ``[T/CP, h, D]`` attend to all keys/values of the
+        packed row, all-gathered over the CP group into packed order ``[T, g, D]``, causal within
+        each segment on packed positions. Returns ``[T/CP, h*D]``."""
+        from megatron_rl.parallel.context_parallel import (
+            gather_sequence,
+            local_positions,
+            packed_gathered_order,
+        )
+
+        seqlens = tuple(getattr(params, "seqlens", ()) or ())
+        if not seqlens:
+            raise NotImplementedError("SDPAttention: packed rows with context parallelism need "
+                                      "the segment lengths on the host (HostPackedSeqParams)")
+        cp = torch.distributed.get_world_size(self.cp_group)
+        rank = torch.distributed.get_rank(self.cp_group)
+        dev = query.device
+        order = packed_gathered_order(seqlens, cp, dev)
+        key = gather_sequence(key, self.cp_group, order)  # [T, g, D]
+        value = gather_sequence(value, self.cp_group, order)
+        outs, q0, k0 = [], 0, 0
+        for n in seqlens:  # one segment at a time: its local queries against its keys
+            nq = n // cp
+            pos_q = local_positions(n, cp, rank, dev)
+            outs.append(self.global_causal(query[q0:q0 + nq].unsqueeze(1),
+                                           key[k0:k0 + n].unsqueeze(1),
+                                           value[k0:k0 + n].unsqueeze(1), pos_q))
+            q0, k0 = q0 + nq, k0 + n
+        return torch.cat(outs).reshape(query.shape[0], self.heads * self.head_dim)
+
+    def global_causal(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      pos_q: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Queries ``[Sq, B, h, D]`` at global positions ``pos_q [Sq]`` (int64) against all
+        keys/values ``[Sk, B, g, D]`` of the row (global order): query ``i`` sees keys
+        ``0..pos_q[i]`` (or where ``keep [Sq, Sk]`` is True). Returns ``[Sq, B, h*D]``
+        (megatron's operation order on CPU, SDPA with a boolean mask on CUDA or with
+        ``use_sdpa_on_cpu``)."""
+        sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
+        if keep is None:
+            keep = pos_q[:, None] >= torch.arange(sk, device=query.device)[None, :]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, h|g, S, D]
+        if not q.is_cuda and not self.use_sdpa_on_cpu:
+            return self._megatron_order(q, k, v, keep, False)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
     @staticmethod
     def _varlen_eligible(query: torch.Tensor, dropout: float) -> bool:

@@ -76,6 +76,7 @@ def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
     validate_for_layout(cfg, tp, pp, ep)
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -87,6 +88,9 @@ def make_transformer_config(cfg: ModelConfig, params_dtype: torch.dtype = torch.
         add_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        # context parallelism: SDPAttention gathers K/V itself (models/attention.py); TE's
+        # attention exchanges K/V in a ring ("p2p"), overlapped with the attention compute
+        context_parallel_size=cp, cp_comm_type="p2p" if cp > 1 else None,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         # Full weights are built on CPU then sliced: every layout starts from identical weights.

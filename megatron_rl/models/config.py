@@ -234,6 +234,12 @@ PRESETS: dict[str, ModelConfig] = {
                                num_attention_heads=40, num_key_value_heads=8,
                                max_position_embeddings=32768, rope_theta=1000000.0,
                                rms_norm_eps=1e-5),
+    # Qwen/Qwen3-8B's config.json (Qwen3ForCausalLM): 8.2B parameters, native context 40960
+    "qwen3-8b": ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096,
+                            intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            max_position_embeddings=40960, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6),
     # Qwen/Qwen3-30B-A3B's config.json (Qwen3MoeForCausalLM, transformers 4.51): 30.5B parameters,
     # 3.3B active per token (the model card's numbers; `plan` prints both).
     "qwen3-30b-a3b": ModelConfig(family="qwen3_moe", vocab_size=151936, hidden_size=2048,

@@ -221,6 +221,28 @@ def _patch_moe_dtoh_stream() -> Callable[[], None]:
                   _set_attr(cls, "_maybe_dtoh_and_synchronize", dtoh_on_cpu))
 
 
+# --- patch 10: the CP split of the rotary table without pinned memory ------------------------
+def _patch_cp_pos_emb() -> Callable[[], None]:
+    # get_pos_emb_on_this_cp_rank builds its two chunk indices in pinned host memory and copies
+    # them to the GPU; without CUDA there is no pinned allocator. Same split, on the table's
+    # device. rotary_pos_embedding.py imported the name, so both modules are patched.
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+
+    def on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        shape = pos_emb.shape
+        pos_emb = pos_emb.view(*shape[:seq_dim], 2 * size, -1, *shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    return _chain(_set_attr(rope_utils, "get_pos_emb_on_this_cp_rank", on_this_cp_rank),
+                  _set_attr(rpe, "get_pos_emb_on_this_cp_rank", on_this_cp_rank))
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("rng_tracker", "tensor_parallel/random.py: CudaRNGStatesTracker.add/fork and "
           "model_parallel_cuda_manual_seed read and set torch.cuda RNG states", _patch_rng_tracker),
@@ -249,6 +271,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("moe_dtoh_stream", "transformer/moe/token_dispatcher.py: MoEAlltoAllTokenDispatcher "
           "makes a torch.cuda.Stream when built and copies split sizes to the host on it "
           "(mixture-of-experts models)", _patch_moe_dtoh_stream),
+    Patch("cp_pos_emb", "models/common/embeddings/rope_utils.py: get_pos_emb_on_this_cp_rank "
+          "(context parallelism) puts the rotary table's chunk indices in pinned memory",
+          _patch_cp_pos_emb),
 )
 PATCH_NAMES = tuple(p.name for p in PATCHES)
 

@@ -11,7 +11,7 @@ One entry point, :func:`init_parallel`, does all of it:
    (long) timeout, since ranks wait there while rank 0 generates;
 3. on CPU, enable the megatron-core CPU compatibility layer
    (:mod:`megatron_rl.parallel.cpu_compat`);
-4. validate ``world = TP x PP x DP`` and call ``parallel_state.initialize_model_parallel``.
+4. validate ``world = TP x PP x CP x DP`` and call ``parallel_state.initialize_model_parallel``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class ParallelLayout:
     pp_rank: int
     dp_rank: int
     backend: str
+    cp: int = 1  # context-parallel size (each sequence split over cp ranks)
+    cp_rank: int = 0
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -148,32 +150,34 @@ def choose_backend(requested: str | None = None) -> str:
 
 def validate_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1,
                     ep: int = 1) -> int:
-    """Check the sizes and return DP. Errors name every size involved.
+    """Check the sizes and return DP (``world / (TP x PP x CP)``). Errors name every size
+    involved.
 
     Expert parallelism splits each MoE layer's experts over ``ep`` ranks of one pipeline stage
     (expert tensor parallelism 1): megatron-core needs ``TP x DP`` (the ranks of a stage) to be a
     multiple of ``ep``."""
     for name, val in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp),
-                      ("expert_parallel_size", ep)):
+                      ("context_parallel_size", cp), ("expert_parallel_size", ep)):
         if not isinstance(val, int) or val < 1:
             raise ParallelConfigError(f"{name} must be a positive integer, got {val!r}")
-    if cp != 1:
-        raise ParallelConfigError(
-            f"context_parallel_size={cp} is not supported yet (allowed: 1); split long sequences "
-            "with tensor/pipeline parallelism instead")
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise ParallelConfigError(
             f"world size {world_size} is not divisible by tensor_parallel_size ({tp}) x "
-            f"pipeline_parallel_size ({pp}) = {tp * pp}")
-    implied = world_size // (tp * pp)
+            f"pipeline_parallel_size ({pp}) x context_parallel_size ({cp}) = {tp * pp * cp}")
+    implied = world_size // (tp * pp * cp)
     if dp is not None and dp != implied:
         raise ParallelConfigError(
             f"world size {world_size} != tensor_parallel_size ({tp}) x pipeline_parallel_size "
-            f"({pp}) x data_parallel_size ({dp}) = {tp * pp * dp}")
+            f"({pp}) x context_parallel_size ({cp}) x data_parallel_size ({dp}) = "
+            f"{tp * pp * cp * dp}")
     if (tp * implied) % ep:
         raise ParallelConfigError(
             f"expert_parallel_size={ep} must divide the ranks of a pipeline stage: "
             f"tensor_parallel_size ({tp}) x data_parallel_size ({implied}) = {tp * implied}")
+    if cp > 1 and ep > 1:
+        raise ParallelConfigError(
+            f"context_parallel_size={cp} with expert_parallel_size={ep} is not supported "
+            "(allowed with cp > 1: expert_parallel_size 1)")
     return implied
 
 
@@ -246,8 +250,10 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                   seed: int = 1234, backend: str | None = None,
                   timeout_s: float = 600.0, host_timeout_s: float | None = None,
                   socket_ifname: str = "", ep: int = 1) -> ParallelLayout:
-    """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x DP layout
-    (``ep``: expert-parallel size of MoE layers, carved out of TP x DP).
+    """Set up torch.distributed and megatron ``parallel_state`` for a TP x PP x CP x DP layout
+    (``cp``: context-parallel size, each sequence split over ``cp`` ranks, see
+    :mod:`megatron_rl.parallel.context_parallel`; ``ep``: expert-parallel size of MoE layers,
+    carved out of TP x DP).
 
     Raises :class:`ParallelConfigError` (before any collective) when the sizes do not fit the world
     or the backend cannot run this many ranks on this node's GPUs.
@@ -266,6 +272,7 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         # experts are never split inside (expert TP 1; megatron's default would be tp)
         expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         distributed_timeout_minutes=timeout_s / 60.0)
@@ -285,7 +292,8 @@ def current_layout(backend: str | None = None) -> ParallelLayout:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
-        backend=backend or dist.get_backend())
+        backend=backend or dist.get_backend(),
+        cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank())
 
 
 def is_rank0() -> bool:
@@ -299,11 +307,19 @@ def last_stage_rank() -> int:
     from megatron.core import parallel_state as ps
 
     mine = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0)
+            and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
     t = torch.tensor([dist.get_rank() if mine else dist.get_world_size()], dtype=torch.int64,
                      device="cpu")  # a host int: over the gloo host group
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=host_group())
     return int(t.item())
+
+
+def first_replica() -> bool:
+    """True on the ranks of DP replica 0 and CP rank 0: the one copy of the weights that sends
+    them (weight sync) or reports them. Weights are replicated over DP and over CP."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
 
 def shutdown() -> None:

@@ -21,23 +21,27 @@ def _cmd_plan(args) -> int:
                     distributed_optimizer=args.distributed_optimizer, device=args.device,
                     prompt_len=args.prompt_len, response_len=args.response_len, mfu=args.mfu,
                     rollout_mfu=args.rollout_mfu, peak_tflops=args.peak_tflops,
-                    tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, colocate=args.colocate,
+                    tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp,
+                    colocate=args.colocate,
                     response_mean=args.response_mean, response_p95=args.response_p95,
                     lengths_file=args.lengths_file, gpus_per_node=args.gpus_per_node,
                     intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
         if args.gpus is not None and not args.search:
             tp = args.tp or cfg.parallel.tp
             pp = args.pp or cfg.parallel.pp
-            if args.gpus % (tp * pp):
-                raise PlanError(f"--gpus {args.gpus} is not a multiple of TP x PP = {tp * pp}")
-            over["dp"] = args.gpus // (tp * pp)
+            cp = args.cp or cfg.parallel.cp
+            if args.gpus % (tp * pp * cp):
+                raise PlanError(f"--gpus {args.gpus} is not a multiple of TP x PP x CP = "
+                                f"{tp * pp * cp}")
+            over["dp"] = args.gpus // (tp * pp * cp)
         x = inputs_from_config(cfg, **over)
         if args.search:
             gpus = args.gpus or x.actor_gpus
-            plans = search(x, gpus, max_tp=args.max_tp)
+            plans = search(x, gpus, max_tp=args.max_tp, max_cp=args.max_cp)
             if not plans:
-                raise PlanError(f"no TP x PP x DP{' x EP' if x.model.is_moe else ''} layout of "
-                                f"{gpus} GPUs splits this model and batch")
+                moe = " x EP" if x.model.is_moe else ""
+                raise PlanError(f"no TP x PP x CP x DP{moe} layout of {gpus} GPUs splits this "
+                                "model and batch")
             print(f"search: {gpus} actor GPUs, {len(plans)} layouts x recompute settings; ranked "
                   f"by fit, then estimated step time, then memory per GPU\n")
             print(format_search(plans, args.top))
@@ -64,12 +68,16 @@ def add_plan_subcommand(sub) -> None:
                    help="actor GPUs (sets DP; with --search: the GPUs to lay out)")
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU in GiB")
     p.add_argument("--search", action="store_true",
-                   help="enumerate and rank TPxPPxDP layouts (xEP for MoE models)")
+                   help="enumerate and rank TPxPPxCPxDP layouts (xEP for MoE models)")
     p.add_argument("--max-tp", type=int, default=8, help="largest TP in --search (one node)")
     p.add_argument("--top", type=int, default=15, help="rows of the --search table")
     p.add_argument("--tp", type=int, default=None, help="actor TP (default: parallel.tp)")
     p.add_argument("--pp", type=int, default=None, help="actor PP (default: parallel.pp)")
     p.add_argument("--dp", type=int, default=None, help="actor DP (default: parallel.dp)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="actor context parallelism: each sequence split over cp ranks "
+                        "(default: parallel.cp)")
+    p.add_argument("--max-cp", type=int, default=8, help="largest CP in --search")
     p.add_argument("--ep", type=int, default=None,
                    help="actor expert parallelism, MoE models (default: parallel.ep)")
     p.add_argument("--gpus-per-node", type=int, default=None,

@@ -57,6 +57,7 @@ class PlanInputs:
     pp: int = 1
     dp: int = 1
     ep: int = 1  # expert parallelism (MoE models): experts split over ep ranks of a stage
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (dense models)
     precision: str = "bf16"
     recompute: str = "none"
     distributed_optimizer: bool = False
@@ -105,7 +106,7 @@ class PlanInputs:
 
     @property
     def actor_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def expert_dp(self) -> int:
@@ -121,7 +122,7 @@ class PlanInputs:
             raise PlanError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
         if self.device not in DEVICES:
             raise PlanError(f"device={self.device!r} is not one of {DEVICES}")
-        for name in ("tp", "pp", "dp", "ep", "micro_batch_size", "n_micro", "server_tp",
+        for name in ("tp", "pp", "dp", "ep", "cp", "micro_batch_size", "n_micro", "server_tp",
                      "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -139,6 +140,9 @@ class PlanInputs:
             validate_for_layout(self.model, self.tp, self.pp, self.ep)
         except ModelConfigError as exc:
             raise PlanError(str(exc)) from exc
+        if self.cp > 1 and self.ep > 1:
+            raise PlanError(f"cp={self.cp} with ep={self.ep}: context parallelism runs with "
+                            "ep=1 (parallel.cp and parallel.ep)")
         if (self.tp * self.dp) % self.ep:
             raise PlanError(f"ep={self.ep} must divide the ranks of a pipeline stage, tp x dp = "
                             f"{self.tp} x {self.dp} = {self.tp * self.dp} (megatron-core carves "
@@ -181,7 +185,7 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
     fused = a.fused_logprob_entropy
     recompute = getattr(a, "recompute", "none")
     vals: dict[str, Any] = dict(
-        model=m, tp=p.tp, pp=p.pp, dp=p.dp, ep=getattr(p, "ep", 1),
+        model=m, tp=p.tp, pp=p.pp, dp=p.dp, ep=getattr(p, "ep", 1), cp=getattr(p, "cp", 1),
         precision=getattr(a, "precision", None) or "bf16",
         recompute=recompute if recompute in RECOMPUTE else ("full" if recompute else "none"),
         distributed_optimizer=cfg.optim.use_distributed_optimizer,

@@ -1,5 +1,5 @@
-"""The layout search: every TP x PP x DP (x EP for MoE models) split of N GPUs (x recompute
-settings), ranked by fit, then estimated step time, then memory per GPU."""
+"""The layout search: every TP x PP x CP x DP (x EP for MoE models, whose CP is 1) split of N
+GPUs (x recompute settings), ranked by fit, then estimated step time, then memory per GPU."""
 
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def search(x: PlanInputs, gpus: int, max_tp: int = 8,
-           recompute: tuple[str, ...] = RECOMPUTE) -> list[Plan]:
-    """Every TP x PP x DP (x EP for an MoE model) x recompute layout of ``gpus`` actor GPUs the
-    model can split into, fitting ones first, then by estimated step time, then by memory. EP
-    takes megatron-core's rules: it divides ``num_experts`` and the ``tp x dp`` ranks of a
-    stage."""
+           recompute: tuple[str, ...] = RECOMPUTE, max_cp: int = 8) -> list[Plan]:
+    """Every TP x PP x CP x DP (x EP for an MoE model) x recompute layout of ``gpus`` actor GPUs
+    the model can split into, fitting ones first, then by estimated step time, then by memory.
+    EP takes megatron-core's rules: it divides ``num_experts`` and the ``tp x dp`` ranks of a
+    stage. CP (up to ``max_cp``) is searched for dense models (CP runs with EP 1)."""
     global_mini = x.n_micro * x.micro_batch_size * x.dp  # sequences per optimizer step
-    layouts = [(tp, pp, gpus // (tp * pp)) for tp in _divisors(gpus)
-               for pp in _divisors(gpus // tp)]
+    cps = [1] if x.model.is_moe else [c for c in _divisors(gpus) if c <= max_cp]
+    layouts = [(tp, pp, cp, gpus // (tp * pp * cp)) for tp in _divisors(gpus)
+               for pp in _divisors(gpus // tp) for cp in cps if (gpus // (tp * pp)) % cp == 0]
     plans = []
-    for tp, pp, dp in progress(layouts, "plan search", unit="layouts", min_s=2.0):
+    for tp, pp, cp, dp in progress(layouts, "plan search", unit="layouts", min_s=2.0):
         if tp > max_tp or global_mini % dp or x.responses_per_step % dp:
             continue
         local = global_mini // dp
@@ -34,7 +35,7 @@ def search(x: PlanInputs, gpus: int, max_tp: int = 8,
             if x.model.is_moe else [1]
         for ep in eps:
             for rc in recompute:
-                cand = dataclasses.replace(x, tp=tp, pp=pp, dp=dp, ep=ep, recompute=rc,
+                cand = dataclasses.replace(x, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, recompute=rc,
                                            n_micro=local // x.micro_batch_size)
                 try:
                     plans.append(make_plan(cand))

@@ -118,9 +118,9 @@ def optimizer_state_bytes(params: int, x: PlanInputs, shard: int | None = None,
                           prefix: str = "") -> dict[str, float]:
     """Weights, fp32 main weights, fp32 gradients and Adam moments of ``params`` parameters; with
     the distributed optimizer the main weights and moments are sharded ``shard`` ways (default:
-    DP; expert parameters: expert DP, :attr:`PlanInputs.expert_dp`). ``prefix`` names the item
-    (``"expert "``)."""
-    shard = (shard or x.dp) if x.distributed_optimizer else 1
+    DP x CP, megatron's data-parallel group with context parallelism; expert parameters: expert
+    DP, :attr:`PlanInputs.expert_dp`). ``prefix`` names the item (``"expert "``)."""
+    shard = (shard or x.dp * x.cp) if x.distributed_optimizer else 1
     w = _dtype_bytes(x.precision)
     return {
         f"{prefix}weights": params * w,
@@ -203,13 +203,25 @@ def layer_activation_elems(x: PlanInputs) -> tuple[float, float]:
     return norms + attn + mlp, 0.0
 
 
+def cp_gathered_kv_elems(x: PlanInputs) -> float:
+    """Elements of the K/V a context-parallel layer gathers from the other CP ranks and keeps
+    for its backward, per micro-batch: ``(cp - 1) / cp`` of the row's ``2 x groups x D / TP``
+    per token (0 at CP 1; models/attention.py)."""
+    m = x.model
+    kv = 2 * m.num_key_value_heads * m.kv_channels / x.tp
+    return x.micro_batch_size * x.seq_len * kv * (x.cp - 1) / x.cp
+
+
 def activation_bytes(x: PlanInputs) -> dict[str, float]:
-    """Activations of the first pipeline stage (the one with the most micro-batches in flight)."""
+    """Activations of the first pipeline stage (the one with the most micro-batches in flight).
+    Context parallelism: each rank holds ``1 / cp`` of every row's tokens, plus the K/V gathered
+    from the other CP ranks (:func:`cp_gathered_kv_elems`)."""
     a = _dtype_bytes(x.precision)
     softmax_b = 4  # attention_softmax_in_fp32 (only for a per-sequence term)
-    tokens = x.micro_batch_size * x.seq_len
+    tokens = x.micro_batch_size * x.seq_len / x.cp
     per_tok, per_seq = layer_activation_elems(x)
-    one_layer = tokens * per_tok * a + x.micro_batch_size * per_seq * softmax_b
+    one_layer = (tokens * per_tok * a + x.micro_batch_size * per_seq * softmax_b
+                 + cp_gathered_kv_elems(x) * a)
     layers = x.model.num_hidden_layers // x.pp
     in_flight = min(x.pp, x.n_micro)
     if x.recompute == "full":  # layer inputs kept, one layer re-materialised during backward
@@ -221,9 +233,10 @@ def activation_bytes(x: PlanInputs) -> dict[str, float]:
 
 
 def head_bytes(x: PlanInputs) -> dict[str, float]:
-    """Output head of the last stage, one micro-batch: response rows only."""
+    """Output head of the last stage, one micro-batch: response rows only (``1 / cp`` of them
+    per rank under context parallelism)."""
     m, a = x.model, _dtype_bytes(x.precision)
-    rows = x.micro_batch_size * x.response_len
+    rows = -(-x.micro_batch_size * x.response_len // x.cp)
     v_local = m.vocab_size // x.tp
     hidden_rows = rows * m.hidden_size * a
     if x.fused_head:

@@ -26,7 +26,14 @@ from megatron_rl.plan.memory import (
     total_params,
 )
 from megatron_rl.plan.rollout_time import RolloutCost, rollout_cost, step_totals, sync_seconds
-from megatron_rl.plan.step_time import ALLTOALL, alltoall_bytes, step_seconds, swap_seconds
+from megatron_rl.plan.step_time import (
+    ALLTOALL,
+    CP_KV,
+    alltoall_bytes,
+    cp_kv_bytes,
+    step_seconds,
+    swap_seconds,
+)
 
 ROLLOUT = "rollout (one generation round)"
 SYNC = "weight sync"
@@ -74,7 +81,8 @@ class Plan:
     @property
     def layout(self) -> str:
         x = self.inputs
-        return f"TP{x.tp}xPP{x.pp}xDP{x.dp}" + (f"xEP{x.ep}" if x.model.is_moe else "")
+        return (f"TP{x.tp}xPP{x.pp}" + (f"xCP{x.cp}" if x.cp > 1 else "") + f"xDP{x.dp}"
+                + (f"xEP{x.ep}" if x.model.is_moe else ""))
 
 
 def make_plan(x: PlanInputs) -> Plan:
@@ -229,6 +237,10 @@ def format_plan(p: Plan, alternatives: bool = True) -> str:
         f"communication: the MoE all-to-all only ({alltoall_bytes(x) / GIB:.1f} GiB per GPU per "
         f"step leave the rank, {x.intra_node_gbps:g} GB/s in a node, {x.inter_node_gbps:g} GB/s "
         f"between nodes of {x.gpus_per_node} GPUs)")
+    if CP_KV in p.seconds:
+        comm = (f"communication: the CP K/V exchange only ({cp_kv_bytes(x) / GIB:.1f} GiB per GPU "
+                f"per step, {x.intra_node_gbps:g} GB/s in a node, {x.inter_node_gbps:g} GB/s "
+                f"between nodes of {x.gpus_per_node} GPUs, not overlapped)")
     priced = "actor passes padded to the cap (upper bound)" + (
         ", rollout at the response lengths" if p.rollout is not None else "")
     lines += ["", f"step time at MFU {x.mfu:.0%} (actor), {x.rollout_mfu:.0%} (rollout), "

@@ -1,6 +1,7 @@
 """The planner's step time: FLOPs of generation, old/ref passes and the update at a stated MFU
 (an MoE model's FLOPs from its active parameters), an MoE actor's expert-parallel all-to-all,
-and the host<->device swap time of a colocated step (other communication is not modelled)."""
+a context-parallel actor's K/V exchange, and the host<->device swap time of a colocated step
+(other communication is not modelled)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,37 @@ def alltoall_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> float:
                b * remote / (x.ep - 1) / (x.inter_node_gbps * 1e9))
 
 
+CP_KV = "CP K/V exchange"  # the context-parallel attention's gather (fwd) / reduce-scatter (bwd)
+
+
+def cp_kv_bytes(x: PlanInputs, cost: PaddingCost | None = None) -> float:
+    """Bytes one actor GPU receives from the other ranks of its CP group in one step: per layer
+    of its stage and per pass direction, the ``(cp - 1) / cp`` of each row's K and V
+    (``2 x groups x D / TP`` per token) held elsewhere: gathered in every forward (old-policy,
+    reference, update, and the recomputed one under full recomputation), reduce-scattered as
+    dK/dV in the backward. Rows: this DP rank's share of the step. 0 at CP 1."""
+    if x.cp == 1:
+        return 0.0
+    m = x.model
+    per_row = cost.tokens if cost is not None else x.seq_len
+    kv = 2 * m.num_key_value_heads * m.kv_channels / x.tp * (4 if x.precision == "fp32" else 2)
+    rows = x.responses_per_step / x.dp
+    directions = 1 + int(x.use_ref) + 2 + int(x.recompute == "full")
+    return directions * (m.num_hidden_layers // x.pp) * rows * per_row * kv * (x.cp - 1) / x.cp
+
+
+def cp_kv_seconds(x: PlanInputs, cost: PaddingCost | None = None) -> float:
+    """:func:`cp_kv_bytes` over one link: megatron orders ranks TP, then CP, so a CP group spans
+    ``tp x cp`` consecutive ranks: NVLink (``intra_node_gbps``) while that fits a node, the
+    inter-node link otherwise. Not overlapped with compute (Transformer Engine's ring exchange
+    overlaps it: an upper bound there)."""
+    b = cp_kv_bytes(x, cost)
+    if not b:
+        return 0.0
+    gbps = x.intra_node_gbps if x.tp * x.cp <= x.gpus_per_node else x.inter_node_gbps
+    return b / (gbps * 1e9)
+
+
 def step_seconds(x: PlanInputs, cost: PaddingCost | None = None,
                  rollout_s: float | None = None) -> dict[str, float]:
     """Seconds per phase at the stated MFUs (actor phases include the pipeline bubble; an MoE
@@ -97,6 +129,8 @@ def step_seconds(x: PlanInputs, cost: PaddingCost | None = None,
     out = {k: v / actor * bubble for k, v in fl.items() if k != roll}
     if a2a := alltoall_seconds(x, cost):
         out[ALLTOALL] = a2a * bubble
+    if kv := cp_kv_seconds(x, cost):
+        out[CP_KV] = kv * bubble
     if x.servers:
         out[roll] = rollout_s if rollout_s is not None else fl[roll] / (
             x.servers * x.server_tp * x.peak_tflops * 1e12 * x.rollout_mfu)

@@ -20,9 +20,9 @@ def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str
     SGLang fleet ``after_send`` comes after the weights are loaded and before the probe (see
     :mod:`megatron_rl.rollout.weight_sync.megatron_sync`), for other engines after the update.
     """
-    from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
+    from megatron_rl.parallel.runtime import first_replica
     from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan
 
     # an SGLang fleet: its strategy (rollout.sglang.weight_sync), verified, every stage sending
@@ -34,7 +34,7 @@ def sync_weights(actor, engine, bucket_mb: int, version: int, hooks=None) -> str
     if hooks is not None:
         hooks.before_send()
     out = None
-    if ps.get_data_parallel_rank() != 0:
+    if not first_replica():  # DP replicas > 0 and CP ranks > 0 hold copies
         if serves_expert_gathers(actor.model):
             for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=True):
                 pass

@@ -17,7 +17,8 @@ def init_parallel(cfg: RunConfig):
 
     p = cfg.parallel
     runtime.set_deterministic(cfg.trainer.deterministic)  # before any CUDA kernel runs
-    return runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.ep, seed=cfg.trainer.seed,
+    return runtime.init_parallel(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
+                                 seed=cfg.trainer.seed,
                                  backend=p.backend, timeout_s=p.timeout_s,
                                  host_timeout_s=p.host_timeout_s,
                                  socket_ifname=p.socket_ifname)

@@ -180,8 +180,9 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
     from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
+    from megatron_rl.parallel.runtime import first_replica
 
-    if ps.get_data_parallel_rank() != 0:
+    if not first_replica():  # DP replicas > 0 and CP ranks > 0 hold copies
         err = _hook(hooks, "before_send")
         if serves_expert_gathers(actor.model):  # MoE: replica 0's stream gathers our experts
             for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False):
