@@ -301,7 +301,7 @@ class RolloutDriver:
                 decision = self.stopper.update_val(val_acc)
             metrics.update(decision.metrics)
             self.history.append({k: v for k, v in metrics.items()
-                                 if k in ("val/acc", "rollout/acc")})
+                                 if k in ("val/acc", "rollout/acc", "distill/reverse_kl")})
             self.tracker.log(metrics, step=step + 1)
         return broadcast_object(decision)
 
@@ -345,7 +345,7 @@ class RolloutDriver:
         if self.eval_sets and self.eval_step != steps:  # early stop between evaluations
             self.tracker.log(self.evaluate_sets(steps), step=steps)
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
-                   "steps": steps}
+                   "steps": steps, **distill_summary(self.history)}
         self.tracker.close()
         getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
         if self.cfg.trainer.plots:
@@ -354,9 +354,22 @@ class RolloutDriver:
                 plot_run(self.cfg.trainer.output_dir)
             except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
                 print(f"[train] plotting skipped: {exc}", flush=True)
+        kl = "".join(f" {k}={summary[k]:.4f}" for k in ("reverse_kl_start", "reverse_kl_end")
+                     if k in summary)  # on-policy distillation runs
         print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
-              f"wall_s={wall_s:.1f}", flush=True)
+              f"wall_s={wall_s:.1f}{kl}", flush=True)
         return summary
+
+
+def distill_summary(history: list[dict], window: int = 5) -> dict[str, float]:
+    """``reverse_kl_start``/``reverse_kl_end`` of a distillation run: the mean
+    ``distill/reverse_kl`` of the first and of the last ``window`` trained steps (``{}`` without
+    a teacher)."""
+    kl = [h["distill/reverse_kl"] for h in history if "distill/reverse_kl" in h]
+    if not kl:
+        return {}
+    return {"reverse_kl_start": sum(kl[:window]) / len(kl[:window]),
+            "reverse_kl_end": sum(kl[-window:]) / len(kl[-window:])}
 
 
 def _early_stop_kwargs(cfg: RunConfig) -> dict:

@@ -1,0 +1,203 @@
+"""On-policy distillation (issue 43, docs/distillation.md): the teacher's per-token log-probs on
+the student's samples, the reverse-KL signal (reward and loss modes), its metrics, and the
+``teacher`` section's load-time errors.
+
+The per-token check uses a hand-made pair of tiny Hugging Face models (a 4-layer student and a
+2-layer, narrower teacher with the same tokenizer): the actor's teacher pass is compared with a
+direct ``transformers`` forward of each model (log-softmax at the actor's temperature, gathered
+at the sampled tokens), and the advantages and metrics with the formulas computed by hand.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.load import load_config
+from megatron_rl.config.sections import TeacherSection
+from megatron_rl.loss import LossConfig, LossInputs, ReductionContext, compute_loss
+from megatron_rl.loss.distill import distill_advantages, distill_stats, reverse_kl
+from megatron_rl.parallel.launch import spawn
+
+TEMP = 0.8
+COEF, TASK_COEF, NATS = 0.5, 1.0, 0.3
+
+
+# ---- a hand-made student/teacher pair -----------------------------------------------------
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[str, str]:
+    """``student``/``teacher`` HF dirs sharing one tokenizer, ``other``: another tokenizer."""
+    from megatron_rl.testing.tiny_hf import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp("distill")
+    corpus = [f"What is {a} plus {b} ? \\boxed{{{a + b}}}" for a in range(20) for b in range(20)]
+    dirs = {n: str(root / n) for n in ("student", "teacher", "other")}
+    tok = make_tokenizer(dirs["student"], corpus)
+    shutil.copytree(dirs["student"], dirs["teacher"])
+    vocab = -(-len(tok) // 64) * 64
+    make_model(dirs["student"], vocab, "qwen2", seed=0)
+    make_model(dirs["teacher"], vocab, "qwen2", seed=1, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2)
+    other = make_tokenizer(dirs["other"], [c.replace("plus", "minus") for c in corpus])
+    make_model(dirs["other"], -(-len(other) // 64) * 64, "qwen2", seed=2)
+    return dirs
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    """4 rows of 12 tokens: a 5-token prompt, then responses of 7, 4, 6 and 1 tokens."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, vocab, (4, 12), generator=g)
+    mask = torch.zeros(4, 12, dtype=torch.bool)
+    for row, n in enumerate((7, 4, 6, 1)):
+        mask[row, 5:5 + n] = True
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(4, 12) * mask
+    return {"tokens": tokens, "mask": mask, "advantages": adv.contiguous()}
+
+
+def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
+    """One rank: the actor with its teacher, the old-policy and teacher passes, the signal."""
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.convert.model_source import HFShardSource
+    from megatron_rl.convert.registry import read_hf_config
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.distill import add_distillation
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    s_cfg, t_cfg = read_hf_config(student)[1], read_hf_config(teacher)[1]
+    actor = Actor(s_cfg, ActorConfig(micro_batch_size=2, temperature=TEMP),
+                  OptimConfig(lr=1e-3), LossConfig.for_algorithm("dapo"), total_steps=1,
+                  full_state=HFShardSource(student, s_cfg), teacher_cfg=t_cfg,
+                  teacher_state=HFShardSource(teacher, t_cfg))
+    batch = dict(batch)
+    actor.add_old_logprobs(batch)
+    actor.add_teacher_logprobs(batch)
+    metrics = add_distillation(batch, TeacherSection(hf_path=teacher, mode=mode, coef=COEF,
+                                                     task_coef=TASK_COEF, disagree_nats=NATS))
+    runtime.shutdown()
+    return {k: batch[k] for k in ("old_logp", "teacher_logp", "advantages")} | {"m": metrics}
+
+
+def _direct_logp(hf_dir: str, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[N, S]``: ``log softmax(logits / TEMP)`` of the HF model at each sampled token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens).logits.float() / TEMP
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return torch.where(mask, torch.nn.functional.pad(logp, (1, 0)), 0.0)
+
+
+def test_distill_teacher_pass_and_signal_match_a_direct_computation(pair):
+    from transformers import AutoTokenizer
+
+    batch = _batch(len(AutoTokenizer.from_pretrained(pair["student"])))
+    (out,) = spawn(_pair_worker, 1, (pair["student"], pair["teacher"], batch, "reward"),
+                   timeout_s=300)
+    mask = batch["mask"]
+    student = _direct_logp(pair["student"], batch["tokens"], mask)
+    teacher = _direct_logp(pair["teacher"], batch["tokens"], mask)
+    # the teacher pass: the teacher's own log-probs of the student's tokens, per token
+    got_t = torch.where(mask, out["teacher_logp"], 0.0)
+    torch.testing.assert_close(got_t, teacher, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.where(mask, out["old_logp"], 0.0), student, atol=2e-5,
+                               rtol=1e-5)
+    assert (teacher - student).abs()[mask].max() > 0.1  # two different models
+    # reward mode: A_t = task_coef * A_task - coef * (log pi_S - log pi_T), 0 at padding
+    want = torch.where(mask, TASK_COEF * batch["advantages"] - COEF * (student - teacher), 0.0)
+    torch.testing.assert_close(out["advantages"], want, atol=3e-5, rtol=1e-5)
+    # metrics: means over the valid tokens
+    kl = (student - teacher)[mask].double()
+    m = out["m"]
+    assert m["distill/reverse_kl"] == pytest.approx(float(kl.mean()), abs=2e-5)
+    assert m["distill/teacher_logp"] == pytest.approx(float(teacher[mask].mean()), abs=2e-5)
+    assert m["distill/disagree_frac"] == pytest.approx(float((kl > NATS).double().mean()))
+
+
+# ---- the signal, by hand -------------------------------------------------------------------
+def test_distill_reward_mode_by_hand():
+    s = torch.tensor([[0.0, -1.0, -2.0, -3.0]])
+    t = torch.tensor([[0.0, -1.5, -0.5, -9.0]])
+    mask = torch.tensor([[False, True, True, False]])
+    task = torch.tensor([[0.0, 0.3, 0.3, 0.0]])
+    assert reverse_kl(s, t, mask).tolist() == [[0.0, 0.5, -1.5, 0.0]]
+    adv = distill_advantages(task, s, t, mask, coef=2.0, task_coef=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.3 - 1.0, 0.3 + 3.0, 0.0]]))
+    pure = distill_advantages(task, s, t, mask, coef=2.0, task_coef=0.0)
+    torch.testing.assert_close(pure, torch.tensor([[0.0, -1.0, 3.0, 0.0]]))
+    st = distill_stats(s, t, mask, disagree_nats=0.4, group=None)
+    assert float(st["distill/reverse_kl"]) == pytest.approx(-0.5)
+    assert float(st["distill/teacher_logp"]) == pytest.approx(-1.0)
+    assert float(st["distill/disagree_frac"]) == pytest.approx(0.5)  # 0.5 > 0.4 nats; -1.5 not
+
+
+def test_distill_loss_mode_adds_the_k2_term_with_the_reverse_kl_gradient():
+    """``coef * token-mean 1/2 (logp - teacher)^2``: its gradient on each valid token is
+    ``coef * (logp - teacher) / n_valid`` (the per-token reverse-KL policy gradient)."""
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_(True)
+    teacher = -torch.rand(3, 5, generator=g) * 3
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    zeros = torch.zeros(3, 5)
+    cfg = LossConfig.for_algorithm("dapo", distill_loss_coef=0.7)
+    ctx = ReductionContext.from_minibatch(mask, group=None)
+    out = compute_loss(LossInputs(logp=logp, old_logp=logp.detach(), advantages=zeros,
+                                  mask=mask, teacher_logp=teacher), cfg, ctx)
+    out.loss.backward()  # zero advantages: the policy loss has no gradient
+    n = mask.sum()
+    delta = (logp.detach() - teacher)
+    torch.testing.assert_close(logp.grad, torch.where(mask, 0.7 * delta / n, 0.0))
+    torch.testing.assert_close(out.loss.detach(),
+                               0.7 * (0.5 * delta.square())[mask].sum() / n)
+    with pytest.raises(ValueError, match="teacher_logp"):
+        compute_loss(LossInputs(logp=logp, old_logp=logp.detach(), advantages=zeros,
+                                mask=mask), cfg, ctx)
+
+
+# ---- config: load-time errors --------------------------------------------------------------
+def _load(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+def test_distill_config_refuses_a_teacher_with_another_tokenizer(pair):
+    with pytest.raises(ConfigError) as err:
+        _load(f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['other']}")
+    msg = str(err.value)
+    assert pair["other"] in msg and pair["student"] in msg and "tokenizer" in msg, msg
+    with pytest.raises(ConfigError, match=r"teacher tokenizer .*student's tokenizer 'byte'"):
+        _load("model.preset=tiny", f"teacher.hf_path={pair['teacher']}")
+
+
+def test_distill_config_errors_name_the_field_and_the_allowed_values(pair):
+    with pytest.raises(ConfigError, match=r"teacher\.mode='bogus' is not one of "
+                                          r"\('reward', 'loss'\)"):
+        _load("teacher.mode=bogus")
+    with pytest.raises(ConfigError, match=r"teacher\.engine='sglang' is not one of \('actor',\)"):
+        _load("teacher.engine=sglang")
+    with pytest.raises(ConfigError, match=r"teacher\.coef must be > 0"):
+        _load("teacher.coef=0")
+    with pytest.raises(ConfigError, match="exactly one of teacher.hf_path, teacher.checkpoint"):
+        _load(f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['teacher']}",
+              f"teacher.checkpoint={pair['teacher']}")
+    with pytest.raises(ConfigError, match=r"teacher\.hf_path='/no/such' is not a directory"):
+        _load("teacher.hf_path=/no/such")
+    with pytest.raises(ConfigError, match="use teacher.mode=loss and teacher.coef"):
+        _load("loss.overrides={distill_loss_coef: 0.5}")
+
+
+def test_distill_config_loads_a_matching_teacher_and_sets_the_loss_term(pair):
+    from megatron_rl.run.setup import loss_config, teacher_model
+
+    cfg = _load(f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['teacher']}",
+                "teacher.mode=loss", "teacher.coef=0.25")
+    assert loss_config(cfg).distill_loss_coef == 0.25
+    arch, source = teacher_model(cfg)
+    assert arch.num_hidden_layers == 2 and source.hf_dir == pair["teacher"]
+    reward = _load(f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['teacher']}")
+    assert loss_config(reward).distill_loss_coef == 0.0
+    assert teacher_model(_load()) == (None, None)
