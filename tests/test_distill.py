@@ -76,10 +76,13 @@ def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
     batch = dict(batch)
     actor.add_old_logprobs(batch)
     actor.add_teacher_logprobs(batch)
+    loss_mode = dict(batch)  # loss mode: only the task advantages' weight changes
     metrics = add_distillation(batch, TeacherSection(hf_path=teacher, mode=mode, coef=COEF,
                                                      task_coef=TASK_COEF, disagree_nats=NATS))
+    add_distillation(loss_mode, TeacherSection(hf_path=teacher, mode="loss", task_coef=0.5))
     runtime.shutdown()
-    return {k: batch[k] for k in ("old_logp", "teacher_logp", "advantages")} | {"m": metrics}
+    return {k: batch[k] for k in ("old_logp", "teacher_logp", "advantages")} | {
+        "m": metrics, "loss_mode_adv": loss_mode["advantages"]}
 
 
 def _direct_logp(hf_dir: str, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -111,6 +114,7 @@ def test_distill_teacher_pass_and_signal_match_a_direct_computation(pair):
     # reward mode: A_t = task_coef * A_task - coef * (log pi_S - log pi_T), 0 at padding
     want = torch.where(mask, TASK_COEF * batch["advantages"] - COEF * (student - teacher), 0.0)
     torch.testing.assert_close(out["advantages"], want, atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(out["loss_mode_adv"], 0.5 * batch["advantages"])
     # metrics: means over the valid tokens
     kl = (student - teacher)[mask].double()
     m = out["m"]

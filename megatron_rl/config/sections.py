@@ -221,7 +221,7 @@ class TeacherSection:
     engine: str = "actor"  # actor: frozen Megatron model on the trainer ranks (like the reference)
     mode: str = "reward"  # reward: A_t = task_coef*A_task - coef*KL_t | loss: + coef * k2 term
     coef: float = 1.0  # weight of the distillation signal
-    task_coef: float = 1.0  # reward mode: weight of the task advantage (0 = pure distillation)
+    task_coef: float = 1.0  # weight of the task advantage (0 = pure distillation)
     disagree_nats: float = 2.0  # distill/disagree_frac: tokens with KL_t above this many nats
 
 

@@ -23,11 +23,14 @@ Two ways to use it (``teacher.mode``):
   before the update), a constant; no critic, no baseline, no whitening. ``task_coef = 0`` is pure
   distillation; ``task_coef = 1`` adds the distillation signal to the run's task advantages
   (GRPO/DAPO/...) token by token. The policy loss of ``loss.algorithm`` then consumes ``A_t``
-  (importance ratios and clipping as for any advantage). Same as slime's and verl's
-  ``opd``/``on_policy_distill`` reward-mode recipes (advantage = -coef * (student - teacher)).
+  (importance ratios and clipping as for any advantage). slime's on-policy distillation
+  (``--use-opd``, docs/en/advanced/on-policy-distillation.md) adds the same term to any
+  estimator's advantage (our ``task_coef = 1``); the Tinker cookbook's recipe of the Thinking
+  Machines post uses it alone (our ``task_coef = 0``).
 
 * ``loss`` — a term beside the policy loss, aggregated like every loss term over the global
-  valid tokens of the mini-batch::
+  valid tokens of the mini-batch (the policy loss sees ``task_coef * A_task``; ``task_coef = 0``
+  leaves the distillation term alone)::
 
       L_distill = coef * mean_t 1/2 (log pi_theta(y_t) - log pi_T(y_t))^2     (k2)
 
