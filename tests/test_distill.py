@@ -205,3 +205,43 @@ def test_distill_config_loads_a_matching_teacher_and_sets_the_loss_term(pair):
     reward = _load(f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['teacher']}")
     assert loss_config(reward).distill_loss_coef == 0.0
     assert teacher_model(_load()) == (None, None)
+
+
+# ---- teacher.engine: sglang ----------------------------------------------------------------
+def test_distill_sglang_teacher_logprobs_match_a_direct_computation(server):
+    """Our ``serve`` (SGLang's HTTP API) as the teacher: ``input_token_logprobs`` of each row's
+    ids, placed on the valid tokens, equal a direct forward of the served model."""
+    from megatron_rl.rollout.teacher_client import SGLangTeacher
+
+    url, state = server
+    batch = _batch(256)
+    mask = batch["mask"].clone()
+    mask[3] = False  # a padding row: no request, zeros
+    got = SGLangTeacher(url, concurrency=2).batch_logprobs(batch["tokens"], mask)
+    with torch.no_grad():
+        logits = state.model(input_ids=batch["tokens"]).logits.float()
+    direct = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["tokens"][:, 1:, None])[..., 0]
+    want = torch.where(mask, torch.nn.functional.pad(direct, (1, 0)), 0.0)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert got[3].abs().sum() == 0 and got[mask].abs().min() > 0
+
+
+def test_distill_sglang_engine_config_errors(pair):
+    with pytest.raises(ConfigError, match=r"teacher\.engine='sglang' needs teacher\.url"):
+        _load("teacher.engine=sglang")
+    with pytest.raises(ConfigError, match="needs the teacher's tokenizer"):
+        _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"temperature 1 .*actor\.temperature=0\.7"):
+        _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1", "teacher.tokenizer=byte",
+              "rollout.temperature=0.7")
+    with pytest.raises(ConfigError, match=r"teacher tokenizer .*student's tokenizer 'byte'"):
+        _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1",
+              f"teacher.tokenizer={pair['other']}")
+    with pytest.raises(ConfigError, match=r"teacher\.url='http://127\.0\.0\.1:1' is for "
+                                          r"teacher\.engine='sglang'"):
+        _load("teacher.url=http://127.0.0.1:1")
+    cfg = _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1", "teacher.tokenizer=byte")
+    from megatron_rl.config.teacher import served_teacher
+    from megatron_rl.run.setup import teacher_model
+
+    assert served_teacher(cfg.teacher) and teacher_model(cfg) == (None, None)

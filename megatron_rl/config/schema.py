@@ -171,6 +171,7 @@ FREE_TEXT: dict[str, str] = {
     "teacher.checkpoint": "a directory: checked at load",
     "teacher.tokenizer": "'byte' or a tokenizer directory: checked at load against the "
                          "student's",
+    "teacher.url": "an http(s):// URL of the teacher's router or server: checked at load",
 }
 
 

@@ -15,8 +15,19 @@ from megatron_rl.config.sections import ModelSection, RunConfig, TeacherSection
 
 
 def teacher_enabled(t: TeacherSection) -> bool:
-    """True when the run has a teacher (``teacher.hf_path`` or ``teacher.checkpoint`` set)."""
-    return bool(t.hf_path or t.checkpoint)
+    """True when the run has a teacher (``teacher.hf_path``, ``teacher.checkpoint`` or
+    ``teacher.url`` set)."""
+    return bool(t.hf_path or t.checkpoint or t.url)
+
+
+def actor_teacher(t: TeacherSection) -> bool:
+    """True when the teacher is a frozen Megatron model on the trainer ranks."""
+    return teacher_enabled(t) and t.engine == "actor"
+
+
+def served_teacher(t: TeacherSection) -> bool:
+    """True when SGLang servers serve the teacher (rank 0 asks them for log-probs)."""
+    return teacher_enabled(t) and t.engine == "sglang"
 
 
 def teacher_model_section(t: TeacherSection) -> ModelSection:
@@ -78,26 +89,60 @@ def validate_teacher(cfg: RunConfig) -> None:
     if cfg.loss.overrides.get("distill_loss_coef"):
         raise ConfigError("loss.overrides.distill_loss_coef is set by the teacher section: use "
                           "teacher.mode=loss and teacher.coef")
+    if t.engine == "sglang" and not t.url:
+        raise ConfigError("teacher.engine='sglang' needs teacher.url, the http(s):// URL of the "
+                          "teacher's router or server")
     if not teacher_enabled(t):
         return
     if t.hf_path and t.checkpoint:
         raise ConfigError(f"teacher: exactly one of teacher.hf_path, teacher.checkpoint names the "
                           f"teacher, got both ({t.hf_path!r}, {t.checkpoint!r})")
+    if t.engine == "sglang":
+        validate_served_teacher(cfg)
     section = teacher_model_section(t)
     p = cfg.parallel
-    try:
-        model = validate_model_section(section, p.tp, p.pp, p.ep)
-    except (ModelSourceError, ModelConfigError) as exc:
-        raise ConfigError("teacher: " + str(exc).replace("model.hf_path", "teacher.hf_path")
-                          .replace("model.megatron_ckpt", "teacher.checkpoint")
-                          .replace("model.tokenizer", "teacher.tokenizer")) from exc
+    model = None
+    if t.engine == "actor":
+        if t.url:
+            raise ConfigError(f"teacher.url={t.url!r} is for teacher.engine='sglang'; "
+                              "teacher.engine='actor' loads teacher.hf_path or teacher.checkpoint")
+        try:
+            model = validate_model_section(section, p.tp, p.pp, p.ep)
+        except (ModelSourceError, ModelConfigError) as exc:
+            raise ConfigError("teacher: " + str(exc).replace("model.hf_path", "teacher.hf_path")
+                              .replace("model.megatron_ckpt", "teacher.checkpoint")
+                              .replace("model.tokenizer", "teacher.tokenizer")) from exc
     try:
         check_teacher_tokenizer(cfg.model, section)
-        check_vocab_fits(tokenizer_of(section)[1], model.vocab_size,
-                         "teacher tokenizer vs the teacher's vocab_size")
+        if model is not None:
+            check_vocab_fits(tokenizer_of(section)[1], model.vocab_size,
+                             "teacher tokenizer vs the teacher's vocab_size")
     except TokenizerError as exc:
         raise ConfigError(str(exc)) from exc
     if t.mode == "reward" and cfg.trainer.advantage == "gae":
         raise ConfigError("teacher.mode='reward' replaces the advantages, which "
                           "trainer.advantage='gae' computes from the critic afterwards; use "
                           "teacher.mode='loss' with gae (allowed modes: reward, loss)")
+
+
+def validate_served_teacher(cfg: RunConfig) -> None:
+    """``teacher.engine: sglang``: a URL, a named tokenizer (the load-time check needs it), and
+    temperature 1 (SGLang's prompt-token log-probs come from unscaled logits)."""
+    import os
+
+    t = cfg.teacher
+    if not t.url or not t.url.startswith(("http://", "https://")):
+        raise ConfigError(f"teacher.engine='sglang' needs teacher.url, the http(s):// URL of the "
+                          f"teacher's router or server; got {t.url!r}")
+    if not (t.hf_path or t.checkpoint or t.tokenizer):
+        raise ConfigError("teacher.engine='sglang' needs the teacher's tokenizer to check it "
+                          "against the student's: set teacher.tokenizer ('byte' or a directory) "
+                          "or teacher.hf_path (the served model's directory)")
+    for name in ("hf_path", "checkpoint"):
+        path = getattr(t, name)
+        if path and not os.path.isdir(path):
+            raise ConfigError(f"teacher.{name}={path!r} is not a directory")
+    if cfg.actor.temperature != 1.0:
+        raise ConfigError(f"teacher.engine='sglang' scores at temperature 1 (SGLang's prompt-token "
+                          f"log-probs are unscaled) but actor.temperature={cfg.actor.temperature};"
+                          " use teacher.engine='actor' or sample at temperature 1")

@@ -48,7 +48,7 @@ import torch.distributed as dist
 Tensor = torch.Tensor
 
 MODES = ("reward", "loss")
-ENGINES = ("actor",)  # teacher.engine: a frozen Megatron model on the trainer ranks
+ENGINES = ("actor", "sglang")  # teacher.engine: frozen Megatron model | SGLang servers
 
 
 def reverse_kl(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:

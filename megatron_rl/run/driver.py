@@ -135,6 +135,14 @@ class RolloutDriver:
         self.received_bytes = 0  # the last step's rows, as this rank received them
         self.producer = None  # rollout.max_staleness > 0: the rollout producer thread (rank 0)
         self._loader_state: dict | None = None  # loader after the last batch trained (async)
+        self.teacher = None  # teacher.engine: sglang (rank 0): rollout.teacher_client
+        if self.rank0:
+            from megatron_rl.config.teacher import served_teacher
+
+            if served_teacher(cfg.teacher):
+                from megatron_rl.rollout.teacher_client import SGLangTeacher
+
+                self.teacher = SGLangTeacher(cfg.teacher.url, cfg.rollout.sglang.concurrency)
 
     def start(self, make_engine, start_step: int, resuming: bool) -> None:
         """Create the engine and the metrics tracker (rank 0)."""
@@ -213,12 +221,24 @@ class RolloutDriver:
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                          rows_multiple)
+        if batch is not None and self.teacher is not None:  # teacher.engine: sglang
+            metrics = {**metrics, **self._score_with_teacher(batch)}
         if self._dp_table is None:
             self._dp_table = dp_rank_table()
         local, metrics, self.received_bytes = scatter_rows(
             batch, metrics, self._dp_table, dp, mini,
             balance=bool(self.cfg.actor.max_tokens_per_micro_batch))
         return local, metrics
+
+    def _score_with_teacher(self, batch: dict) -> dict[str, float]:
+        """Rank 0, ``teacher.engine: sglang``: the served teacher's log-probs of the step's
+        tokens as ``batch["teacher_logp"]`` ``[N, S]`` (scattered with the rows); its wall
+        time as ``time/teacher``."""
+        import time
+
+        t0 = time.perf_counter()
+        batch["teacher_logp"] = self.teacher.batch_logprobs(batch["tokens"], batch["mask"])
+        return {"time/teacher": time.perf_counter() - t0}
 
     def _record_lengths(self, records: list[dict]) -> None:
         """Add the step's response lengths to ``OUTPUT_DIR/response_lengths.json`` (the

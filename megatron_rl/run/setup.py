@@ -135,13 +135,13 @@ def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state
 
 
 def teacher_model(cfg: RunConfig):
-    """``(teacher architecture, weight source)`` of the run's distillation teacher, or
-    ``(None, None)`` without one (docs/distillation.md)."""
-    from megatron_rl.config.teacher import teacher_enabled, teacher_model_section
+    """``(teacher architecture, weight source)`` of the run's distillation teacher on the
+    trainer ranks (``teacher.engine: actor``), else ``(None, None)`` (docs/distillation.md)."""
+    from megatron_rl.config.teacher import actor_teacher, teacher_model_section
     from megatron_rl.convert.model_source import model_config as of_section
     from megatron_rl.convert.model_source import weight_source
 
-    if not teacher_enabled(cfg.teacher):
+    if not actor_teacher(cfg.teacher):
         return None, None
     section = teacher_model_section(cfg.teacher)
     return of_section(section), weight_source(section)

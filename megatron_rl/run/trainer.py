@@ -37,7 +37,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.checkpoint import latest_checkpoint
-    from megatron_rl.config.teacher import teacher_enabled
+    from megatron_rl.config.teacher import actor_teacher
     from megatron_rl.metrics.host import host_stats
     from megatron_rl.metrics.tracking import gpu_stats
     from megatron_rl.metrics.update import aggregate_updates, logp_mismatch
@@ -70,7 +70,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         full_state=init_state, entropy_controller=controller, use_reference=needs_reference(cfg),
         ref_state=reference_weights(t.output_dir, loss_cfg.use_kl_loss or needs_reference(cfg),
                                     init_state, resuming),
-        with_teacher=teacher_enabled(cfg.teacher))
+        with_teacher=actor_teacher(cfg.teacher))  # engine sglang: rank 0 asks the servers
     critic = setup.make_critic(cfg, init_state) if t.advantage == "gae" else None
     critic_root = os.path.join(t.output_dir, "critic_checkpoints")
     del init_state
