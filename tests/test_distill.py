@@ -245,3 +245,30 @@ def test_distill_sglang_engine_config_errors(pair):
     from megatron_rl.run.setup import teacher_model
 
     assert served_teacher(cfg.teacher) and teacher_model(cfg) == (None, None)
+
+
+# ---- plan: the teacher's memory and time ---------------------------------------------------
+def test_distill_plan_counts_the_teacher(pair):
+    """A teacher with the student's architecture costs what the student's frozen copy costs:
+    its weights per stage (none on the GPU when offloaded) and one forward per step; the
+    smaller teacher less. A served teacher costs the trainer nothing."""
+    from megatron_rl.plan.inputs import inputs_from_config
+    from megatron_rl.plan.memory import actor_breakdown, stage_params
+    from megatron_rl.plan.step_time import step_flops
+
+    def plan(teacher: str, **kw):
+        cfg = _load(f"model.hf_path={pair['student']}", f"teacher.hf_path={teacher}")
+        x = inputs_from_config(cfg, precision="bf16", **kw)
+        return x, actor_breakdown(x)[1], step_flops(x)
+
+    x, mem, fl = plan(pair["student"], offload_ref=False)
+    assert mem["distillation teacher"] == stage_params(x.model, 1, 1, 0) * 2
+    assert fl["teacher log-probs"] == fl["old-policy log-probs"]
+    _, small_mem, small_fl = plan(pair["teacher"], offload_ref=False)
+    assert 0 < small_mem["distillation teacher"] < mem["distillation teacher"]
+    assert 0 < small_fl["teacher log-probs"] < small_fl["old-policy log-probs"]
+    _, off, _ = plan(pair["teacher"], offload_ref=True)
+    assert off["distillation teacher (offloaded to CPU)"] == 0.0
+    served = inputs_from_config(_load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1",
+                                      "teacher.tokenizer=byte"))
+    assert served.teacher is None and "teacher log-probs" not in step_flops(served)
