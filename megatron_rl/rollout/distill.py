@@ -11,6 +11,8 @@ TP/PP/DP layout); the advantage change is per token and needs no reduction.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_rl.loss.distill import distill_advantages, distill_stats
 
 
@@ -34,4 +36,5 @@ def add_distillation(local: dict, teacher) -> dict[str, float]:
         local["advantages"] = adv.to(local["advantages"].device)
     stats = distill_stats(student, teach, mask, teacher.disagree_nats,
                           group=ps.get_data_parallel_group())
-    return {k: float(v) for k, v in stats.items()}  # one host sync per step
+    values = torch.stack(list(stats.values())).tolist()  # one host sync per step
+    return dict(zip(stats, values))
