@@ -81,9 +81,40 @@ def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
     metrics = add_distillation(batch, TeacherSection(hf_path=teacher, mode=mode, coef=COEF,
                                                      task_coef=TASK_COEF, disagree_nats=NATS))
     add_distillation(loss_mode, TeacherSection(hf_path=teacher, mode="loss", task_coef=0.5))
-    runtime.shutdown()
-    return {k: batch[k] for k in ("old_logp", "teacher_logp", "advantages")} | {
+    out = {k: batch[k] for k in ("old_logp", "teacher_logp", "advantages")} | {
         "m": metrics, "loss_mode_adv": loss_mode["advantages"]}
+    out["offload"] = _offload_checks(actor, batch, s_cfg, t_cfg, student, teacher)
+    runtime.shutdown()
+    return out
+
+
+def _offload_checks(actor, batch: dict, s_cfg, t_cfg, student: str, teacher: str) -> dict:
+    """Placement like the reference model: a resident teacher leaves the device with the actor
+    (colocation) and comes back bit-exact; an offloaded one (``actor.offload_ref``) holds no
+    device bytes between its passes and gives the same log-probs."""
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.offload import ActorOffload
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.convert.model_source import HFShardSource
+    from megatron_rl.testing.device_accounting import device_bytes
+
+    out = {"resident": not actor.offload_ref}
+    off = ActorOffload(actor, "cpu")
+    off.offload()
+    out["bytes_offloaded"] = device_bytes(actor, "cpu")
+    off.onload()
+    again = {k: batch[k] for k in ("tokens", "mask")}
+    out["after_onload"] = actor.add_teacher_logprobs(again)["teacher_logp"]
+    cfg = ActorConfig(micro_batch_size=2, temperature=TEMP, offload_ref=True)
+    offloaded = Actor(s_cfg, cfg, OptimConfig(lr=1e-3), LossConfig.for_algorithm("dapo"), 1,
+                      full_state=HFShardSource(student, s_cfg), teacher_cfg=t_cfg,
+                      teacher_state=HFShardSource(teacher, t_cfg))
+    out["teacher_bytes_between"] = sum(p.untyped_storage().nbytes()  # as the reference's
+                                       for p in offloaded.teacher_model.parameters())
+    again = {k: batch[k] for k in ("tokens", "mask")}
+    out["offloaded_logp"] = offloaded.add_teacher_logprobs(again)["teacher_logp"]
+    return out
 
 
 def _direct_logp(hf_dir: str, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -112,6 +143,11 @@ def test_distill_teacher_pass_and_signal_match_a_direct_computation(pair):
     torch.testing.assert_close(torch.where(mask, out["old_logp"], 0.0), student, atol=2e-5,
                                rtol=1e-5)
     assert (teacher - student).abs()[mask].max() > 0.1  # two different models
+    off = out["offload"]
+    assert off["resident"] and off["bytes_offloaded"] == 0  # the teacher left with the actor
+    assert torch.equal(off["after_onload"], out["teacher_logp"])
+    assert off["teacher_bytes_between"] == 0 and torch.equal(off["offloaded_logp"],
+                                                             out["teacher_logp"])
     # reward mode: A_t = task_coef * A_task - coef * (log pi_S - log pi_T), 0 at padding
     want = torch.where(mask, TASK_COEF * batch["advantages"] - COEF * (student - teacher), 0.0)
     torch.testing.assert_close(out["advantages"], want, atol=3e-5, rtol=1e-5)
