@@ -218,8 +218,9 @@ def test_distill_config_errors_name_the_field_and_the_allowed_values(pair):
     with pytest.raises(ConfigError, match=r"teacher\.mode='bogus' is not one of "
                                           r"\('reward', 'loss'\)"):
         _load("teacher.mode=bogus")
-    with pytest.raises(ConfigError, match=r"teacher\.engine='sglang' is not one of \('actor',\)"):
-        _load("teacher.engine=sglang")
+    with pytest.raises(ConfigError, match=r"teacher\.engine='vllm' is not one of "
+                                          r"\('actor', 'sglang'\)"):
+        _load("teacher.engine=vllm")
     with pytest.raises(ConfigError, match=r"teacher\.coef must be > 0"):
         _load("teacher.coef=0")
     with pytest.raises(ConfigError, match="exactly one of teacher.hf_path, teacher.checkpoint"):
