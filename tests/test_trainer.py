@@ -53,8 +53,11 @@ def test_every_example_recipe_runs(tmp_path):
     from megatron_rl.run.serial_runs import train_each
     from megatron_rl.testing.tiny_hf import make_preset_hf
 
-    # tiny_opd.yaml distils the main job's model: a random model of its architecture here
-    teacher = [f"teacher.hf_path={make_preset_hf(str(tmp_path / 'teacher'))}"]
+    # tiny_opd.yaml distils the main job's model: a random model of its architecture here (and
+    # the main job's batch, not the demo's four-times larger one)
+    teacher = [f"teacher.hf_path={make_preset_hf(str(tmp_path / 'teacher'))}",
+               "trainer.train_batch_size=16", "rollout.gen_batch_size=16",
+               "actor.mini_batch_size=32"]
     jobs = [(os.path.basename(c), c,
              [f"output_dir={tmp_path / os.path.basename(c)}", "parallel.tp=1", "parallel.pp=1",
               "sft.steps=3", "trainer.total_steps=2", "trainer.test_freq=2",
