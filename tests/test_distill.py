@@ -3,9 +3,10 @@ the student's samples, the reverse-KL signal (reward and loss modes), its metric
 ``teacher`` section's load-time errors.
 
 The per-token check uses a hand-made pair of tiny Hugging Face models (a 4-layer student and a
-2-layer, narrower teacher with the same tokenizer): the actor's teacher pass is compared with a
-direct ``transformers`` forward of each model (log-softmax at the actor's temperature, gathered
-at the sampled tokens), and the advantages and metrics with the formulas computed by hand.
+2-layer, narrower teacher with the same tokenizer): the actor's teacher pass, on two
+data-parallel ranks, is compared with a direct ``transformers`` forward of each model
+(log-softmax at the actor's temperature, gathered at the sampled tokens), and the advantages and
+the metrics (reduced over both ranks) with the formulas computed by hand on the whole batch.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 
 
 def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
-    """One rank: the actor with its teacher, the old-policy and teacher passes, the signal."""
+    """One of two data-parallel ranks (rows 2r, 2r+1 of the batch): the actor with its
+    teacher, the old-policy and teacher passes, the signal, its metrics over both ranks."""
     from megatron_rl.actor.actor import Actor
     from megatron_rl.actor.optim import OptimConfig
     from megatron_rl.actor.train_step import ActorConfig
@@ -68,13 +70,14 @@ def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
     from megatron_rl.parallel import runtime
     from megatron_rl.rollout.distill import add_distillation
 
-    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    runtime.init_parallel(tp=1, pp=1, dp=2, timeout_s=120)
+    rank = torch.distributed.get_rank()
+    batch = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
     s_cfg, t_cfg = read_hf_config(student)[1], read_hf_config(teacher)[1]
     actor = Actor(s_cfg, ActorConfig(micro_batch_size=2, temperature=TEMP),
                   OptimConfig(lr=1e-3), LossConfig.for_algorithm("dapo"), total_steps=1,
                   full_state=HFShardSource(student, s_cfg), teacher_cfg=t_cfg,
                   teacher_state=HFShardSource(teacher, t_cfg))
-    batch = dict(batch)
     actor.add_old_logprobs(batch)
     actor.add_teacher_logprobs(batch)
     loss_mode = dict(batch)  # loss mode: only the task advantages' weight changes
@@ -132,8 +135,15 @@ def test_distill_teacher_pass_and_signal_match_a_direct_computation(pair):
     from transformers import AutoTokenizer
 
     batch = _batch(len(AutoTokenizer.from_pretrained(pair["student"])))
-    (out,) = spawn(_pair_worker, 1, (pair["student"], pair["teacher"], batch, "reward"),
-                   timeout_s=300)
+    ranks = spawn(_pair_worker, 2, (pair["student"], pair["teacher"], batch, "reward"),
+                  timeout_s=300)
+    out = {k: torch.cat([r[k] for r in ranks]) for k in ranks[0] if k not in ("m", "offload")}
+    assert ranks[0]["m"] == ranks[1]["m"]  # reduced over both data-parallel ranks
+    out["m"] = ranks[0]["m"]
+    out["offload"] = {k: v if not isinstance(v, torch.Tensor) else torch.cat(
+        [r["offload"][k] for r in ranks]) for k, v in ranks[0]["offload"].items()}
+    for r in ranks:
+        assert r["offload"]["bytes_offloaded"] == 0 and r["offload"]["teacher_bytes_between"] == 0
     mask = batch["mask"]
     student = _direct_logp(pair["student"], batch["tokens"], mask)
     teacher = _direct_logp(pair["teacher"], batch["tokens"], mask)
