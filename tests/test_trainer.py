@@ -49,9 +49,10 @@ RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "tiny_*.yaml")))
 def test_every_example_recipe_runs(tmp_path):
     """Two RL steps of every tiny recipe, one after another in one spawned rank (one start-up
     for all; the CLI path itself is covered by the runs below). Plots are drawn for one."""
+    from conftest import make_preset_hf
+
     from megatron_rl.parallel.launch import spawn
     from megatron_rl.run.serial_runs import train_each
-    from megatron_rl.testing.tiny_hf import make_preset_hf
 
     # tiny_opd.yaml distils the main job's model: a random model of its architecture here (and
     # the main job's batch, not the demo's four-times larger one)

@@ -91,17 +91,6 @@ def make_model(out_dir: str, vocab_size: int, family: str = "qwen2", seed: int =
     return out_dir
 
 
-def make_preset_hf(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
-    """A random HF model directory with a preset's architecture and no tokenizer files (the
-    byte tokenizer of the tiny presets): e.g. a distillation teacher for a preset student."""
-    from megatron_rl.models.config import get_preset
-    from megatron_rl.rollout.embedded import build_hf_model
-
-    torch.manual_seed(seed)
-    build_hf_model(get_preset(preset)).save_pretrained(out_dir)
-    return out_dir
-
-
 def make_tiny_hf(out: str, family: str = "qwen2", rows: int = 64, seed: int = 0,
                  tie_word_embeddings: bool | None = None) -> dict[str, str]:
     """``{"model": DIR, "data": PARQUET}`` under ``out`` (see the module docstring)."""
