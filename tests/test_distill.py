@@ -11,7 +11,6 @@ the metrics (reduced over both ranks) with the formulas computed by hand on the 
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -323,38 +322,36 @@ def test_distill_plan_counts_the_teacher(pair):
 
 
 # ---- the trainer with a teacher (one process, two steps) -----------------------------------
-def test_distill_train_run_logs_the_signal_and_the_summary(tmp_path, server):
+def test_distill_train_run_logs_the_signal_and_the_summary(tmp_path, server, capfd):
     """``train`` with a served teacher in loss mode: the rows carry the teacher's log-probs
     from rank 0 to the update (the k2 term's metric is logged), the step logs ``distill/*``
     and ``time/teacher``, and the last line adds ``reverse_kl_start``/``reverse_kl_end`` (the
     means of the first and last 5 steps: here the one step's value)."""
     import json
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    from megatron_rl.run.serial_runs import train_each
 
     url, _ = server
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={tmp_path}", "parallel.tp=1", "parallel.pp=1", "sft.steps=0",
-           "trainer.total_steps=1", "trainer.test_freq=1", "trainer.save_freq=1",
-           "trainer.plots=false", "trainer.train_batch_size=2", "rollout.n=2",
-           "rollout.gen_batch_size=2", "rollout.dynamic_sampling=false", "rollout.val_n=1",
-           "data.val_size=4", "actor.micro_batch_size=2", "actor.mini_batch_size=4",
-           "teacher.engine=sglang", f"teacher.url={url}", "teacher.tokenizer=byte",
-           "teacher.mode=loss", "teacher.task_coef=0"]
-    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(root)})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    overrides = [f"output_dir={tmp_path}", "parallel.tp=1", "parallel.pp=1", "sft.steps=0",
+                 "trainer.total_steps=1", "trainer.test_freq=1", "trainer.save_freq=1",
+                 "trainer.plots=false", "trainer.train_batch_size=2", "rollout.n=2",
+                 "rollout.gen_batch_size=2", "rollout.dynamic_sampling=false",
+                 "rollout.val_n=1", "data.val_size=4", "actor.micro_batch_size=2",
+                 "actor.mini_batch_size=4", "teacher.engine=sglang", f"teacher.url={url}",
+                 "teacher.tokenizer=byte", "teacher.mode=loss", "teacher.task_coef=0"]
+    (res,) = spawn(train_each, 1, ([("opd", "examples/tiny_dapo.yaml", overrides)],),
+                   timeout_s=600, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert "error" not in res["opd"], res["opd"].get("error")
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if r["step"] >= 1]
     assert len(steps) == 1
     for r in steps:
         assert r["distill/reverse_kl"] != 0 and r["distill/loss_k2"] > 0, r
         assert r["time/teacher"] > 0 and 0 <= r["distill/disagree_frac"] <= 1
-    last = res.stdout.strip().splitlines()[-1]
-    m = re.search(r"reverse_kl_start=(\S+) reverse_kl_end=(\S+)$", last)
-    assert last.startswith("summary: ") and m, last
-    for value in m.groups():
-        assert float(value) == pytest.approx(steps[0]["distill/reverse_kl"], abs=1e-4)
+    summary = res["opd"]["summary"]
+    for key in ("reverse_kl_start", "reverse_kl_end"):
+        assert summary[key] == pytest.approx(steps[0]["distill/reverse_kl"], abs=1e-6)
+    last = capfd.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"summary: val_acc_start=\S+ val_acc_end=\S+ wall_s=\S+ "
+                        r"reverse_kl_start=\S+ reverse_kl_end=\S+", last), last
