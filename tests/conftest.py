@@ -50,6 +50,17 @@ def serve_tiny():
         srv.shutdown()
 
 
+def make_preset_hf(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
+    """A random HF model directory with a preset's architecture and no tokenizer files (the
+    byte tokenizer of the tiny presets): e.g. a distillation teacher for a preset student."""
+    from megatron_rl.models.config import get_preset
+    from megatron_rl.rollout.embedded import build_hf_model
+
+    torch.manual_seed(seed)
+    build_hf_model(get_preset(preset)).save_pretrained(out_dir)
+    return out_dir
+
+
 @pytest.fixture(scope="module")
 def server():
     """:func:`serve_tiny`, one per test module."""

@@ -31,6 +31,10 @@ def test_example_configs_load(tmp_path):
 
             made = make_tiny_hf(str(tmp_path))
             extra = [f"model.hf_path={made['model']}", f"data.path={made['data']}"]
+        if raw.get("teacher", {}).get("hf_path"):  # the main job's model (tiny_opd.yaml)
+            from conftest import make_preset_hf
+
+            extra.append(f"teacher.hf_path={make_preset_hf(str(tmp_path / 'teacher'))}")
         load_config(path, extra)
 
 

@@ -45,19 +45,26 @@ def _spied_step_worker(fused: bool, budget: int = 0, bapo_siren: bool = False) -
     loss = LossConfig.for_algorithm("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-100.0,
                                     clip_cov_ub=100.0, use_kl_loss=True, kl_loss_coef=0.01)
     mini = 0
+    from megatron_rl.config.sections import TeacherSection
+    from megatron_rl.rollout.distill import add_distillation
+
     if bapo_siren:  # two mini-batches: the second one's bounds and selection need the pre-pass
-        loss = LossConfig.for_algorithm("bapo", siren_coef=0.1)
+        # (+ an on-policy distillation teacher: its pass, the signal and the k2 loss term)
+        loss = LossConfig.for_algorithm("bapo", siren_coef=0.1, distill_loss_coef=0.5)
         mini = 2
     actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=1 if bapo_siren else 2,
                                                   mini_batch_size=mini,
                                                   fused_logprob_entropy=fused,
                                                   max_tokens_per_micro_batch=budget),
-                  OptimConfig(lr=1e-3), loss, total_steps=1, seed=3)
+                  OptimConfig(lr=1e-3), loss, total_steps=1, seed=3,
+                  teacher_cfg=get_preset("tiny") if bapo_siren else None)
     batch = runtime.move_batch_(_batch(), runtime.device())
     spy = DeviceSpy(device=batch["tokens"].device)
     with spy:
         actor.add_old_logprobs(batch)
         actor.add_ref_logprobs(batch)
+        actor.add_teacher_logprobs(batch)
+        add_distillation(batch, TeacherSection(mode="loss", task_coef=0.5))
         history = actor.update(batch, 0)
         measured_entropy(batch)
         metrics = last_stage_metrics(history, runtime.last_stage_rank())
@@ -76,10 +83,12 @@ def test_actor_step_creates_every_tensor_on_the_batch_device(fused, budget):
 
 
 def test_actor_step_bapo_siren_creates_every_tensor_on_the_batch_device():
-    """BAPO's bound search and SIREN's selection, anchor and pre-pass in the update path."""
+    """BAPO's bound search and SIREN's selection, anchor and pre-pass in the update path, with
+    an on-policy distillation teacher (its pass, the signal and the k2 loss term)."""
     (out,) = spawn(_spied_step_worker, 1, (False, 0, True), timeout_s=240)
     assert out["calls"] > 200, "the spy did not see the update path"
     assert "bapo/clip_high" in out["metrics"] and "siren/reg" in out["metrics"]
+    assert out["metrics"]["distill/loss_k2"] > 0
     assert out["violations"] == "", out["violations"]
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOLATILE = ("time", "wall_s")
@@ -48,14 +49,22 @@ RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "tiny_*.yaml")))
 def test_every_example_recipe_runs(tmp_path):
     """Two RL steps of every tiny recipe, one after another in one spawned rank (one start-up
     for all; the CLI path itself is covered by the runs below). Plots are drawn for one."""
+    from conftest import make_preset_hf
+
     from megatron_rl.parallel.launch import spawn
     from megatron_rl.run.serial_runs import train_each
 
+    # tiny_opd.yaml distils the main job's model: a random model of its architecture here (and
+    # the main job's batch, not the demo's four-times larger one)
+    teacher = [f"teacher.hf_path={make_preset_hf(str(tmp_path / 'teacher'))}",
+               "trainer.train_batch_size=16", "rollout.gen_batch_size=16",
+               "actor.mini_batch_size=32"]
     jobs = [(os.path.basename(c), c,
              [f"output_dir={tmp_path / os.path.basename(c)}", "parallel.tp=1", "parallel.pp=1",
               "sft.steps=3", "trainer.total_steps=2", "trainer.test_freq=2",
               "rollout.dynamic_sampling=false", "data.val_size=16",
-              f"trainer.plots={str(i == 0).lower()}"])
+              f"trainer.plots={str(i == 0).lower()}",
+              *(teacher if "teacher" in yaml.safe_load(open(c)) else [])])
             for i, c in enumerate(RECIPES)]
     results = spawn(train_each, 1, (jobs,), timeout_s=850, env={"CUDA_VISIBLE_DEVICES": ""})[0]
     failed = {name: r["error"][-2000:] for name, r in results.items() if "error" in r}

@@ -2,7 +2,8 @@
 
 Batch convention (this DP rank's rows): ``tokens [N, S]`` int64, ``mask [N, S]`` bool (response
 tokens; position 0 never), ``advantages [N, S]`` fp32; the old-policy pass adds ``old_logp`` and
-``old_entropy`` and the reference pass ``ref_logp`` (``[N, S]`` fp32, last pipeline stage only).
+``old_entropy``, the reference pass ``ref_logp`` and the teacher pass ``teacher_logp`` (``[N, S]``
+fp32, last pipeline stage only).
 """
 
 from __future__ import annotations
@@ -59,6 +60,25 @@ def variable_shapes(model: torch.nn.Module, cfg: ActorConfig) -> None:
         model.config.variable_seq_lengths = True
 
 
+def _frozen_model(cfg: ModelConfig, seed: int, state, actor_cfg: ActorConfig) -> torch.nn.Module:
+    """A frozen model (reference policy or distillation teacher): this rank's stage of ``cfg``
+    from ``state`` (see :func:`_build_model`), in the actor's precision, eval mode, no grads."""
+    model = _build_model(cfg, seed, state)
+    variable_shapes(model, actor_cfg)
+    set_precision(model, actor_cfg.precision)
+    return wrap_precision(model).eval().requires_grad_(False)
+
+
+def _frozen_offload(model: torch.nn.Module | None, enabled: bool):
+    """A :class:`~megatron_rl.actor.offload.FrozenModelOffload` of ``model`` (its weights in
+    pinned host memory between passes) when ``enabled``, else None."""
+    if model is None or not enabled:
+        return None
+    from megatron_rl.actor.offload import FrozenModelOffload
+
+    return FrozenModelOffload(model)
+
+
 class Actor:
     """One rank's share of the policy model and its training machinery."""
 
@@ -67,7 +87,8 @@ class Actor:
                  full_state: Mapping[str, torch.Tensor] | None = None,
                  entropy_controller=None,
                  ref_state: Mapping[str, torch.Tensor] | None = None,
-                 use_reference: bool = False) -> None:
+                 use_reference: bool = False, teacher_cfg: ModelConfig | None = None,
+                 teacher_state=None) -> None:
         self.model_cfg, self.cfg, self.loss_cfg = model_cfg, actor_cfg, loss_cfg.validate()
         self.lora = actor_cfg.lora if actor_cfg.lora.enabled else None
         # fp32 weights, then cast; with LoRA the base is frozen and only adapters train
@@ -87,16 +108,17 @@ class Actor:
                                                          or use_reference)
         if (self.loss_cfg.use_kl_loss or use_reference) and self.lora is None:
             ref = ref_state if ref_state is not None else full_state
-            ref_model = _build_model(model_cfg, seed, ref)
-            variable_shapes(ref_model, actor_cfg)
-            set_precision(ref_model, actor_cfg.precision)
-            self.ref_model = wrap_precision(ref_model).eval().requires_grad_(False)
+            self.ref_model = _frozen_model(model_cfg, seed, ref, actor_cfg)
         self.offload_ref = resolve_offload_ref(actor_cfg.offload_ref)
-        self.ref_offload = None  # weights in (pinned) host memory between reference passes
-        if self.ref_model is not None and self.offload_ref:
-            from megatron_rl.actor.offload import FrozenModelOffload
-
-            self.ref_offload = FrozenModelOffload(self.ref_model)
+        # weights in (pinned) host memory between reference passes
+        self.ref_offload = _frozen_offload(self.ref_model, self.offload_ref)
+        # On-policy distillation teacher (docs/distillation.md): another frozen model with its
+        # own architecture and weights, placed like the reference (this rank's TP/PP stage,
+        # same precision, offloaded with actor.offload_ref).
+        self.teacher_model = None
+        if teacher_cfg is not None:
+            self.teacher_model = _frozen_model(teacher_cfg, seed, teacher_state, actor_cfg)
+        self.teacher_offload = _frozen_offload(self.teacher_model, self.offload_ref)
         if actor_cfg.pack_sequences:
             from megatron_rl.actor.packing import check_packing_backend
 
@@ -182,17 +204,34 @@ class Actor:
             if out is not None:
                 batch["ref_logp"] = out["logp"]
             return batch
-        if self.ref_model is not None:
-            if self.ref_offload is not None:
-                self.ref_offload.onload()
-            try:
-                out = self.logprobs(batch, compute_entropy=False, model=self.ref_model)
-            finally:
-                if self.ref_offload is not None:
-                    self.ref_offload.offload()
-            if out is not None:
-                batch["ref_logp"] = out["logp"]
+        out = self._frozen_logprobs(batch, self.ref_model, self.ref_offload)
+        if out is not None:
+            batch["ref_logp"] = out
         return batch
+
+    def add_teacher_logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The teacher pass (on-policy distillation): adds ``teacher_logp`` ``[N, S]`` fp32, the
+        teacher's log-prob of every sampled token at the actor's temperature (last stage; a
+        no-op without a teacher)."""
+        out = self._frozen_logprobs(batch, self.teacher_model, self.teacher_offload)
+        if out is not None:
+            batch["teacher_logp"] = out
+        return batch
+
+    def _frozen_logprobs(self, batch: Mapping[str, Any], model: torch.nn.Module | None,
+                         offload) -> torch.Tensor | None:
+        """``logp [N, S]`` of a frozen model (reference or teacher), onloaded for the pass when
+        it is offloaded; None without the model or off the last stage."""
+        if model is None:
+            return None
+        if offload is not None:
+            offload.onload()
+        try:
+            out = self.logprobs(batch, compute_entropy=False, model=model)
+        finally:
+            if offload is not None:
+                offload.offload()
+        return None if out is None else out["logp"]
 
     def release(self) -> None:
         """Prepare a discarded actor for garbage collection (the SFT warm start's actor).

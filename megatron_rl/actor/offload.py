@@ -250,8 +250,9 @@ def _synchronize(storages: list[torch.UntypedStorage]) -> None:
 
 class ActorOffload:
     """Offload/onload of one rank's :class:`~megatron_rl.actor.actor.Actor` (its DDP model,
-    optimizer and a device-resident reference model) or :class:`~megatron_rl.critic.critic.
-    Critic` (its DDP model, value head and optimizer). Held outside the model."""
+    optimizer and a device-resident reference model or distillation teacher) or
+    :class:`~megatron_rl.critic.critic.Critic` (its DDP model, value head and optimizer). Held
+    outside the model."""
 
     def __init__(self, actor, device: torch.device | str | None = None) -> None:
         from megatron_rl.parallel.runtime import device as run_device
@@ -263,8 +264,10 @@ class ActorOffload:
 
     def _groups(self) -> dict[str, dict[int, torch.UntypedStorage]]:
         a = self.actor
-        resident_ref = getattr(a, "ref_model", None) is not None and not a.offload_ref
-        ref = [a.ref_model] if resident_ref else []
+        # device-resident frozen models: the reference and the distillation teacher
+        frozen = [m for m in (getattr(a, "ref_model", None), getattr(a, "teacher_model", None))
+                  if m is not None]
+        ref = frozen if frozen and not a.offload_ref else []
         return actor_groups(a.ddp, a.optimizer, self.device, ref)
 
     def offload(self, groups: Iterable[str] = GROUPS) -> dict[str, int]:

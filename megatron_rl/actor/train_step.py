@@ -323,7 +323,8 @@ class PolicyUpdater:
                     entropy=ent, old_entropy=mb.get("old_entropy"), ref_logp=mb.get("ref_logp"),
                     cov_selected=None if selected is None else selected[i],
                     positive=mb.get("positive"), rollout_logp=mb.get("rollout_logp"),
-                    bapo_bounds=bounds, siren=None if siren is None else siren[i]), cfg, ctx,
+                    bapo_bounds=bounds, siren=None if siren is None else siren[i],
+                    teacher_logp=mb.get("teacher_logp")), cfg, ctx,
                     entropy_coeff=alpha)
                 acc.update(out.stats)
                 losses.append(out.loss.detach())

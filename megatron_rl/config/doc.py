@@ -162,6 +162,8 @@ ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "loss.rollout_correction_denominator": ("megatron_rl.loss.params",
                                             "ROLLOUT_CORRECTION_DENOMINATORS"),
     "env.name": ("megatron_rl.envs", "ENVS"),
+    "teacher.engine": ("megatron_rl.loss.distill", "ENGINES"),
+    "teacher.mode": ("megatron_rl.loss.distill", "MODES"),
     "loss.overrides.policy_loss": ("megatron_rl.loss.registry", "_REGISTRY"),
     "loss.overrides.loss_agg_mode": ("megatron_rl.loss.config", "AGG_MODES"),
     "loss.overrides.kl_loss_type": ("megatron_rl.loss.config", "KL_TYPES"),

@@ -108,6 +108,7 @@ RANGES: dict[str, Range] = {
     "critic.gamma": UNIT, "critic.lam": UNIT, "critic.cliprange_value": POS,
     "critic.warmup_steps": NONNEG, "critic.lr": POS, "critic.weight_decay": NONNEG,
     "critic.clip_grad": NONNEG, "critic.ppo_epochs": ONE_UP, "critic.mini_batch_size": NONNEG,
+    "teacher.coef": POS, "teacher.task_coef": NONNEG, "teacher.disagree_nats": POS,
 }
 
 # Numeric fields without a range: none today (every number has one).
@@ -150,6 +151,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
                                                     "ROLLOUT_CORRECTION_DENOMINATORS"),
     "trainer.advantage": lambda: ADVANTAGES,
     "env.name": _choices("megatron_rl.envs", "ENVS"),
+    "teacher.engine": _choices("megatron_rl.loss.distill", "ENGINES"),
+    "teacher.mode": _choices("megatron_rl.loss.distill", "MODES"),
 }
 
 # Strings that are paths, URLs or names: checked where they are used (see docs/bad-input.md).
@@ -174,6 +177,11 @@ FREE_TEXT: dict[str, str] = {
     "rollout.reward_fn": "'module:function': imported and probed before the run (input check)",
     "trainer.output_dir": "the run directory, created when needed",
     "logging.project": "a name for wandb / tensorboard",
+    "teacher.hf_path": "a directory: config.json, shards and tensor shapes checked at load",
+    "teacher.checkpoint": "a directory: checked at load",
+    "teacher.tokenizer": "'byte' or a tokenizer directory: checked at load against the "
+                         "student's",
+    "teacher.url": "an http(s):// URL of the teacher's router or server: checked at load",
 }
 
 

@@ -215,6 +215,22 @@ class CriticSection:
 
 
 @dataclass
+class TeacherSection:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores the student's own
+    samples token by token. Off unless ``hf_path``, ``checkpoint`` or ``url`` is set."""
+
+    hf_path: str | None = None  # the teacher's HF dir (e.g. a run's checkpoints/step_N/hf export)
+    checkpoint: str | None = None  # or: a `convert hf-to-megatron` output (any saved TP/PP)
+    tokenizer: str | None = None  # "byte" or an HF tokenizer dir; default: the teacher's dir
+    engine: str = "actor"  # actor: frozen Megatron model on the trainer ranks | sglang: servers
+    url: str | None = None  # engine sglang: the teacher's router or server (http://host:port)
+    mode: str = "reward"  # reward: A_t = task_coef*A_task - coef*KL_t | loss: + coef * k2 term
+    coef: float = 1.0  # weight of the distillation signal
+    task_coef: float = 1.0  # weight of the task advantage (0 = pure distillation)
+    disagree_nats: float = 2.0  # distill/disagree_frac: tokens with KL_t above this many nats
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -229,6 +245,7 @@ class RunConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     env: EnvSection = field(default_factory=EnvSection)
     critic: CriticSection = field(default_factory=CriticSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

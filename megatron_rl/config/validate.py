@@ -8,6 +8,7 @@ import os
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.schema import ADVANTAGES
 from megatron_rl.config.sections import ParallelSection, RunConfig, SGLangSection
+from megatron_rl.config.teacher import validate_teacher
 from megatron_rl.convert.model_source import ModelSourceError, validate_model_section
 from megatron_rl.envs import ENVS
 from megatron_rl.models.config import ModelConfigError
@@ -63,6 +64,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     if not 0 < cfg.rollout.rv_filter_p <= 1:
         raise ConfigError(f"rollout.rv_filter_p must be in (0, 1], got {cfg.rollout.rv_filter_p}")
     validate_env_critic(cfg)
+    validate_teacher(cfg)  # on-policy distillation: weights, layout, the student's tokenizer
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
     if rows % cfg.parallel.dp:
         raise ConfigError(f"trainer.train_batch_size x rollout.n = {rows} responses must be "

@@ -1,4 +1,5 @@
-"""One micro-batch's total loss: policy loss (+ ERC gate) + positive NLL + KL + entropy bonus.
+"""One micro-batch's total loss: policy loss (+ ERC gate) + positive NLL + KL + distillation +
+entropy bonus.
 
 Every term is aggregated with the context's global denominators, so the micro-batch shares add
 up over micro-batches and DP ranks to the one-process mini-batch loss (see ``context.py``).
@@ -11,6 +12,7 @@ import torch
 from megatron_rl.loss.aggregation import aggregate
 from megatron_rl.loss.config import LossConfig
 from megatron_rl.loss.context import ReductionContext
+from megatron_rl.loss.distill import distill_loss_tokens
 from megatron_rl.loss.erc import erc_gate, erc_keep_mask, erc_stats
 from megatron_rl.loss.gppo import positive_token_mask
 from megatron_rl.loss.kl import kl_penalty
@@ -89,6 +91,13 @@ def compute_loss(inp: LossInputs, cfg: LossConfig, ctx: ReductionContext,
         total = total + cfg.kl_loss_coef * aggregate(kl, agg_mask, mode, agg_ctx,
                                                      cfg.loss_scale_factor)
         stats["kl/mean"] = mean_stat(kl, mask.float())
+    if cfg.distill_loss_coef > 0:  # on-policy distillation as a loss term (loss/distill.py)
+        if inp.teacher_logp is None:
+            raise ValueError("distill_loss_coef > 0 needs LossInputs.teacher_logp")
+        k2 = distill_loss_tokens(inp.logp, inp.teacher_logp)
+        total = total + cfg.distill_loss_coef * aggregate(k2, mask, mode, ctx,
+                                                          cfg.loss_scale_factor)
+        stats["distill/loss_k2"] = mean_stat(k2, mask.float())
     coeff = cfg.entropy_coeff if entropy_coeff is None else entropy_coeff
     if inp.entropy is not None:
         stats["policy/entropy"] = mean_stat(inp.entropy, mask.float())

@@ -76,6 +76,7 @@ class LossConfig(LossParams):
             raise LossConfigError(f"erc=True needs a token-level policy_loss; {spec.name!r} is "
                                   "sequence-level (use 'gspo_token')")
         _range("kl_loss_coef", self.kl_loss_coef, 0.0, math.inf, "[0, inf)")
+        _range("distill_loss_coef", self.distill_loss_coef, 0.0, math.inf, "[0, inf)")
         coeff = self.entropy_coeff
         if not isinstance(coeff, (int, float)) or not math.isfinite(coeff):
             raise LossConfigError(f"entropy_coeff={self.entropy_coeff!r}; allowed: a finite float")

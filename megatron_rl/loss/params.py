@@ -97,6 +97,8 @@ class LossParams:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # on-policy distillation as a loss term (loss/distill.py): coef * mean 1/2 (logp - teacher)^2
+    distill_loss_coef: float = 0.0  # set by teacher.mode: loss (teacher.coef); 0 = off
     # entropy bonus [10.1]; the adaptive controller overrides it when passed to compute_loss
     entropy_coeff: float = 0.0
     # entropy-dynamics diagnostic [12]

@@ -35,6 +35,7 @@ class LossInputs:
     rollout_logp: Tensor | None = None  # the rollout engine's log-probs (mismatch correction)
     bapo_bounds: Tensor | None = None  # [2] fp32 (c_low, c_high) of the mini-batch (BAPO only)
     siren: Any = None  # megatron_rl.loss.siren.SirenTerm of this micro-batch (siren_coef > 0)
+    teacher_logp: Tensor | None = None  # distillation teacher's log-probs (distill_loss_coef > 0)
 
 
 @dataclass

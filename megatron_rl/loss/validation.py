@@ -19,7 +19,7 @@ from megatron_rl.loss.types import LossInputs
 
 Tensor = torch.Tensor
 _PER_TOKEN = ("logp", "old_logp", "advantages", "mask", "entropy", "old_entropy", "ref_logp",
-              "cov_selected")
+              "cov_selected", "teacher_logp")
 
 
 def check_shapes(inp: LossInputs) -> None:
@@ -45,7 +45,8 @@ def nonfinite_fields(inp: LossInputs) -> dict[str, Tensor]:
     """``{field: 0-dim bool tensor}``, True where a valid token holds NaN/inf. No host sync."""
     m = inp.mask.bool()
     out = {}
-    for name in ("logp", "old_logp", "advantages", "entropy", "old_entropy", "ref_logp"):
+    for name in ("logp", "old_logp", "advantages", "entropy", "old_entropy", "ref_logp",
+                 "teacher_logp"):
         t = getattr(inp, name)
         if t is not None:
             out[name] = (~torch.isfinite(t.detach()) & m).any()

@@ -31,6 +31,7 @@ DEFAULT_PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
     "acc": ("train/acc", "train/acc_mean", "acc/mean"),
     "entropy": ("actor/entropy", "train/entropy", "entropy"),
     "val_acc": ("val/acc", "val/accuracy", "val/acc_mean", "val_acc"),
+    "reverse_kl": ("distill/reverse_kl",),  # on-policy distillation runs only
 }
 
 
@@ -149,7 +150,7 @@ class Tracker:
         now = time.time() if now is None else now
         total = f"/{self.total_steps}" if self.total_steps else ""
         parts = []
-        for name in ("reward", "acc", "entropy", "val_acc"):
+        for name in ("reward", "acc", "entropy", "val_acc", "reverse_kl"):
             v = self._pick(metrics, name)
             if v is None and name == "val_acc":
                 v = self._last_val.get(name)  # validation runs every test_freq steps

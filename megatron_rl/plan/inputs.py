@@ -72,9 +72,10 @@ class PlanInputs:
     fused_head: bool = True
     head_chunk: int | None = None
     use_ref: bool = False
-    offload_ref: bool = True
+    offload_ref: bool = True  # the reference model and the distillation teacher
     lora_rank: int = 0  # actor.lora.rank: frozen base + trainable adapters (0: full fine-tuning)
     lora_targets: tuple = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    teacher: ModelConfig | None = None  # teacher.engine: actor (a frozen model per stage)
     servers: int = 0
     server_tp: int = 1
     server_mem_fraction: float = 0.85
@@ -143,6 +144,11 @@ class PlanInputs:
         if self.cp > 1 and self.ep > 1:
             raise PlanError(f"cp={self.cp} with ep={self.ep}: context parallelism runs with "
                             "ep=1 (parallel.cp and parallel.ep)")
+        if self.teacher is not None:
+            try:
+                validate_for_layout(self.teacher, self.tp, self.pp, 1)
+            except ModelConfigError as exc:
+                raise PlanError(f"teacher: {exc}") from exc
         if (self.tp * self.dp) % self.ep:
             raise PlanError(f"ep={self.ep} must divide the ranks of a pipeline stage, tp x dp = "
                             f"{self.tp} x {self.dp} = {self.tp * self.dp} (megatron-core carves "
@@ -170,12 +176,25 @@ def _sglang_field(cfg, name: str, default: Any) -> Any:
     return default if val is None else val
 
 
+def _teacher_model(cfg) -> ModelConfig | None:
+    """The distillation teacher's architecture when the trainer ranks hold it (``teacher.engine:
+    actor``; docs/distillation.md), else None (no teacher, or one served by SGLang)."""
+    section = getattr(cfg, "teacher", None)
+    if section is None:
+        return None
+    from megatron_rl.config.teacher import actor_teacher, teacher_model_section
+    from megatron_rl.convert.model_source import model_config
+
+    return model_config(teacher_model_section(section)) if actor_teacher(section) else None
+
+
 def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
     """:class:`PlanInputs` from a :class:`~megatron_rl.config.sections.RunConfig`;
     ``overrides`` (CLI flags, ``None`` = keep) win over the config."""
     from megatron_rl.convert.model_source import model_config
 
     m = model_config(cfg.model)
+    teacher = _teacher_model(cfg)
     a, p, r, t = cfg.actor, cfg.parallel, cfg.rollout, cfg.trainer
     responses = t.train_batch_size * r.n
     mini = a.mini_batch_size or responses
@@ -199,6 +218,7 @@ def inputs_from_config(cfg, **overrides: Any) -> PlanInputs:
         fused_head=True if fused is None else fused, head_chunk=a.logprob_chunk_size,
         use_ref=cfg.loss.build().use_kl_loss, offload_ref=bool(getattr(a, "offload_ref", True)),
         lora_rank=a.lora.rank, lora_targets=a.lora.modules,
+        teacher=teacher,
         servers=servers if r.engine == "sglang" or servers else 0,
         server_tp=int(_sglang_field(cfg, "tp_size", 1)),
         server_mem_fraction=float(_sglang_field(cfg, "mem_fraction_static", 0.85)),

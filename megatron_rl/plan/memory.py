@@ -8,7 +8,8 @@
   holds ``min(pp, n_micro)``) with no / selective / full recomputation; the output head's working
   set (the fused kernel's row chunk, or the ``[tokens, V/TP]`` logits of the unfused op);
 * the **reference model** (only when the loss has a KL term): resident weights, or none on the GPU
-  when offloaded to CPU between its passes; none with LoRA (the base with adapters off);
+  when offloaded to CPU between its passes; none with LoRA (the base with adapters off); the
+  **distillation teacher** (``teacher.engine: actor``) alike, with its own architecture;
 * with LoRA (``actor.lora.rank``): the frozen base weights in the training dtype, and the main
   weights, gradients and Adam moments of the adapters only;
 * one **rollout server** GPU (SGLang, ``server_tp`` GPUs per server): weights + the KV cache of the
@@ -267,6 +268,10 @@ def actor_breakdown(x: PlanInputs) -> tuple[int, dict[str, float]]:
         elif x.use_ref:
             p = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
             items["reference model" + (" (offloaded to CPU)" if x.offload_ref else "")] = (
+                0.0 if x.offload_ref else p)
+        if x.teacher is not None:  # on-policy distillation: another frozen model per stage
+            p = stage_params(x.teacher, x.tp, x.pp, stage, 1) * _dtype_bytes(x.precision)
+            items["distillation teacher" + (" (offloaded to CPU)" if x.offload_ref else "")] = (
                 0.0 if x.offload_ref else p)
         if x.device == "gpu":
             items["runtime reserve (CUDA context, NCCL, fragmentation)"] = RUNTIME_RESERVE_GIB * GIB

@@ -5,6 +5,8 @@ a context-parallel actor's K/V exchange, and the host<->device swap time of a co
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_rl.plan.inputs import HOST_LINK_GBPS, PlanInputs
 from megatron_rl.plan.lengths import PaddingCost
 from megatron_rl.plan.memory import actor_state_bytes, expert_layer_params, layer_params
@@ -17,7 +19,8 @@ def swap_seconds(x: PlanInputs, stage: int) -> float:
 
 
 def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, float]:
-    """FLOPs of one RL step: rollout (prefill + decode), old-policy (and reference) forward,
+    """FLOPs of one RL step: rollout (prefill + decode), old-policy (and reference, and
+    distillation teacher) forward,
     training forward + backward (+ recomputation). Padded lengths (an upper bound), or the actor
     passes' tokens and attention of ``cost`` (per row: :func:`megatron_rl.plan.lengths.
     padding_costs`; the response tokens the head scores are then the sample's, not the cap)."""
@@ -46,6 +49,9 @@ def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, floa
            + resp * head}  # head recompute
     if x.use_ref:
         out["reference log-probs"] = fwd
+    if x.teacher is not None:  # the teacher's forward over the same tokens
+        as_teacher = dataclasses.replace(x, model=x.teacher, teacher=None, use_ref=False, ep=1)
+        out["teacher log-probs"] = step_flops(as_teacher, cost)["old-policy log-probs"]
     return out
 
 

@@ -135,6 +135,14 @@ class RolloutDriver:
         self.received_bytes = 0  # the last step's rows, as this rank received them
         self.producer = None  # rollout.max_staleness > 0: the rollout producer thread (rank 0)
         self._loader_state: dict | None = None  # loader after the last batch trained (async)
+        self.teacher = None  # teacher.engine: sglang (rank 0): rollout.teacher_client
+        if self.rank0:
+            from megatron_rl.config.teacher import served_teacher
+
+            if served_teacher(cfg.teacher):
+                from megatron_rl.rollout.teacher_client import SGLangTeacher
+
+                self.teacher = SGLangTeacher(cfg.teacher.url, cfg.rollout.sglang.concurrency)
 
     def start(self, make_engine, start_step: int, resuming: bool) -> None:
         """Create the engine and the metrics tracker (rank 0)."""
@@ -227,12 +235,24 @@ class RolloutDriver:
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                          rows_multiple)
+        if batch is not None and self.teacher is not None:  # teacher.engine: sglang
+            metrics = {**metrics, **self._score_with_teacher(batch)}
         if self._dp_table is None:
             self._dp_table = dp_rank_table()
         local, metrics, self.received_bytes = scatter_rows(
             batch, metrics, self._dp_table, dp, mini,
             balance=bool(self.cfg.actor.max_tokens_per_micro_batch))
         return local, metrics
+
+    def _score_with_teacher(self, batch: dict) -> dict[str, float]:
+        """Rank 0, ``teacher.engine: sglang``: the served teacher's log-probs of the step's
+        tokens as ``batch["teacher_logp"]`` ``[N, S]`` (scattered with the rows); its wall
+        time as ``time/teacher``."""
+        import time
+
+        t0 = time.perf_counter()
+        batch["teacher_logp"] = self.teacher.batch_logprobs(batch["tokens"], batch["mask"])
+        return {"time/teacher": time.perf_counter() - t0}
 
     def _record_lengths(self, records: list[dict]) -> None:
         """Add the step's response lengths to ``OUTPUT_DIR/response_lengths.json`` (the
@@ -315,7 +335,7 @@ class RolloutDriver:
                 decision = self.stopper.update_val(val_acc)
             metrics.update(decision.metrics)
             self.history.append({k: v for k, v in metrics.items()
-                                 if k in ("val/acc", "rollout/acc")})
+                                 if k in ("val/acc", "rollout/acc", "distill/reverse_kl")})
             self.tracker.log(metrics, step=step + 1)
         return broadcast_object(decision)
 
@@ -359,7 +379,7 @@ class RolloutDriver:
         if self.eval_sets and self.eval_step != steps:  # early stop between evaluations
             self.tracker.log(self.evaluate_sets(steps), step=steps)
         summary = {"val_acc_start": self.val_start, "val_acc_end": val_acc, "wall_s": wall_s,
-                   "steps": steps}
+                   "steps": steps, **distill_summary(self.history)}
         self.tracker.close()
         getattr(self.engine, "close", lambda: None)()  # an SGLang fleet stops its processes
         if self.cfg.trainer.plots:
@@ -368,9 +388,22 @@ class RolloutDriver:
                 plot_run(self.cfg.trainer.output_dir)
             except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
                 print(f"[train] plotting skipped: {exc}", flush=True)
+        kl = "".join(f" {k}={summary[k]:.4f}" for k in ("reverse_kl_start", "reverse_kl_end")
+                     if k in summary)  # on-policy distillation runs
         print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
-              f"wall_s={wall_s:.1f}", flush=True)
+              f"wall_s={wall_s:.1f}{kl}", flush=True)
         return summary
+
+
+def distill_summary(history: list[dict], window: int = 5) -> dict[str, float]:
+    """``reverse_kl_start``/``reverse_kl_end`` of a distillation run: the mean
+    ``distill/reverse_kl`` of the first and of the last ``window`` trained steps (``{}`` without
+    a teacher)."""
+    kl = [h["distill/reverse_kl"] for h in history if "distill/reverse_kl" in h]
+    if not kl:
+        return {}
+    return {"reverse_kl_start": sum(kl[:window]) / len(kl[:window]),
+            "reverse_kl_end": sum(kl[-window:]) / len(kl[-window:])}
 
 
 def _early_stop_kwargs(cfg: RunConfig) -> dict:

@@ -122,14 +122,43 @@ def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:
 
 def make_actor(cfg: RunConfig, optim_cfg, loss_cfg, total_steps: int, full_state=None,
                entropy_controller=None, actor_cfg=None, ref_state=None,
-               use_reference: bool = False):
-    """This rank's :class:`~megatron_rl.actor.actor.Actor` for the run's model and layout."""
+               use_reference: bool = False, with_teacher: bool = False):
+    """This rank's :class:`~megatron_rl.actor.actor.Actor` for the run's model and layout;
+    ``with_teacher``: with the run's distillation teacher (``teacher`` section) beside it."""
     from megatron_rl.run.export import actor_class
 
+    teacher_cfg, teacher_state = teacher_model(cfg) if with_teacher else (None, None)
     return actor_class(cfg)(model_config(cfg), actor_cfg or cfg.actor, optim_cfg, loss_cfg,
                             total_steps, seed=cfg.trainer.seed, full_state=full_state,
                             entropy_controller=entropy_controller, ref_state=ref_state,
-                            use_reference=use_reference)
+                            use_reference=use_reference, teacher_cfg=teacher_cfg,
+                            teacher_state=teacher_state)
+
+
+def teacher_model(cfg: RunConfig):
+    """``(teacher architecture, weight source)`` of the run's distillation teacher on the
+    trainer ranks (``teacher.engine: actor``), else ``(None, None)`` (docs/distillation.md)."""
+    from megatron_rl.config.teacher import actor_teacher, teacher_model_section
+    from megatron_rl.convert.model_source import model_config as of_section
+    from megatron_rl.convert.model_source import weight_source
+
+    if not actor_teacher(cfg.teacher):
+        return None, None
+    section = teacher_model_section(cfg.teacher)
+    return of_section(section), weight_source(section)
+
+
+def loss_config(cfg: RunConfig):
+    """The run's :class:`~megatron_rl.loss.LossConfig`: ``loss`` section, plus the distillation
+    loss term when ``teacher.mode`` is ``loss`` (weight ``teacher.coef``)."""
+    import dataclasses
+
+    from megatron_rl.config.teacher import teacher_enabled
+
+    built = cfg.loss.build()
+    if teacher_enabled(cfg.teacher) and cfg.teacher.mode == "loss":
+        built = dataclasses.replace(built, distill_loss_coef=cfg.teacher.coef).validate()
+    return built
 
 
 def make_critic(cfg: RunConfig, full_state=None):

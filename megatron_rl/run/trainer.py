@@ -5,6 +5,7 @@ prompts, the rollout engine, logging and early stopping, and broadcasts what the
         batch    = driver.collect(step)              # rollout, rewards, filters (rank 0);
                                                      # each rank receives its DP rows
         batch   += actor.old_logprobs(batch); batch += actor.ref_logprobs(batch)
+        batch   += actor.teacher_logprobs(batch)     # distillation: teacher scores the samples
         metrics  = actor.update(batch)               # losses of ALGORITHMS.md
         sync_weights(actor -> engine)
         validate / log / early stop / checkpoint
@@ -36,10 +37,12 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.actor.checkpoint import latest_checkpoint
+    from megatron_rl.config.teacher import actor_teacher
     from megatron_rl.metrics.host import host_stats
     from megatron_rl.metrics.tracking import gpu_stats
     from megatron_rl.metrics.update import aggregate_updates, logp_mismatch
     from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.distill import add_distillation
     from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
     from megatron_rl.run import setup
     from megatron_rl.run.guard import prune_checkpoints, write_config
@@ -49,7 +52,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     t = cfg.trainer
     setup.init_parallel(cfg)  # backend, update and host-group timeouts: docs/gpu.md
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
-    loss_cfg = cfg.loss.build()
+    loss_cfg = setup.loss_config(cfg)  # + the distillation loss term (teacher.mode: loss)
     if runtime.is_rank0():
         write_config(cfg)  # keeps a changed predecessor as config.<n>.json
     tok = setup.make_tokenizer(cfg)
@@ -70,7 +73,8 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     actor = setup.make_actor(
         cfg, cfg.optim, loss_cfg, t.total_steps * setup.opt_steps_per_rl_step(cfg),
         full_state=ref_state if lora and resuming else init_state, entropy_controller=controller,
-        use_reference=needs_reference(cfg), ref_state=ref_state)
+        use_reference=needs_reference(cfg), ref_state=ref_state,
+        with_teacher=actor_teacher(cfg.teacher))  # engine sglang: rank 0 asks the servers
     critic = setup.make_critic(cfg, init_state) if t.advantage == "gae" else None
     critic_root = os.path.join(t.output_dir, "critic_checkpoints")
     del init_state
@@ -112,9 +116,14 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             actor.add_old_logprobs(local)
         with ph("ref_logp"):
             actor.add_ref_logprobs(local)
-        # last stage: REINFORCE++ advantages (KL in the reward), rollout-vs-actor log-prob gap
+        if actor.teacher_model is not None:
+            with ph("teacher"):
+                actor.add_teacher_logprobs(local)
+        # last stage: REINFORCE++ advantages (KL in the reward), rollout-vs-actor log-prob gap,
+        # then the distillation signal (reward mode: on top of the task advantages)
         extra = {**add_late_advantages(local, t.advantage, t.kl_in_reward_coef),
                  **logp_mismatch(local)}
+        extra.update(add_distillation(local, cfg.teacher))
         if critic is not None:
             with ph("values"):
                 critic.add_advantages(local)  # values -> GAE advantages and returns
