@@ -388,11 +388,17 @@ class RolloutDriver:
                 plot_run(self.cfg.trainer.output_dir)
             except Exception as exc:  # noqa: BLE001 - plotting never fails a finished run
                 print(f"[train] plotting skipped: {exc}", flush=True)
-        kl = "".join(f" {k}={summary[k]:.4f}" for k in ("reverse_kl_start", "reverse_kl_end")
-                     if k in summary)  # on-policy distillation runs
-        print(f"summary: val_acc_start={self.val_start:.4f} val_acc_end={val_acc:.4f} "
-              f"wall_s={wall_s:.1f}{kl}", flush=True)
+        print(summary_line(summary), flush=True)
         return summary
+
+
+def summary_line(summary: dict) -> str:
+    """The run's last line: ``summary: val_acc_start=… val_acc_end=… wall_s=…`` (plus
+    ``reverse_kl_start``/``reverse_kl_end`` for on-policy distillation runs)."""
+    kl = "".join(f" {k}={summary[k]:.4f}" for k in ("reverse_kl_start", "reverse_kl_end")
+                 if k in summary)
+    return (f"summary: val_acc_start={summary['val_acc_start']:.4f} "
+            f"val_acc_end={summary['val_acc_end']:.4f} wall_s={summary['wall_s']:.1f}{kl}")
 
 
 def distill_summary(history: list[dict], window: int = 5) -> dict[str, float]:
