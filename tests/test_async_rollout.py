@@ -138,10 +138,10 @@ def _engine(url, tmp_path) -> SGLangEngine:
     return eng
 
 
-def _wait(cond, timeout=30.0):
+def _wait(cond, timeout=30.0, what=lambda: ""):
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out {what()}"
         time.sleep(0.01)
 
 
@@ -216,6 +216,100 @@ def test_serve_pause_in_place_gives_partial_rollout_versions(server, tmp_path):
     assert comp.token_versions == [4, 5, 5, 5, 5]
     with pytest.raises(Exception, match="mode"):
         http_json("POST", url + "/pause_generation", {"mode": "later"})
+
+
+def _in_flight_with_one_token(url, state, eng, prompts, params, out):
+    """Start ``eng.generate`` and return once every request has generated exactly one token
+    and waits (paused in place): the state a weight sync then meets."""
+    http_json("POST", url + "/update_weight_version", {"new_version": "4"})
+    eng.weight_version = 4
+    state.lock.acquire()  # every request blocks at its first forward
+    try:
+        gen = threading.Thread(target=lambda: out.update(g=eng.generate(prompts, params,
+                                                                        seed=3)))
+        gen.start()
+        n = len(prompts) * params.n
+        _wait(lambda: len(state.live) == n, timeout=300)  # a state, not a time (loaded boxes)
+        http_json("POST", url + "/pause_generation", {"mode": "in_place"})
+    finally:
+        state.lock.release()  # each request generates one token, then waits between tokens
+    _wait(lambda: all(len(r.ids) == 1 for r, _ in list(state.live.values())), timeout=300,
+          what=lambda: [(r.ids, r.finish) for r, _ in state.live.values()])
+    return gen
+
+
+def _new_weights():
+    torch.manual_seed(1)
+    return [(n, t.detach().clone()) for n, t in build_hf_model(get_preset("tiny"))
+            .named_parameters()]
+
+
+def _sync_mid_generation(url, state, eng, partial):
+    """A weight sync (v4 -> v5) while 4 requests have one token each; the groups and metrics."""
+    eng.partial = eng.sync.partial = partial
+    prompts = [[5, 6, 7], [8, 9]]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    out: dict = {}
+    gen = _in_flight_with_one_token(url, state, eng, prompts, params, out)
+    push_single_process(eng, [_new_weights()], 5)
+    gen.join(60)
+    assert not gen.is_alive()
+    return out["g"], eng.pop_metrics()
+
+
+def test_partial_rollout_retract_keeps_tokens_redone_zero(server, tmp_path):
+    """``rollout.partial`` on an SGLang 0.5.21 server: the sync pauses with ``retract``; every
+    request keeps its first token (version 4, its old log-prob) and continues under version 5
+    from a KV cache recomputed under the new weights; nothing is redone or re-queued."""
+    from megatron_rl.rollout.sampling import teacher_forced_logprobs
+
+    url, state = server
+    eng = _engine(url, tmp_path)
+    old = [(n, t.detach().clone()) for n, t in state.model.named_parameters()]
+    groups, m = _sync_mid_generation(url, state, eng, partial=True)
+    assert eng.sync.pause_modes == {url: "retract"}
+    assert m["rollout/redone_tokens"] == 0.0 and "rollout/aborted_requeued" not in m
+    for c in (c for g in groups for c in g):
+        n = len(c.response_ids)
+        assert c.token_versions == [4] + [5] * (n - 1), c.token_versions
+        seq = c.prompt_ids + c.response_ids
+        new_lp = teacher_forced_logprobs(state.model, seq)[len(c.prompt_ids) - 1:]
+        assert c.logprobs[1:] == pytest.approx(new_lp[1:], abs=1e-4)  # recomputed KV
+        assert abs(c.logprobs[0] - new_lp[0]) > 1e-3  # token 0: the old weights' log-prob
+    load = dict(old)
+    with torch.no_grad():
+        for name, p in state.model.named_parameters():
+            p.copy_(load[name])  # the old weights give token 0's recorded log-prob
+    for c in (c for g in groups for c in g):
+        lp0 = teacher_forced_logprobs(state.model, c.prompt_ids + c.response_ids[:1])[-1]
+        assert c.logprobs[0] == pytest.approx(lp0, abs=1e-4)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_partial_rollout_abort_resubmits_prefix_on_older_servers(server, tmp_path, partial):
+    """A server without per-token versions (SGLang 0.5.20 rules) is paused with ``abort``:
+    with ``rollout.partial`` the client sends each request again with its token appended to the
+    prompt (nothing redone, versions [4, 5, ...]); without, from scratch (4 tokens redone, every
+    token version 5)."""
+    from megatron_rl.rollout.serve import OLD_RULES
+
+    url, state = server
+    eng = _engine(url, tmp_path)
+    rules, state.rules = state.rules, OLD_RULES
+    try:
+        groups, m = _sync_mid_generation(url, state, eng, partial=partial)
+    finally:
+        state.rules = rules
+    comps = [c for g in groups for c in g]
+    assert [len(g) for g in groups] == [2, 2] and m["rollout/aborted_requeued"] == 4.0
+    if partial:
+        assert eng.sync.pause_modes == {url: "abort"}
+        assert m["rollout/redone_tokens"] == 0.0 and m["rollout/resumed_requests"] == 4.0
+        assert all(c.token_versions == [4] + [5] * (len(c.response_ids) - 1) for c in comps)
+    else:
+        assert m["rollout/redone_tokens"] == 4.0
+        assert all(c.token_versions is None and c.weight_version == 5 for c in comps)
+    assert all(len(c.response_ids) == len(c.logprobs) <= 6 for c in comps)
 
 
 def test_embedded_update_waits_for_the_running_generate_call():

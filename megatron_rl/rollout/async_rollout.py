@@ -43,7 +43,17 @@ class Produced:
 
 def sample_version(rec: dict) -> int:
     """The oldest policy version that produced a record's tokens (``token_versions`` when the
-    engine reported per-token versions, else ``weight_version``; -1 when unknown)."""
+    engine reported per-token versions, else ``weight_version``; -1 when unknown).
+
+    A sample that mixes versions (a partial rollout continued across a weight sync) is as old
+    as its oldest token for the staleness gate, as AReaL counts a trajectory from the version
+    that started it (``rollout.max_head_offpolicyness``; its tokens keep their own ``versions``)
+    and verl's fully-async partial rollouts gate on ``param_version_start``. The correction
+    needs nothing more: every token carries the behaviour log-prob of the version that produced
+    it (``rollout_logp``), so ``rho_t = pi_old / mu_{v(t)}`` is per token and each TIS / MIS /
+    IcePop weight, and seq-mask-TIS's geometric mean, reads each token against its own version
+    (AReaL's ``ppo_actor_loss_fn`` behaviour weight ``exp(prox_logp - old_logp)`` per token; verl
+    ``compute_rollout_correction_weights`` on ``rollout_log_probs``)."""
     tv = rec.get("token_versions")
     if tv:
         return int(min(tv))
@@ -63,7 +73,22 @@ def filter_stale(records: list[dict], step: int, max_staleness: int
     lags = [max(0, step - sample_version(r)) if sample_version(r) >= 0 else 0 for r in records]
     return kept, {"rollout/staleness_mean": sum(lags) / max(1, len(lags)),
                   "rollout/staleness_max": float(max(lags, default=0)),
-                  "rollout/dropped_stale": float(len(records) - len(kept))}
+                  "rollout/dropped_stale": float(len(records) - len(kept)),
+                  **token_version_metrics(kept, step)}
+
+
+def token_version_metrics(records: list[dict], step: int) -> dict[str, float]:
+    """``rollout/partial_samples`` (samples whose tokens came from more than one version: they
+    ran across a weight sync) and ``rollout/token_staleness_mean`` (``step - version`` over every
+    response token; unknown versions, -1, count as 0) of the kept ``records``."""
+    partial, lags = 0, []
+    for r in records:
+        tv = r.get("token_versions") or [int(r.get("weight_version", -1))] * len(
+            r.get("response_ids") or [])
+        partial += len(set(tv)) > 1
+        lags += [max(0, step - int(v)) if v >= 0 else 0 for v in tv]
+    return {"rollout/partial_samples": float(partial),
+            "rollout/token_staleness_mean": sum(lags) / max(1, len(lags))}
 
 
 class AsyncProducer:
