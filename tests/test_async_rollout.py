@@ -50,6 +50,41 @@ def test_filter_stale_hand_vectors():
     assert len(kept) == 8 and m["rollout/dropped_stale"] == 0.0
 
 
+def test_partial_sample_versions_gate_and_correction_hand_vectors():
+    """A partial rollout's tokens [3, 3, 4, 4] at step 5: the gate counts its oldest token
+    (staleness 2: dropped at K = 1, kept at K = 2), the per-token metrics count every token, the
+    batch carries the versions, and each correction reads each token against its own behaviour
+    log-prob: old_logp = -1 everywhere, rollout_logp = [-1.5, -0.9 | -1.2, -1.0] (versions
+    3, 3 | 4, 4) -> rho = exp([0.5, -0.1, 0.2, 0.0]) = [1.6487, 0.9048, 1.2214, 1.0]."""
+    from megatron_rl.loss.rollout_correction import CorrectionBounds, compute_correction
+    from megatron_rl.rollout.collect import records_to_batch
+
+    rec = {"uid": 0, "weight_version": 4, "token_versions": [3, 3, 4, 4], "prompt_ids": [7, 8],
+           "response_ids": [5, 6, 9, 1], "logprobs": [-1.5, -0.9, -1.2, -1.0], "reward": 1.0,
+           "acc": 1.0, "finished": True}
+    other = {**rec, "token_versions": None, "weight_version": 5, "reward": 0.0}
+    kept, m = filter_stale([rec, other], 5, 1)
+    assert kept == [] and m["rollout/dropped_stale"] == 2.0  # the group goes whole
+    kept, m = filter_stale([rec, other], 5, 2)
+    assert len(kept) == 2 and m["rollout/staleness_max"] == 2.0
+    assert m["rollout/partial_samples"] == 1.0
+    assert m["rollout/token_staleness_mean"] == pytest.approx((2 + 2 + 1 + 1 + 0 * 4) / 8)
+    batch = records_to_batch([rec], "grpo", 0, 1, versions=True)
+    assert batch["rollout_version"][0].tolist() == [-1, -1, 3, 3, 4, 4]
+    old = torch.full((1, 4), -1.0)
+    mu = torch.tensor([[-1.5, -0.9, -1.2, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    b = CorrectionBounds(threshold=1.5)
+    rho = [1.6487213, 0.9048374, 1.2214028, 1.0]
+    w = {mode: compute_correction(old, mu, mask, mode, b).weight[0].tolist()
+         for mode in ("tis", "mis", "icepop", "seq_mask_tis")}
+    assert w["tis"] == pytest.approx([1.5, rho[1], rho[2], 1.0])  # min(rho, 1.5)
+    assert w["mis"] == pytest.approx([0.0, rho[1], rho[2], 1.0])  # band [1/1.5, 1.5]
+    assert w["icepop"] == pytest.approx(rho)  # band [0.5, 5]: every token kept
+    # geometric mean exp(mean(0.5, -0.1, 0.2, 0)) = exp(0.15) = 1.1618 > 1.001: row rejected
+    assert w["seq_mask_tis"] == [0.0, 0.0, 0.0, 0.0]
+
+
 def test_version_spans_follow_sglang_0_5_21():
     # compute_weight_version_spans of sglang/srt/utils/weight_versions.py, by hand
     assert version_spans([], "3", 5) == [{"version": "3", "start": 0, "end": 5}]
@@ -335,6 +370,40 @@ def test_embedded_update_waits_for_the_running_generate_call():
     upd.join(30)
     assert eng.weight_version == 1
     assert [c.weight_version for c in out["g"][0]] in ([0, 0], [1, 1])
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_embedded_partial_rollout_update_between_decode_steps(per_request):
+    """``rollout.partial`` on the embedded engine: an update that waits for a running generate
+    call gets in at the third decode step (the test starts it there and waits until the engine
+    reports it waiting); the call then goes on with its tokens kept, and each token carries the
+    version whose weights computed it: batched, the logits of step t are recorded before the
+    update can run (steps 0-2 of both rows old); per request, before each forward (steps 0-1
+    of the first sample old, everything after new)."""
+    eng = EmbeddedEngine(get_preset("tiny"), eos_id=EOS, pad_id=0, per_request_seed=per_request)
+    eng.weight_version, eng.partial = 0, True
+    params = [(n, t.detach().clone() + 0.01) for n, t in eng.model.named_parameters()]
+    calls, upd = [0], []
+    orig = eng.between_steps
+
+    def between_steps():
+        calls[0] += 1
+        if calls[0] == 3:  # start the update and let it wait for the engine
+            upd.append(threading.Thread(target=lambda: eng.update_weights([params], 1)))
+            upd[0].start()
+            _wait(lambda: eng._update_wanted.is_set(), timeout=300)
+        orig()
+
+    eng.between_steps = between_steps
+    out = eng.generate([[5, 6]], SamplingParams(n=2, max_new_tokens=6), seed=1)
+    upd[0].join(60)
+    assert eng.weight_version == 1 and not upd[0].is_alive()
+    old = [3, 3] if not per_request else [2, 0]  # old-version tokens of each sample
+    for c, k in zip(out[0], old):
+        n = len(c.response_ids)
+        want = [0] * min(k, n) + [1] * max(0, n - k)
+        assert (c.token_versions or [c.weight_version] * n) == want, (c.token_versions, want)
+        assert len(c.logprobs) == n
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
                       res: SampleResult | None = None,
                       routed_experts: bool = False,
                       retracted: threading.Event | None = None,
-            on_recompute: Callable[[], None] | None = None) -> SampleResult:
+                      before_step: Callable[[], None] | None = None) -> SampleResult:
     """Generate one completion with a KV cache, on the model's device.
 
     ``lock`` is held around each forward (a weight update waits between tokens); ``abort`` set
@@ -79,6 +79,8 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
     recomputed from the prompt and the tokens generated so far under the weights held then (the
     tokens and their log-probs are kept). Each token is picked and recorded under ``lock``, so a
     weight update that takes the lock sees every token of the old weights in ``res``.
+    ``before_step`` runs before each decode step's forward (the embedded engine's partial
+    rollouts let a weight update in there).
     """
     if routed_experts:
         from megatron_rl.rollout.routed_experts import RoutingCapture
@@ -88,12 +90,13 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
             # a recomputed KV cache routes every position again (SGLang's retract resets a
             # request's routed experts): what was captured before is dropped
             res = _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy,
-                          stop_ids, seed, lock, abort, running, res, retracted, cap.calls.clear)
+                          stop_ids, seed, lock, abort, running, res, retracted, cap.calls.clear,
+                          before_step)
         got = cap.result()
         res.routed_experts = None if got is None else got[0]
         return res
     return _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy, stop_ids,
-                   seed, lock, abort, running, res, retracted)
+                   seed, lock, abort, running, res, retracted, None, before_step)
 
 
 def _sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
@@ -101,7 +104,8 @@ def _sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
             lock: threading.Lock | None, abort: threading.Event | None,
             running: threading.Event | None, res: SampleResult | None,
             retracted: threading.Event | None = None,
-            on_recompute: Callable[[], None] | None = None) -> SampleResult:
+            on_recompute: Callable[[], None] | None = None,
+            before_step: Callable[[], None] | None = None) -> SampleResult:
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed & _MASK64)
     res = SampleResult() if res is None else res
@@ -114,6 +118,8 @@ def _sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
         if abort is not None and abort.is_set():
             res.finish = "abort"
             return res
+        if before_step is not None:
+            before_step()
         with lock if lock is not None else nullcontext():
             if retracted is not None and retracted.is_set():  # recompute the KV cache
                 retracted.clear()
