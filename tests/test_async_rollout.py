@@ -320,6 +320,29 @@ def test_partial_rollout_retract_keeps_tokens_redone_zero(server, tmp_path):
         assert c.logprobs[0] == pytest.approx(lp0, abs=1e-4)
 
 
+def test_partial_rollout_serve_flush_rules_follow_sglang_0_5_21(server, tmp_path):
+    """SGLang 0.5.21's flush rules while paused (``Scheduler.flush_cache`` /
+    ``SchedulerFlushWrapper``): ``in_place`` keeps requests running, so a flush is refused;
+    ``retract`` moves them to the waiting queue, so a flush without a timeout succeeds, and one
+    with ``?timeout=`` (which waits for an empty waiting queue) times out."""
+    from megatron_rl.rollout.fleet import ServerError
+
+    url, state = server
+    eng = _engine(url, tmp_path)
+    out: dict = {}
+    gen = _in_flight_with_one_token(url, state, eng, [[5, 6, 7]],
+                                    SamplingParams(n=2, max_new_tokens=4), out)
+    with pytest.raises(ServerError, match="400"):
+        http_json("POST", url + "/flush_cache")
+    http_json("POST", url + "/pause_generation", {"mode": "retract"})
+    assert http_json("POST", url + "/flush_cache").startswith("Cache flushed")
+    with pytest.raises(ServerError, match="Timed out waiting for idle"):
+        http_json("POST", url + "/flush_cache?timeout=0.2")
+    http_json("POST", url + "/continue_generation", {})
+    gen.join(60)
+    assert [len(c.response_ids) >= 1 for c in out["g"][0]] == [True, True]
+
+
 @pytest.mark.parametrize("partial", [True, False])
 def test_partial_rollout_abort_resubmits_prefix_on_older_servers(server, tmp_path, partial):
     """A server without per-token versions (SGLang 0.5.20 rules) is paused with ``abort``:

@@ -480,14 +480,21 @@ class ServeState:
 
     def flush(self, query: dict) -> str:
         """``/flush_cache``: refused (400) while requests are running, as SGLang's scheduler
-        does; ``?timeout=S`` (SGLang >= 0.5.21) first waits up to S seconds for idle."""
+        does. Without a timeout, requests a ``retract`` pause put back in the waiting queue do
+        not count (SGLang's ``flush_cache`` ignores the waiting queue while paused);
+        ``?timeout=S`` (SGLang >= 0.5.21, ``SchedulerFlushWrapper``) waits up to S seconds for a
+        fully idle server, waiting queue included -- so it times out while retracted requests
+        wait for ``/continue_generation``."""
         timeout = float(query.get("timeout", 0.0)) if self.rules == NEW_RULES else 0.0
+        if timeout <= 0.0:
+            if self.busy():
+                raise RefusedError("Flush cache failed: requests are running.")
+            return "Cache flushed.\n"
         deadline = time.monotonic() + timeout
-        while self.busy() and time.monotonic() < deadline:
+        while self.inflight and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.busy():
-            raise RefusedError("Timed out waiting for idle state." if timeout else
-                               "Flush cache failed: requests are running.")
+        if self.inflight:
+            raise RefusedError("Timed out waiting for idle state.")
         return "Cache flushed.\n"
 
     def checksum(self, req: dict) -> dict:

@@ -67,11 +67,12 @@ def flush_cache(url: str, retries: int = 60, wait_s: float = 1.0, timeout_s: flo
                           f"running): {last}")
 
 
-def flush_all(urls: list[str], retries: int = 60, wait_s: float = 1.0) -> None:
-    """:func:`flush_cache` on every server in parallel."""
+def flush_all(urls: list[str], retries: int = 60, wait_s: float = 1.0,
+              timeout_of=lambda url: 30.0) -> None:
+    """:func:`flush_cache` on every server in parallel (``timeout_of(url)``: its ``?timeout=``)."""
     if urls:
         with ThreadPoolExecutor(len(urls)) as pool:
-            list(pool.map(lambda u: flush_cache(u, retries, wait_s), urls))
+            list(pool.map(lambda u: flush_cache(u, retries, wait_s, timeout_of(u)), urls))
 
 
 RETRACT_SINCE = (0, 5, 21)  # the first SGLang release that reports per-token weight versions
@@ -217,7 +218,7 @@ class SyncStrategy:
         self.paused = True
         post_each(self.urls, lambda u: post_all([u], "/pause_generation",
                                                 {"mode": self.pause_mode(u)}))
-        flush_all(self.urls, self.flush_retries, self.flush_wait_s)
+        self.flush()
         if self.needs_session:
             post_each(self.urls, self._begin_session)
 
@@ -264,7 +265,16 @@ class SyncStrategy:
             post_each([u for u in self.urls if u in self.sessions], self._end_session)
         post_all(self.urls, "/update_weight_version", {"new_version": str(version),
                                                        "abort_all_requests": False})
-        flush_all(self.urls, self.flush_retries, self.flush_wait_s)
+        self.flush()
+
+    def flush(self) -> None:
+        """Flush every server's KV cache while paused. A server paused with ``retract`` holds
+        its requests in the waiting queue: SGLang 0.5.21 flushes then only without a timeout
+        (its ``?timeout=`` waits for an empty waiting queue, which never comes before
+        ``/continue_generation``); a server paused with ``abort`` gets ``?timeout=30`` to wait
+        for the aborted requests to drain."""
+        flush_all(self.urls, self.flush_retries, self.flush_wait_s,
+                  lambda u: 0.0 if self.pause_mode(u) == "retract" else 30.0)
 
     def resume(self) -> None:
         """Continue generation on every server that answers (closing a session a failed sync
