@@ -10,7 +10,8 @@ dropped_stale``), never trained on silently.
 
 Why a thread: generation is I/O for an SGLang fleet (HTTP requests; the GIL is released while
 waiting) and torch kernels for the embedded engine (torch releases the GIL inside its ops; the
-engine's lock makes a weight update wait until the running ``generate`` call ends). The two
+engine's lock lets a weight update in between two decode steps with ``rollout.partial``, else
+at the end of the running ``generate`` call). The two
 sides share the process's CPU threads: on a small CPU box generation and training compete.
 
 The producer draws prompts in step order with the same per-step seeds as the synchronous loop,
