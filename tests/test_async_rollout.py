@@ -274,7 +274,7 @@ def _in_flight_with_one_token(url, state, eng, prompts, params, out):
 
 
 def _new_weights():
-    torch.manual_seed(1)
+    torch.manual_seed(7)  # not the weights other tests of the module push
     return [(n, t.detach().clone()) for n, t in build_hf_model(get_preset("tiny"))
             .named_parameters()]
 

@@ -157,7 +157,7 @@ class SGLangEngine:
         self.concurrency, self.max_retries = concurrency, max_retries
         self.max_offpolicy_lag, self.timeout = max_offpolicy_lag, request_timeout_s
         self.sync = sync  # a weight_sync strategy (set by make_sglang_engine)
-        self.partial = True  # rollout.partial: an aborted request continues from its tokens
+        self.partial = False  # rollout.partial (set with the sync's): continue aborted requests
         self.probe_length, self.probe_tolerance = 64, 1e-4
         self.routed_shape: tuple[int, int] | None = None  # (layers, top_k): routing replay r3
         self.weight_version = -1
