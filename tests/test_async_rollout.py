@@ -85,6 +85,18 @@ def test_partial_sample_versions_gate_and_correction_hand_vectors():
     assert w["seq_mask_tis"] == [0.0, 0.0, 0.0, 0.0]
 
 
+def test_partial_pause_mode_by_server_version():
+    """``retract`` only where the server reports per-token versions (SGLang >= 0.5.21, compared
+    as numbers: 0.5.3 is older) and the run keeps partial rollouts; ``abort`` otherwise."""
+    from megatron_rl.rollout.weight_sync.common import pause_mode_for, release_tuple
+
+    assert release_tuple("0.5.21.post1") == (0, 5, 21) and release_tuple("serve") == ()
+    assert [pause_mode_for(v, True) for v in ("0.5.21", "0.5.21.post1", "0.5.22rc0", "0.6.0",
+                                              "0.5.20", "0.5.3", "megatron_rl-serve", "")] == \
+        ["retract"] * 4 + ["abort"] * 4
+    assert pause_mode_for("0.5.21", False) == "abort"
+
+
 def test_version_spans_follow_sglang_0_5_21():
     # compute_weight_version_spans of sglang/srt/utils/weight_versions.py, by hand
     assert version_spans([], "3", 5) == [{"version": "3", "start": 0, "end": 5}]
