@@ -96,6 +96,54 @@ def test_partial_async_take_records_lengths_and_reports_short_batch(tmp_path, ca
     drv.producer.close()
 
 
+def test_partial_sample_versions_gate_and_correction_hand_vectors():
+    """A partial rollout's tokens [3, 3, 4, 4] at step 5: the gate counts its oldest token
+    (staleness 2: dropped at K = 1, kept at K = 2), the per-token metrics count every token, the
+    batch carries the versions, and each correction reads each token against its own behaviour
+    log-prob: old_logp = -1 everywhere, rollout_logp = [-1.5, -0.9 | -1.2, -1.0] (versions
+    3, 3 | 4, 4) -> rho = exp([0.5, -0.1, 0.2, 0.0]) = [1.6487, 0.9048, 1.2214, 1.0]."""
+    from megatron_rl.loss.rollout_correction import CorrectionBounds, compute_correction
+    from megatron_rl.rollout.collect import records_to_batch
+
+    rec = {"uid": 0, "weight_version": 4, "token_versions": [3, 3, 4, 4], "prompt_ids": [7, 8],
+           "response_ids": [5, 6, 9, 1], "logprobs": [-1.5, -0.9, -1.2, -1.0], "reward": 1.0,
+           "acc": 1.0, "finished": True}
+    other = {**rec, "token_versions": None, "weight_version": 5, "reward": 0.0}
+    kept, m = filter_stale([rec, other], 5, 1)
+    assert kept == [] and m["rollout/dropped_stale"] == 2.0  # the group goes whole
+    kept, m = filter_stale([rec, other], 5, 2)
+    assert len(kept) == 2 and m["rollout/staleness_max"] == 2.0
+    assert m["rollout/partial_samples"] == 1.0
+    batch = records_to_batch([rec], "grpo", 0, 1, versions=True)
+    assert batch["rollout_version"][0].tolist() == [-1, -1, 3, 3, 4, 4]
+    assert token_staleness(batch["rollout_version"], batch["rollout_version"] >= 0, 5) == {
+        "rollout/token_staleness_mean": 1.5, "rollout/token_staleness_max": 2.0}  # 2, 2, 1, 1
+    old = torch.full((1, 4), -1.0)
+    mu = torch.tensor([[-1.5, -0.9, -1.2, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    b = CorrectionBounds(threshold=1.5)
+    rho = [1.6487213, 0.9048374, 1.2214028, 1.0]
+    w = {mode: compute_correction(old, mu, mask, mode, b).weight[0].tolist()
+         for mode in ("tis", "mis", "icepop", "seq_mask_tis")}
+    assert w["tis"] == pytest.approx([1.5, rho[1], rho[2], 1.0])  # min(rho, 1.5)
+    assert w["mis"] == pytest.approx([0.0, rho[1], rho[2], 1.0])  # band [1/1.5, 1.5]
+    assert w["icepop"] == pytest.approx(rho)  # band [0.5, 5]: every token kept
+    # geometric mean exp(mean(0.5, -0.1, 0.2, 0)) = exp(0.15) = 1.1618 > 1.001: row rejected
+    assert w["seq_mask_tis"] == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_partial_pause_mode_by_server_version():
+    """``retract`` only where the server reports per-token versions (SGLang >= 0.5.21, compared
+    as numbers: 0.5.3 is older) and the run keeps partial rollouts; ``abort`` otherwise."""
+    from megatron_rl.rollout.weight_sync.common import pause_mode_for, release_tuple
+
+    assert release_tuple("0.5.21.post1") == (0, 5, 21) and release_tuple("serve") == ()
+    assert [pause_mode_for(v, True) for v in ("0.5.21", "0.5.21.post1", "0.5.22rc0", "0.6.0",
+                                              "0.5.20", "0.5.3", "megatron_rl-serve", "")] == \
+        ["retract"] * 4 + ["abort"] * 4
+    assert pause_mode_for("0.5.21", False) == "abort"
+
+
 def test_version_spans_follow_sglang_0_5_21():
     # compute_weight_version_spans of sglang/srt/utils/weight_versions.py, by hand
     assert version_spans([], "3", 5) == [{"version": "3", "start": 0, "end": 5}]
@@ -198,10 +246,10 @@ def test_partial_validation_requests_not_in_offpolicy_lag(server, tmp_path):
     http_json("POST", url + "/update_weight_version", {"new_version": "default"})
 
 
-def _wait(cond, timeout=30.0):
+def _wait(cond, timeout=30.0, what=lambda: ""):
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out {what()}"
         time.sleep(0.01)
 
 
@@ -278,6 +326,123 @@ def test_serve_pause_in_place_gives_partial_rollout_versions(server, tmp_path):
         http_json("POST", url + "/pause_generation", {"mode": "later"})
 
 
+def _in_flight_with_one_token(url, state, eng, prompts, params, out):
+    """Start ``eng.generate`` and return once every request has generated exactly one token
+    and waits (paused in place): the state a weight sync then meets."""
+    http_json("POST", url + "/update_weight_version", {"new_version": "4"})
+    eng.weight_version = 4
+    state.lock.acquire()  # every request blocks at its first forward
+    try:
+        gen = threading.Thread(target=lambda: out.update(g=eng.generate(prompts, params,
+                                                                        seed=3)))
+        gen.start()
+        n = len(prompts) * params.n
+        _wait(lambda: len(state.live) == n, timeout=300)  # a state, not a time (loaded boxes)
+        http_json("POST", url + "/pause_generation", {"mode": "in_place"})
+    finally:
+        state.lock.release()  # each request generates one token, then waits between tokens
+    _wait(lambda: all(len(r.ids) == 1 for r, _ in list(state.live.values())), timeout=300,
+          what=lambda: [(r.ids, r.finish) for r, _ in state.live.values()])
+    return gen
+
+
+def _new_weights():
+    torch.manual_seed(7)  # not the weights other tests of the module push
+    return [(n, t.detach().clone()) for n, t in build_hf_model(get_preset("tiny"))
+            .named_parameters()]
+
+
+def _sync_mid_generation(url, state, eng, partial):
+    """A weight sync (v4 -> v5) while 4 requests have one token each; the groups and metrics."""
+    eng.partial = eng.sync.partial = partial
+    prompts = [[5, 6, 7], [8, 9]]
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    out: dict = {}
+    gen = _in_flight_with_one_token(url, state, eng, prompts, params, out)
+    push_single_process(eng, [_new_weights()], 5)
+    gen.join(60)
+    assert not gen.is_alive()
+    return out["g"], eng.pop_metrics()
+
+
+def test_partial_rollout_retract_keeps_tokens_redone_zero(server, tmp_path):
+    """``rollout.partial`` on an SGLang 0.5.21 server: the sync pauses with ``retract``; every
+    request keeps its first token (version 4, its old log-prob) and continues under version 5
+    from a KV cache recomputed under the new weights; nothing is redone or re-queued."""
+    from megatron_rl.rollout.sampling import teacher_forced_logprobs
+
+    url, state = server
+    eng = _engine(url, tmp_path)
+    old = [(n, t.detach().clone()) for n, t in state.model.named_parameters()]
+    groups, m = _sync_mid_generation(url, state, eng, partial=True)
+    assert eng.sync.pause_modes == {url: "retract"}
+    assert m["rollout/redone_tokens"] == 0.0 and "rollout/aborted_requeued" not in m
+    for c in (c for g in groups for c in g):
+        n = len(c.response_ids)
+        assert c.token_versions == [4] + [5] * (n - 1), c.token_versions
+        seq = c.prompt_ids + c.response_ids
+        new_lp = teacher_forced_logprobs(state.model, seq)[len(c.prompt_ids) - 1:]
+        assert c.logprobs[1:] == pytest.approx(new_lp[1:], abs=1e-4)  # recomputed KV
+        assert abs(c.logprobs[0] - new_lp[0]) > 1e-3  # token 0: the old weights' log-prob
+    load = dict(old)
+    with torch.no_grad():
+        for name, p in state.model.named_parameters():
+            p.copy_(load[name])  # the old weights give token 0's recorded log-prob
+    for c in (c for g in groups for c in g):
+        lp0 = teacher_forced_logprobs(state.model, c.prompt_ids + c.response_ids[:1])[-1]
+        assert c.logprobs[0] == pytest.approx(lp0, abs=1e-4)
+
+
+def test_partial_rollout_serve_flush_rules_follow_sglang_0_5_21(server, tmp_path):
+    """SGLang 0.5.21's flush rules while paused (``Scheduler.flush_cache`` /
+    ``SchedulerFlushWrapper``): ``in_place`` keeps requests running, so a flush is refused;
+    ``retract`` moves them to the waiting queue, so a flush without a timeout succeeds, and one
+    with ``?timeout=`` (which waits for an empty waiting queue) times out."""
+    from megatron_rl.rollout.fleet import ServerError
+
+    url, state = server
+    eng = _engine(url, tmp_path)
+    out: dict = {}
+    gen = _in_flight_with_one_token(url, state, eng, [[5, 6, 7]],
+                                    SamplingParams(n=2, max_new_tokens=4), out)
+    with pytest.raises(ServerError, match="400"):
+        http_json("POST", url + "/flush_cache")
+    http_json("POST", url + "/pause_generation", {"mode": "retract"})
+    assert http_json("POST", url + "/flush_cache").startswith("Cache flushed")
+    with pytest.raises(ServerError, match="Timed out waiting for idle"):
+        http_json("POST", url + "/flush_cache?timeout=0.2")
+    http_json("POST", url + "/continue_generation", {})
+    gen.join(60)
+    assert [len(c.response_ids) >= 1 for c in out["g"][0]] == [True, True]
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_partial_rollout_abort_resubmits_prefix_on_older_servers(server, tmp_path, partial):
+    """A server without per-token versions (SGLang 0.5.20 rules) is paused with ``abort``:
+    with ``rollout.partial`` the client sends each request again with its token appended to the
+    prompt (nothing redone, versions [4, 5, ...]); without, from scratch (4 tokens redone, every
+    token version 5)."""
+    from megatron_rl.rollout.serve import OLD_RULES
+
+    url, state = server
+    eng = _engine(url, tmp_path)
+    rules, state.rules = state.rules, OLD_RULES
+    try:
+        groups, m = _sync_mid_generation(url, state, eng, partial=partial)
+    finally:
+        state.rules = rules
+    comps = [c for g in groups for c in g]
+    assert [len(g) for g in groups] == [2, 2] and m["rollout/aborted_requeued"] == 4.0
+    if partial:
+        assert eng.sync.pause_modes == {url: "abort"}
+        assert m["rollout/redone_tokens"] == 0.0 and m["rollout/resumed_requests"] == 4.0
+        assert all(c.token_versions == [4] + [5] * (len(c.response_ids) - 1) for c in comps)
+    else:
+        assert m["rollout/redone_tokens"] == 4.0
+        assert all(c.token_versions is None and c.weight_version == 5 for c in comps)
+    assert all(len(c.response_ids) == len(c.logprobs) <= 6 for c in comps)
+
+
 def test_embedded_update_waits_for_the_running_generate_call():
     """The embedded engine's policy: a weight update waits until the running generate call
     ends, so every completion has one version and none is lost."""
@@ -301,6 +466,40 @@ def test_embedded_update_waits_for_the_running_generate_call():
     upd.join(30)
     assert eng.weight_version == 1
     assert [c.weight_version for c in out["g"][0]] in ([0, 0], [1, 1])
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_embedded_partial_rollout_update_between_decode_steps(per_request):
+    """``rollout.partial`` on the embedded engine: an update that waits for a running generate
+    call gets in at the third decode step (the test starts it there and waits until the engine
+    reports it waiting); the call then goes on with its tokens kept, and each token carries the
+    version whose weights computed it: batched, the logits of step t are recorded before the
+    update can run (steps 0-2 of both rows old); per request, before each forward (steps 0-1
+    of the first sample old, everything after new)."""
+    eng = EmbeddedEngine(get_preset("tiny"), eos_id=EOS, pad_id=0, per_request_seed=per_request)
+    eng.weight_version, eng.partial = 0, True
+    params = [(n, t.detach().clone() + 0.01) for n, t in eng.model.named_parameters()]
+    calls, upd = [0], []
+    orig = eng.between_steps
+
+    def between_steps():
+        calls[0] += 1
+        if calls[0] == 3:  # start the update and let it wait for the engine
+            upd.append(threading.Thread(target=lambda: eng.update_weights([params], 1)))
+            upd[0].start()
+            _wait(lambda: eng._update_wanted.is_set(), timeout=300)
+        orig()
+
+    eng.between_steps = between_steps
+    out = eng.generate([[5, 6]], SamplingParams(n=2, max_new_tokens=6), seed=1)
+    upd[0].join(60)
+    assert eng.weight_version == 1 and not upd[0].is_alive()
+    old = [3, 3] if not per_request else [2, 0]  # old-version tokens of each sample
+    for c, k in zip(out[0], old):
+        n = len(c.response_ids)
+        want = [0] * min(k, n) + [1] * max(0, n - k)
+        assert (c.token_versions or [c.weight_version] * n) == want, (c.token_versions, want)
+        assert len(c.logprobs) == n
 
 
 @pytest.mark.slow

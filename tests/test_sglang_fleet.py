@@ -152,7 +152,8 @@ def test_multi_turn_episodes_through_router_match_embedded(tmp_path):
 
 
 FLEET_ONLY = ("rollout/offpolicy_lag", "rollout/offpolicy_lag_max", "rollout/weight_sync",
-              "rollout/request_retries", "rollout/aborted_requests", "time/", "gpu/", "sys/")
+              "rollout/request_retries", "rollout/aborted_requests", "rollout/redone_tokens",
+              "rollout/resumed_requests", "time/", "gpu/", "sys/")
 
 
 @pytest.mark.slow

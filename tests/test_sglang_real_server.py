@@ -176,6 +176,50 @@ def test_pause_flush_continue(fleet):
     assert r["meta_info"]["completion_tokens"] == 2
 
 
+def test_partial_rollout_across_sync_real_sglang(fleet):
+    """``rollout.partial`` against SGLang 0.5.21: a sync while requests run pauses with
+    ``retract``; nothing is aborted or redone, each reply's ``weight_versions`` spans split its
+    tokens between v21 and v22, every token's log-prob is the one of the version that produced
+    it (the KV cache was recomputed under v22), and the sentinel (streamed, known to be running
+    at the sync) has tokens from both versions."""
+    f, tmp = fleet
+    url = f.urls[0]
+    eng = _engine(f, tmp, "from_disk")
+    eng.partial = eng.sync.partial = True
+    ref21, sd21 = _ref(21)
+    ref22, sd22 = _ref(22)
+    push_single_process(eng, [sd21], version=21)
+    eng.pop_metrics()
+    prompt, out, box, started = [5, 6, 7], {}, {}, threading.Event()
+    gen = threading.Thread(target=lambda: out.update(g=eng.generate(
+        [prompt], SamplingParams(n=2, max_new_tokens=64, temperature=1.0), seed=5)))
+    gen.start()
+    sentinel = threading.Thread(target=_stream_generate, args=(url, {
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}},
+        started, box))
+    sentinel.start()
+    assert started.wait(300), "no streamed chunk from the real server"
+    # the server reports the sentinel running: retracted now, it cannot finish before the sync
+    http_json("POST", url + "/pause_generation", {"mode": "retract"})
+    push_single_process(eng, [sd22], version=22)  # pauses (retract) again, syncs, continues
+    gen.join(300)
+    sentinel.join(300)
+    assert eng.sync.pause_modes == {url: "retract"}
+    m = eng.pop_metrics()
+    assert m["rollout/redone_tokens"] == 0.0 and "rollout/aborted_requeued" not in m, m
+    meta = box["r"]["meta_info"]
+    assert meta["finish_reason"]["type"] == "length", meta
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["21", "22"] and 0 < spans[0]["end"] < 300, spans
+    for c in out["g"][0]:
+        tv = c.token_versions or [c.weight_version] * len(c.response_ids)
+        assert len(tv) == len(c.logprobs) == len(c.response_ids) and set(tv) <= {21, 22}
+        seq = prompt + c.response_ids
+        want = {v: teacher_forced_logprobs(r, seq)[len(prompt) - 1:]
+                for v, r in ((21, ref21), (22, ref22))}
+        assert c.logprobs == pytest.approx([want[v][i] for i, v in enumerate(tv)], abs=TOL)
+
+
 def test_server_killed_mid_rollout_loses_no_sample(fleet):
     """A second server (our ``serve``) joins; the real server is killed during a rollout:
     every group comes back complete, the dead server leaves the router, is restarted, gets the

@@ -60,8 +60,9 @@ BASE = ("parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3", "trainer.test
         "actor.micro_batch_size=8", "actor.mini_batch_size=8", "sft.steps=3", "data.val_size=8",
         "rollout.per_request_seed=true", "rollout.temperature=0.9", "trainer.plots=false")
 # Keys that may differ after a fault: wall times and rates, process stats (sys/: resident memory,
-# open files), and the fleet's count of retried requests.
+# open files), and the fleet's counts of retried requests and of tokens generated again.
 VOLATILE_PREFIXES = ("time/", "gpu/", "sys/", "rollout/request_retries", "rollout/aborted_requests",
+                     "rollout/redone_tokens", "rollout/resumed_requests",
                      "rollout/weight_sync_s", "rollout/weight_sync_gbps")
 VOLATILE_KEYS = ("time", "wall_s")
 

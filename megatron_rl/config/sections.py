@@ -118,6 +118,7 @@ class RolloutSection:
     reward_timeout_s: float = 5.0
     weight_sync_bucket_mb: int = 64
     max_staleness: int = 0  # 0: synchronous; K > 0: generation runs ahead (docs/async.md)
+    partial: bool = True  # sync keeps in-flight tokens (false: redo them; docs/async.md)
 
 
 @dataclass

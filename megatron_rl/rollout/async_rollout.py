@@ -14,7 +14,8 @@ those groups, and the trainer prints so.
 
 Why a thread: generation is I/O for an SGLang fleet (HTTP requests; the GIL is released while
 waiting) and torch kernels for the embedded engine (torch releases the GIL inside its ops; the
-engine's lock makes a weight update wait until the running ``generate`` call ends). The two
+engine's lock lets a weight update in between two decode steps with ``rollout.partial``, else
+at the end of the running ``generate`` call). The two
 sides share the process's CPU threads: on a small CPU box generation and training compete.
 
 The producer draws prompts in step order with the same per-step seeds as the synchronous loop,
@@ -49,7 +50,17 @@ class Produced:
 
 def sample_version(rec: dict) -> int:
     """The oldest policy version that produced a record's tokens (``token_versions`` when the
-    engine reported per-token versions, else ``weight_version``; -1 when unknown)."""
+    engine reported per-token versions, else ``weight_version``; -1 when unknown).
+
+    A sample that mixes versions (a partial rollout continued across a weight sync) is as old
+    as its oldest token for the staleness gate, as AReaL counts a trajectory from the version
+    that started it (``rollout.max_head_offpolicyness``; its tokens keep their own ``versions``)
+    and verl's fully-async partial rollouts gate on ``param_version_start``. The correction
+    needs nothing more: every token carries the behaviour log-prob of the version that produced
+    it (``rollout_logp``), so ``rho_t = pi_old / mu_{v(t)}`` is per token and each TIS / MIS /
+    IcePop weight, and seq-mask-TIS's geometric mean, reads each token against its own version
+    (AReaL's ``ppo_actor_loss_fn`` behaviour weight ``exp(prox_logp - old_logp)`` per token; verl
+    ``compute_rollout_correction_weights`` on ``rollout_log_probs``)."""
     tv = rec.get("token_versions")
     if tv:
         return int(min(tv))
@@ -71,7 +82,8 @@ def filter_stale(records: list[dict], step: int, max_staleness: int
     return kept, {"rollout/staleness_mean": sum(lags) / max(1, len(lags)),
                   "rollout/staleness_max": float(max(lags, default=0)),
                   "rollout/dropped_stale": float(len(records) - len(kept)),
-                  "rollout/dropped_stale_groups": float(len(stale))}
+                  "rollout/dropped_stale_groups": float(len(stale)),
+                  **partial_sample_metrics(kept)}
 
 
 def token_staleness(versions: torch.Tensor, mask: torch.Tensor, step: int) -> dict[str, float]:
@@ -85,6 +97,13 @@ def token_staleness(versions: torch.Tensor, mask: torch.Tensor, step: int) -> di
     n = int(mask.bool().sum())
     return {"rollout/token_staleness_mean": float(lag.sum()) / max(1, n),
             "rollout/token_staleness_max": float(lag.max()) if lag.numel() else 0.0}
+
+
+def partial_sample_metrics(records: list[dict]) -> dict[str, float]:
+    """``rollout/partial_samples``: kept samples whose tokens came from more than one version
+    (they ran across a weight sync; per-token staleness: :func:`token_staleness`)."""
+    partial = sum(len(set(r.get("token_versions") or [])) > 1 for r in records)
+    return {"rollout/partial_samples": float(partial)}
 
 
 class AsyncProducer:

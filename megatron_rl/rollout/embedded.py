@@ -74,8 +74,14 @@ class EmbeddedEngine:
         self.per_request_seed = per_request_seed  # sample like a `serve` fleet (sampling.py)
         # held for a whole generate call and a whole update: with asynchronous rollouts a
         # weight update waits until the running generate call ends (no request is in flight
-        # across a version change, so each completion has one version)
+        # across a version change, so each completion has one version) -- unless ``partial``
         self.lock = threading.RLock()
+        # rollout.partial: a running generate call lets a waiting update run between two decode
+        # steps (the KV cache and the tokens so far are kept, as SGLang's pause "in_place");
+        # each completion then carries per-token versions
+        self.partial = False
+        self._update_wanted = threading.Event()
+        self._update_done = threading.Event()
 
     # ---- weights -------------------------------------------------------------------------------
     @property
@@ -103,9 +109,28 @@ class EmbeddedEngine:
         return checkpoint_named_params(self.model)
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
-        """Copy every received tensor into the model, then verify; returns the checksum."""
-        with self.lock:
-            return self._update_weights(buckets, version)
+        """Copy every received tensor into the model, then verify; returns the checksum. With
+        ``partial`` a running generate call lets it in at its next decode step."""
+        self._update_done.clear()
+        self._update_wanted.set()
+        try:
+            with self.lock:
+                return self._update_weights(buckets, version)
+        finally:
+            self._update_wanted.clear()
+            self._update_done.set()
+
+    def between_steps(self) -> None:
+        """Called by a running generate call (holding the lock) between two decode steps: with
+        ``partial``, a weight update waiting for the engine runs now; the call then continues
+        with its KV cache and tokens kept, under the new weights."""
+        if not (self.partial and self._update_wanted.is_set()):
+            return
+        self.lock.release()
+        try:
+            self._update_done.wait()
+        finally:
+            self.lock.acquire()
 
     def _update_weights(self, buckets: Iterable[Bucket], version: int) -> str:
         params = self._params()
@@ -137,13 +162,34 @@ class EmbeddedEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  seed: int | None = None) -> list[list[Completion]]:
         """``params.n`` completions per prompt (left-padded batch, KV cache; one request at a
-        time with its own seed when ``per_request_seed``); each carries the weight version."""
+        time with its own seed when ``per_request_seed``); each carries the weight version
+        (the one at the end) and, when an update ran between its decode steps (``partial``),
+        the version of each token."""
         with self.lock:
             out = self._generate(prompts, params, seed)
             for group in out:
                 for c in group:
                     c.weight_version = self.weight_version
+                    tv = c.token_versions
+                    c.token_versions = tv if tv and len(set(tv)) > 1 else None
             return out
+
+    def _step_versions(self) -> tuple[list[int], object]:
+        """``(versions, processor)``: a ``transformers`` logits processor that records the
+        version whose weights computed each decode step's logits, then lets a waiting update
+        in (:meth:`between_steps`); ``versions[t]`` is the version of every row's token t."""
+        from transformers import LogitsProcessor
+
+        versions: list[int] = []
+        eng = self
+
+        class StepVersions(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                versions.append(eng.weight_version)
+                eng.between_steps()
+                return scores
+
+        return versions, StepVersions()
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -166,8 +212,9 @@ class EmbeddedEngine:
             from megatron_rl.rollout.routed_experts import RoutingCapture
 
             cap = RoutingCapture(self.model)
+        versions, step = self._step_versions()
         with cap.active() if cap is not None else nullcontext():
-            out = self._hf_generate(ids, attn, params, sample)
+            out = self._hf_generate(ids, attn, params, sample, step)
         gen = out.sequences[:, width:]
         temp = params.temperature if sample else 1.0
         logp = torch.stack([torch.log_softmax(lg.float() / temp, dim=-1) for lg in out.logits], 1)
@@ -183,13 +230,17 @@ class EmbeddedEngine:
             results[i // params.n].append(Completion(
                 prompt_ids=list(p), response_ids=resp[:end],
                 logprobs=tok_logp[i, :end].tolist(), finished=finished,
+                token_versions=versions[:end],
                 routed_experts=None if routed is None else  # left padding dropped
                 routed[i, width - len(p):width + end - 1].clone()))
         return results
 
     def _hf_generate(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams,
-                     sample: bool):
+                     sample: bool, step=None):
+        from transformers import LogitsProcessorList
+
         return self.model.generate(
+            logits_processor=LogitsProcessorList([step] if step is not None else []),
             input_ids=ids, attention_mask=attn, do_sample=sample,
             temperature=params.temperature if sample else None,
             top_p=params.top_p if sample else None, top_k=0 if sample else None,
@@ -206,12 +257,20 @@ class EmbeddedEngine:
         for i, p in enumerate(prompts):
             group = []
             for j in range(params.n):
+                versions: list[int] = []
+
+                def before_step(versions=versions) -> None:  # the version of the next token
+                    self.between_steps()
+                    versions.append(self.weight_version)
+
                 r = sample_completion(self.model, p, params.max_new_tokens,
                                       0.0 if greedy else params.temperature, params.top_p,
                                       greedy, {self.eos_id}, request_seed(seed, i, j),
-                                      routed_experts=self.return_routed_experts)
+                                      routed_experts=self.return_routed_experts,
+                                      before_step=before_step)
                 group.append(Completion(prompt_ids=list(p), response_ids=r.ids,
                                         logprobs=r.logprobs, finished=r.finish == "stop",
+                                        token_versions=versions[:len(r.ids)],
                                         routed_experts=r.routed_experts))
             out.append(group)
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -63,7 +64,9 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
                       abort: threading.Event | None = None,
                       running: threading.Event | None = None,
                       res: SampleResult | None = None,
-                      routed_experts: bool = False) -> SampleResult:
+                      routed_experts: bool = False,
+                      retracted: threading.Event | None = None,
+                      before_step: Callable[[], None] | None = None) -> SampleResult:
     """Generate one completion with a KV cache, on the model's device.
 
     ``lock`` is held around each forward (a weight update waits between tokens); ``abort`` set
@@ -71,26 +74,38 @@ def sample_completion(model: torch.nn.Module, prompt_ids: list[int], max_new_tok
     (a server paused in place) no token is generated. ``res`` (filled in as tokens come) lets
     another thread see how many tokens exist when the weights change. ``routed_experts`` (an
     MoE model): ``res.routed_experts`` gets the top-k expert ids of every token run through the
-    model (:mod:`megatron_rl.rollout.routed_experts`).
+    model (:mod:`megatron_rl.rollout.routed_experts`). ``retracted`` set by another thread (a
+    server paused with SGLang's ``retract``): the KV cache is dropped and, before the next token,
+    recomputed from the prompt and the tokens generated so far under the weights held then (the
+    tokens and their log-probs are kept). Each token is picked and recorded under ``lock``, so a
+    weight update that takes the lock sees every token of the old weights in ``res``.
+    ``before_step`` runs before each decode step's forward (the embedded engine's partial
+    rollouts let a weight update in there).
     """
     if routed_experts:
         from megatron_rl.rollout.routed_experts import RoutingCapture
 
         cap = RoutingCapture(model)
         with cap.active():
+            # a recomputed KV cache routes every position again (SGLang's retract resets a
+            # request's routed experts): what was captured before is dropped
             res = _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy,
-                          stop_ids, seed, lock, abort, running, res)
+                          stop_ids, seed, lock, abort, running, res, retracted, cap.calls.clear,
+                          before_step)
         got = cap.result()
         res.routed_experts = None if got is None else got[0]
         return res
     return _sample(model, prompt_ids, max_new_tokens, temperature, top_p, greedy, stop_ids,
-                   seed, lock, abort, running, res)
+                   seed, lock, abort, running, res, retracted, None, before_step)
 
 
 def _sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
             temperature: float, top_p: float, greedy: bool, stop_ids: set[int], seed: int,
             lock: threading.Lock | None, abort: threading.Event | None,
-            running: threading.Event | None, res: SampleResult | None) -> SampleResult:
+            running: threading.Event | None, res: SampleResult | None,
+            retracted: threading.Event | None = None,
+            on_recompute: Callable[[], None] | None = None,
+            before_step: Callable[[], None] | None = None) -> SampleResult:
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed & _MASK64)
     res = SampleResult() if res is None else res
@@ -103,12 +118,20 @@ def _sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
         if abort is not None and abort.is_set():
             res.finish = "abort"
             return res
+        if before_step is not None:
+            before_step()
         with lock if lock is not None else nullcontext():
+            if retracted is not None and retracted.is_set():  # recompute the KV cache
+                retracted.clear()
+                if on_recompute is not None:
+                    on_recompute()
+                past = None
+                inp = torch.tensor([list(prompt_ids) + res.ids], dtype=torch.long, device=device)
             out = model(input_ids=inp, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tok, lp = _pick(out.logits[0, -1].float().cpu(), temperature, top_p, greedy, gen)
-        res.ids.append(tok)
-        res.logprobs.append(lp)
+            past = out.past_key_values
+            tok, lp = _pick(out.logits[0, -1].float().cpu(), temperature, top_p, greedy, gen)
+            res.ids.append(tok)
+            res.logprobs.append(lp)
         if tok in stop_ids:
             res.finish, res.matched = "stop", tok
             return res

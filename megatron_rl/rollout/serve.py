@@ -323,7 +323,11 @@ class ServeState:
         self.weight_version = "default"
         self.running = threading.Event()
         self.running.set()  # cleared while paused
+        self.pause_mode: str | None = None  # the mode of the pause in force (None: running)
         self.inflight: dict[str, threading.Event] = {}
+        # rid -> set when a retract pause dropped the request's KV cache (recomputed under the
+        # weights of continue_generation before its next token, as SGLang re-prefills it)
+        self.retracted: dict[str, threading.Event] = {}
         # rid -> (live result, [(old version, tokens it produced)]): SGLang 0.5.21's
         # weight-version events of a request that outlives a version change
         self.live: dict[str, tuple[SampleResult, list[tuple[str, int]]]] = {}
@@ -353,6 +357,7 @@ class ServeState:
             self.memory.check_can_generate()  # refused while weights / KV cache are released
             self.inflight[rid] = abort
             self.live[rid] = live
+            self.retracted[rid] = retracted = threading.Event()
         try:
             stop = set(int(s) for s in (sp.get("stop_token_ids") or []))
             if self.eos_id is not None and not sp.get("ignore_eos", False):
@@ -363,11 +368,12 @@ class ServeState:
             res = sample_completion(self.model, ids, int(sp.get("max_new_tokens", 128)), temp,
                                     float(sp.get("top_p", 1.0)), temp == 0.0, stop, seed,
                                     lock=self.lock, abort=abort, running=self.running,
-                                    res=live[0], routed_experts=capture)
+                                    res=live[0], routed_experts=capture, retracted=retracted)
         finally:
             with self.inflight_lock:
                 self.inflight.pop(rid, None)
                 self.live.pop(rid, None)
+                self.retracted.pop(rid, None)
                 version = self.weight_version  # SGLang reports the version serving at the end
         finish: dict[str, Any] = {"type": res.finish}
         if res.finish == "stop":
@@ -423,18 +429,40 @@ class ServeState:
                     ev.set()
 
     def pause(self, req: dict) -> None:
-        """``/pause_generation``: new requests wait; ``mode="abort"`` (default) also aborts
-        the running ones (they return ``finish_reason.type == "abort"``); ``"in_place"`` and
-        ``"retract"`` stop them between tokens until ``/continue_generation`` (their KV cache is
-        kept: the tokens after a weight update come from the new weights, and the reply's
-        ``weight_versions`` spans say which tokens came from which version)."""
+        """``/pause_generation`` with SGLang 0.5.21's modes (``PauseGenerationReqInput``,
+        ``Scheduler.pause_generation``). New requests wait in every mode. ``"abort"`` (default)
+        aborts the running ones (they return ``finish_reason.type == "abort"`` with the tokens
+        generated so far); ``"in_place"`` stops them between tokens with their KV cache kept
+        (``/flush_cache`` is refused while they exist, as SGLang's is while its running batch
+        holds requests); ``"retract"`` stops them between tokens and drops their KV cache (back
+        to the waiting queue: ``/flush_cache`` succeeds) -- after ``/continue_generation`` it is
+        recomputed from prompt + generated tokens under the weights then held. In both keeping
+        modes the tokens and log-probs already generated are kept, the tokens after a weight
+        update come from the new weights, and the reply's ``weight_versions`` spans say which
+        tokens came from which version."""
         mode = req.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_generation mode={mode!r} is not one of "
                              "('abort', 'retract', 'in_place')")
-        self.running.clear()
+        with self.inflight_lock:
+            self.running.clear()
+            self.pause_mode = mode
+            if mode == "retract":
+                for ev in self.retracted.values():
+                    ev.set()
         if mode == "abort":
             self.abort({"abort_all": True})
+
+    def resume(self) -> None:
+        """``/continue_generation``: paused and waiting requests run again."""
+        with self.inflight_lock:
+            self.pause_mode = None
+            self.running.set()
+
+    def busy(self) -> bool:
+        """Whether requests hold KV cache (SGLang: its running batch is not empty): requests in
+        flight, except while a ``retract`` pause holds them in the waiting queue."""
+        return bool(self.inflight) and self.pause_mode != "retract"
 
     # ---- weights --------------------------------------------------------------------------------
     def set_version(self, version: Any) -> None:
@@ -490,14 +518,21 @@ class ServeState:
 
     def flush(self, query: dict) -> str:
         """``/flush_cache``: refused (400) while requests are running, as SGLang's scheduler
-        does; ``?timeout=S`` (SGLang >= 0.5.21) first waits up to S seconds for idle."""
+        does. Without a timeout, requests a ``retract`` pause put back in the waiting queue do
+        not count (SGLang's ``flush_cache`` ignores the waiting queue while paused);
+        ``?timeout=S`` (SGLang >= 0.5.21, ``SchedulerFlushWrapper``) waits up to S seconds for a
+        fully idle server, waiting queue included -- so it times out while retracted requests
+        wait for ``/continue_generation``."""
         timeout = float(query.get("timeout", 0.0)) if self.rules == NEW_RULES else 0.0
+        if timeout <= 0.0:
+            if self.busy():
+                raise RefusedError("Flush cache failed: requests are running.")
+            return "Cache flushed.\n"
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.inflight:
-            raise RefusedError("Timed out waiting for idle state." if timeout else
-                               "Flush cache failed: requests are running.")
+            raise RefusedError("Timed out waiting for idle state.")
         return "Cache flushed.\n"
 
     def checksum(self, req: dict) -> dict:
@@ -591,7 +626,9 @@ class ServeState:
     def server_info(self) -> dict:
         return {"model_path": self.model_path, "port": self.port, "tp_size": 1, "dp_size": 1,
                 "pp_size": 1, "enable_dp_attention": False,  # SGLang's server_args keys
-                "version": "megatron_rl-serve", "weight_version": self.weight_version,
+                # the SGLang release whose rules it follows (clients choose the pause mode by it)
+                "version": self.rules, "server": "megatron_rl-serve",
+                "weight_version": self.weight_version,
                 "internal_states": [{"paused": not self.running.is_set(),
                                      "num_running_reqs": len(self.inflight),
                                      "memory_released": sorted(self.memory.released)}],
@@ -649,7 +686,7 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
                 "/generate": lambda: (s.generate(req), False),
                 "/abort_request": lambda: (s.abort(req) or "", True),
                 "/pause_generation": lambda: (s.pause(req) or ok, False),
-                "/continue_generation": lambda: (s.running.set() or ok, False),
+                "/continue_generation": lambda: (s.resume() or ok, False),
                 "/flush_cache": lambda: (s.flush(query), True),
                 "/update_weights_from_disk": lambda: (s.update_from_disk(req), False),
                 "/update_weights_from_tensor": lambda: (s.update_from_tensor(req), False),

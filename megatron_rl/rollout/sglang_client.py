@@ -10,6 +10,16 @@ the fleet's health check removed the dead server, so no sample is lost and no gr
 its per-request seed makes the retry produce what the first server would have. ``stop_when``
 lets a caller (dynamic sampling) stop early: queued requests are cancelled and in-flight ones
 aborted (``/abort_request``), and only complete groups are returned.
+
+Partial rollouts (``rollout.partial``, default on): a weight sync never throws generated tokens
+away. SGLang >= 0.5.21 servers are paused with ``mode: "retract"`` (the request keeps its tokens
+and continues under the new weights; its reply's ``weight_versions`` spans give each token's
+version). A server that can only abort returns the request with the tokens generated so far;
+the client sends it again with those tokens appended to ``input_ids`` and ``max_new_tokens``
+reduced by their count, and joins the pieces (each piece comes from one version). Each response
+token carries the version that produced it and its log-prob under that version. Tokens generated
+and then discarded (``rollout.partial: false``: aborted requests restart from scratch; or any
+other abort) are counted in ``rollout/redone_tokens``.
 """
 
 from __future__ import annotations
@@ -98,6 +108,42 @@ def completion_from_response(prompt: list[int], resp: dict,
             version)
 
 
+class Prefix:
+    """The tokens a request kept across aborts (partial rollouts): ids, their log-probs and the
+    version of each."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+
+    def extend(self, comp: Completion) -> None:
+        """Append a reply's tokens (``comp``: its completion; per-token versions from its spans,
+        else its ``weight_version`` for every token)."""
+        n = len(comp.response_ids)
+        self.ids += comp.response_ids
+        self.logprobs += comp.logprobs[:n] + [0.0] * (n - len(comp.logprobs))
+        self.versions += comp.token_versions or [comp.weight_version] * n
+
+    def join(self, prompt: list[int], comp: Completion) -> Completion:
+        """The whole sample: the kept tokens followed by ``comp`` (the reply to prompt + kept
+        tokens); ``token_versions`` None when every token has one version."""
+        versions = self.versions + (comp.token_versions or
+                                    [comp.weight_version] * len(comp.response_ids))
+        return Completion(prompt_ids=list(prompt), response_ids=self.ids + comp.response_ids,
+                          logprobs=self.logprobs + comp.logprobs, finished=comp.finished,
+                          weight_version=comp.weight_version,
+                          token_versions=versions if len(set(versions)) > 1 else None,
+                          routed_experts=comp.routed_experts)
+
+
+def continued_params(params: SamplingParams, kept: int) -> SamplingParams:
+    """``params`` of a request continued after ``kept`` tokens: ``max_new_tokens`` reduced."""
+    import dataclasses
+
+    return dataclasses.replace(params, max_new_tokens=params.max_new_tokens - kept)
+
+
 class SGLangEngine:
     """Rollouts from a :class:`~megatron_rl.rollout.fleet.Fleet`; weights are pushed by
     :mod:`megatron_rl.rollout.weight_sync` (see :func:`megatron_rl.rollout.sync.sync_weights`)."""
@@ -111,6 +157,7 @@ class SGLangEngine:
         self.concurrency, self.max_retries = concurrency, max_retries
         self.max_offpolicy_lag, self.timeout = max_offpolicy_lag, request_timeout_s
         self.sync = sync  # a weight_sync strategy (set by make_sglang_engine)
+        self.partial = False  # rollout.partial (set with the sync's): continue aborted requests
         self.probe_length, self.probe_tolerance = 64, 1e-4
         self.routed_shape: tuple[int, int] | None = None  # (layers, top_k): routing replay r3
         self.weight_version = -1
@@ -136,6 +183,7 @@ class SGLangEngine:
         its own group, ``time/weight_quant``, as it is)."""
         with self._lock:
             out = {k if "/" in k else f"rollout/{k}": v for k, v in self._metrics.items()}
+            out.setdefault("rollout/redone_tokens", 0.0)
             if self._lags:
                 out["rollout/offpolicy_lag"] = sum(self._lags) / len(self._lags)
                 out["rollout/offpolicy_lag_max"] = float(max(self._lags))
@@ -145,21 +193,28 @@ class SGLangEngine:
     # ---- one request -----------------------------------------------------------------------------
     def _one(self, prompt: list[int], params: SamplingParams, seed: int,
              cancel: threading.Event) -> Completion | None:
-        """One sample, retried on failure; None when cancelled."""
+        """One sample, retried on failure; None when cancelled. A request a weight sync aborted
+        is sent again: from its generated tokens (``partial``) or from scratch."""
         last = None
         attempt = requeued = 0
+        kept = Prefix()
         while attempt <= self.max_retries:
             if cancel.is_set() or self._stop.is_set():
                 return None
+            if kept.ids and len(kept.ids) >= params.max_new_tokens:  # nothing left to generate
+                return kept.join(prompt, Completion(prompt_ids=list(prompt), response_ids=[],
+                                                    logprobs=[], finished=False,
+                                                    weight_version=kept.versions[-1]))
             rid = uuid.uuid4().hex
             epoch = getattr(self.sync, "epoch", 0)  # weight syncs begun so far
             with self._lock:
                 self._inflight[rid] = True
+            # a continued request: its own seed (a fresh random stream for the rest)
+            body = generate_request(prompt + kept.ids, continued_params(params, len(kept.ids)),
+                                    [self.eos_id], request_seed(seed, len(kept.ids), 0)
+                                    if kept.ids else seed, rid, self.routed_shape is not None)
             try:
-                resp = http_json("POST", self._generate_url(),
-                                 generate_request(prompt, params, [self.eos_id], seed, rid,
-                                                  self.routed_shape is not None),
-                                 timeout=self.timeout)
+                resp = http_json("POST", self._generate_url(), body, timeout=self.timeout)
             except ServerError as exc:
                 last = exc
                 resp = None
@@ -171,14 +226,19 @@ class SGLangEngine:
             if resp is not None:
                 finish = (resp.get("meta_info", {}).get("finish_reason") or {}).get("type")
                 if finish == "abort" and self._sync_aborted(epoch) and requeued < 100:
-                    # a weight sync's pause (mode abort) ended it: re-queued from scratch, with
-                    # the same seed, under the new weights (waits at the server until
-                    # continue_generation); not a failure, no health check
+                    # a weight sync's pause (mode abort) ended it: sent again under the new
+                    # weights (it waits at the server until continue_generation), from its
+                    # tokens (partial) or from scratch with the same seed; not a failure
                     requeued += 1
                     self._count("aborted_requeued")
+                    self._keep_or_redo(kept, prompt, resp)
                     continue
+                if finish == "abort":
+                    self._keep_or_redo(kept, prompt, resp, keep=False)
                 if finish != "abort":
-                    comp, version = completion_from_response(prompt, resp, self.routed_shape)
+                    comp, version = completion_from_response(prompt + kept.ids, resp,
+                                                             self.routed_shape)
+                    comp = kept.join(prompt, comp) if kept.ids else comp
                     lag = max(0, self.weight_version - version)
                     if 0 <= self.max_offpolicy_lag < lag:
                         self._count("stale_refused")
@@ -195,6 +255,25 @@ class SGLangEngine:
             self._count("request_retries")
             self.fleet.check_health()
         raise ServerError(f"a rollout request failed {self.max_retries + 1} times: {last}")
+
+    def _keep_or_redo(self, kept: Prefix, prompt: list[int], resp: dict,
+                      keep: bool | None = None) -> None:
+        """An aborted reply: its tokens join ``kept`` (partial rollouts, ``keep`` None) or are
+        thrown away with the kept ones (``keep=False``, or ``partial`` off), counted in
+        ``redone_tokens``."""
+        try:
+            comp, _ = completion_from_response(prompt + kept.ids, resp)
+        except (KeyError, TypeError, ValueError):
+            comp = None
+        n = 0 if comp is None else len(comp.response_ids)
+        whole = comp is not None and len(comp.logprobs) == n  # tokens with their log-probs
+        if (self.partial if keep is None else keep) and whole:
+            if n:
+                kept.extend(comp)
+                self._count("resumed_requests")
+            return
+        self._count("redone_tokens", float(n + len(kept.ids)))
+        kept.__init__()
 
     def _generate_url(self) -> str:
         """Where a ``/generate`` goes: the router; with routing replay r3 the servers themselves,
@@ -303,6 +382,7 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
     engine.sync = make_strategy(s.weight_sync, fleet, s.sync_dir or
                                 os.path.join(cfg.trainer.output_dir, "weight_sync"))
     engine.sync.quantization, engine.sync.scale_fmt = s.quantization, s.fp8_scale_fmt
+    engine.partial = engine.sync.partial = cfg.rollout.partial
     engine.sync.spots_per_send = s.spot_checks
     engine.sync.flush_retries = s.flush_retries
     if hasattr(engine.sync, "address_override"):

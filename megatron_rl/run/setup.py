@@ -99,9 +99,11 @@ def make_engine(cfg: RunConfig, tokenizer):
     from megatron_rl.rollout.embedded import engine_placement
 
     dev, dtype = engine_placement(cfg.actor.precision, device())  # GPU: actor's precision
-    return EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
-                          per_request_seed=cfg.rollout.per_request_seed, device=dev, dtype=dtype,
-                          return_routed_experts=cfg.actor.routing_replay == "r3")
+    engine = EmbeddedEngine(model_config(cfg), tokenizer.eos_id, tokenizer.pad_id,
+                            per_request_seed=cfg.rollout.per_request_seed, device=dev,
+                            dtype=dtype, return_routed_experts=cfg.actor.routing_replay == "r3")
+    engine.partial = cfg.rollout.partial  # an update may run between decode steps (async)
+    return engine
 
 
 def score_fn(cfg: RunConfig) -> Callable[[dict, str], float]:

@@ -67,11 +67,36 @@ def flush_cache(url: str, retries: int = 60, wait_s: float = 1.0, timeout_s: flo
                           f"running): {last}")
 
 
-def flush_all(urls: list[str], retries: int = 60, wait_s: float = 1.0) -> None:
-    """:func:`flush_cache` on every server in parallel."""
+def flush_all(urls: list[str], retries: int = 60, wait_s: float = 1.0,
+              timeout_of=lambda url: 30.0) -> None:
+    """:func:`flush_cache` on every server in parallel (``timeout_of(url)``: its ``?timeout=``)."""
     if urls:
         with ThreadPoolExecutor(len(urls)) as pool:
-            list(pool.map(lambda u: flush_cache(u, retries, wait_s), urls))
+            list(pool.map(lambda u: flush_cache(u, retries, wait_s, timeout_of(u)), urls))
+
+
+RETRACT_SINCE = (0, 5, 21)  # the first SGLang release that reports per-token weight versions
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """``"0.5.21"`` / ``"0.5.21.post1"`` / ``"0.5.22rc0"`` -> ``(0, 5, 21)`` / ... (the leading
+    numeric fields); ``()`` for anything else (e.g. an unknown server)."""
+    import re
+
+    m = re.match(r"\s*(\d+(?:\.\d+)*)", str(version or ""))
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def pause_mode_for(version: str, partial: bool) -> str:
+    """The ``/pause_generation`` mode a weight sync uses on a server reporting ``version``
+    (``/server_info``'s ``"version"``): ``"retract"`` where the run keeps partial rollouts
+    (``rollout.partial``) and the server is SGLang >= 0.5.21 (or our ``serve`` with its rules):
+    running requests go back to the waiting queue, keep their tokens, and report per-token
+    ``weight_versions`` spans; ``"abort"`` otherwise: the requests come back aborted with their
+    tokens, and the client sends them again -- from the kept prefix with ``rollout.partial``,
+    from scratch without (``rollout/redone_tokens``). ``in_place`` is never used: it keeps the
+    old weights' KV cache and SGLang then refuses the ``/flush_cache`` a sync needs."""
+    return "retract" if partial and release_tuple(version) >= RETRACT_SINCE else "abort"
 
 
 @dataclass(frozen=True)
@@ -148,6 +173,22 @@ class SyncStrategy:
         self.sessions: set[str] = set()  # servers with an open weight-update session
         self.no_session: set[str] = set()  # servers without sessions (SGLang <= 0.5.20)
         self.epoch, self.paused = 0, False  # syncs begun; paused between begin and resume
+        self.partial = False  # rollout.partial: keep in-flight requests' tokens across a sync
+        self.pause_modes: dict[str, str] = {}  # url -> its pause mode (pause_mode_for), once
+
+    def pause_mode(self, url: str) -> str:
+        """The ``/pause_generation`` mode of the server at ``url`` (:func:`pause_mode_for` of its
+        ``/server_info`` version, read once; ``"abort"`` where it cannot be read)."""
+        if not self.partial:
+            return "abort"
+        if url not in self.pause_modes:
+            try:
+                info = http_json("GET", url + "/server_info", timeout=30.0)
+            except ServerError:
+                info = {}
+            version = info.get("version", "") if isinstance(info, dict) else ""
+            self.pause_modes[url] = pause_mode_for(version, True)
+        return self.pause_modes[url]
 
     def tp_of(self, url: str) -> int:
         """TP ranks of the server at ``url`` (each gets its own tensor payload and joins a weight
@@ -173,12 +214,14 @@ class SyncStrategy:
 
     # ---- coordinator ---------------------------------------------------------------------------
     def begin(self, version: int) -> None:
-        """Pause generation (aborting leftovers), flush the KV cache (bounded retries while the
-        aborted requests drain) and open the weight-update session on every server."""
+        """Pause generation (each server in its :meth:`pause_mode`: running requests retracted
+        with their tokens kept, or aborted), flush the KV cache (bounded retries while aborted
+        requests drain) and open the weight-update session on every server."""
         self.epoch += 1  # before the pause: the client re-queues the requests it aborts
         self.paused = True
-        post_all(self.urls, "/pause_generation", {"mode": "abort"})
-        flush_all(self.urls, self.flush_retries, self.flush_wait_s)
+        post_each(self.urls, lambda u: post_all([u], "/pause_generation",
+                                                {"mode": self.pause_mode(u)}))
+        self.flush()
         if self.needs_session:
             post_each(self.urls, self._begin_session)
 
@@ -225,7 +268,16 @@ class SyncStrategy:
             post_each([u for u in self.urls if u in self.sessions], self._end_session)
         post_all(self.urls, "/update_weight_version", {"new_version": str(version),
                                                        "abort_all_requests": False})
-        flush_all(self.urls, self.flush_retries, self.flush_wait_s)
+        self.flush()
+
+    def flush(self) -> None:
+        """Flush every server's KV cache while paused. A server paused with ``retract`` holds
+        its requests in the waiting queue: SGLang 0.5.21 flushes then only without a timeout
+        (its ``?timeout=`` waits for an empty waiting queue, which never comes before
+        ``/continue_generation``); a server paused with ``abort`` gets ``?timeout=30`` to wait
+        for the aborted requests to drain."""
+        flush_all(self.urls, self.flush_retries, self.flush_wait_s,
+                  lambda u: 0.0 if self.pause_mode(u) == "retract" else 30.0)
 
     def resume(self) -> None:
         """Continue generation on every server that answers (closing a session a failed sync
