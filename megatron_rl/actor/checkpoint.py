@@ -306,17 +306,25 @@ def _finish_save(plan: _SavePlan, err: BaseException | None) -> str:
     return plan.final
 
 
-def _stage_on_host(write_buckets: list) -> list:
+def _stage_on_host(write_buckets: list, pool: list[torch.Tensor]) -> list:
     """Copies of the tensors of megatron's write buckets in host memory, owned by the save.
 
     megatron's own ``preload_tensors`` returns CPU tensors as they are (``.to("cpu")`` is a
-    no-op there), so on CPU the writer would read parameters the next step is updating; a
-    device tensor is copied to host (the copy waits for the device, like megatron's)."""
-    staged = []
-    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
-        copies = [(item, t.detach().to("cpu", copy=True)) for item, t in tensor_data]
-        staged.append((file_name, storage_key, (bytes_data, copies)))
-    return staged
+    no-op there), so on CPU the writer would read parameters the next step is updating. The
+    copies go into ``pool``'s buffers, reused from the previous save when the shapes match (no
+    page faults on a fresh allocation; pinned memory for device tensors); one stream sync
+    waits for device-to-host copies before the writer reads them."""
+    sources = [t for _, _, (_, tensor_data) in write_buckets for _, t in tensor_data]
+    if [(t.shape, t.dtype) for t in pool] != [(t.shape, t.dtype) for t in sources]:
+        pool[:] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
+    with torch.no_grad():
+        for buf, t in zip(pool, sources, strict=True):
+            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+    if any(t.is_cuda for t in sources):
+        torch.cuda.current_stream().synchronize()  # the writer thread reads the host copies
+    copies = iter(pool)
+    return [(file_name, storage_key, (bytes_data, [(item, next(copies)) for item, _ in td]))
+            for file_name, storage_key, (bytes_data, td) in write_buckets]
 
 
 class PendingSave:
@@ -375,14 +383,16 @@ def _verify_written(tmp: str, world_size: int) -> BaseException | None:
 
 
 def start_async_save(root: str, step: int, model, optimizer, scheduler,
-                     trainer_state: dict[str, Any] | None = None) -> PendingSave:
+                     trainer_state: dict[str, Any] | None = None,
+                     host_pool: list[torch.Tensor] | None = None) -> PendingSave:
     """Begin a checkpoint save that completes in the background; collective.
 
     The model/optimizer shards are copied to host memory before this returns (training may
     then change the parameters); the files are written by a thread while the next steps run.
     Call :meth:`PendingSave.finalize` on every rank (before the next save, a resume, or exit)
     to wait for it and move ``latest``. Until then ``latest`` names the previous checkpoint, so
-    a crash during the write leaves that one usable."""
+    a crash during the write leaves that one usable. ``host_pool``: host buffers reused by the
+    next save (only once this one is finalized)."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.util.sync_save import use_in_process_results_queue
@@ -395,7 +405,7 @@ def start_async_save(root: str, step: int, model, optimizer, scheduler,
         request = dist_checkpointing.save(sharded, plan.tmp, async_sharded_save=True)
         args = list(request.async_fn_args)
         if request.preload_fn is not None:  # (rank, write_buckets, results_queue)
-            args[1] = _stage_on_host(args[1])
+            args[1] = _stage_on_host(args[1], host_pool if host_pool is not None else [])
         request = request._replace(async_fn_args=tuple(args), preload_fn=None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank in finalize
         err = exc
@@ -411,6 +421,7 @@ class CheckpointSaver:
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = async_save
         self.pending: PendingSave | None = None
+        self._host_pool: list[torch.Tensor] = []  # host copies of this rank's shards, reused
 
     def save(self, root: str, step: int, model, optimizer, scheduler,
              trainer_state: dict[str, Any] | None = None) -> str:
@@ -418,7 +429,8 @@ class CheckpointSaver:
         self.wait()
         if not self.async_save:
             return save_checkpoint(root, step, model, optimizer, scheduler, trainer_state)
-        self.pending = start_async_save(root, step, model, optimizer, scheduler, trainer_state)
+        self.pending = start_async_save(root, step, model, optimizer, scheduler, trainer_state,
+                                        self._host_pool)
         return self.pending.path
 
     def wait(self) -> str | None:

@@ -80,6 +80,10 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     for part in (actor, critic):  # trainer.async_save: writes overlap the next steps
         if part is not None:
             part.saver.async_save = t.async_save
+    if t.async_save and runtime.is_rank0() and hasattr(actor, "run_cfg"):
+        print("[train] trainer.async_save with HF exports (trainer.export_hf): each export "
+              "waits for its checkpoint's write, so saves do not overlap training; set "
+              "trainer.export_hf=false for asynchronous saves", flush=True)
     del init_state
     start = driver.load_state_dict(actor.resume(ckpt_root)["trainer"]) if resuming else 0
     if critic is not None and resuming:
