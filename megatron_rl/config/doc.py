@@ -70,8 +70,6 @@ EXTRA_DOCS: dict[str, str] = {
     "trainer.advantage": "advantage estimator (docs/algorithms-and-losses.md)",
     "trainer.test_freq": "validate every N steps",
     "trainer.save_freq": "checkpoint every N steps",
-    "trainer.async_save": "write checkpoints in the background while training goes on; "
-                          "`latest` moves when the write is complete (docs/checkpoints.md)",
     "trainer.output_dir": "run directory: metrics.jsonl, plots/, checkpoints/ (alias: "
                           "`output_dir=`)",
     "trainer.seed": "seed of model initialisation, rollout sampling and the warm start",
