@@ -81,6 +81,7 @@ def _async_worker(root: str, kill: bool) -> dict:
 
     def boom(orig):
         def write(*a, **k):
+            orig(*a, **k)  # the shards are written and reported, then the writer dies
             raise OSError("injected: the disk went away during the background write")
         return write
 
@@ -92,6 +93,9 @@ def _async_worker(root: str, kill: bool) -> dict:
     except CheckpointWriteError as exc:
         out["error"] = str(exc)
     out["latest_after_failure"] = _latest(root)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    out["stale_results"] = not filesystem_async._results_queue.empty()  # read by the next save
     out["left_over"] = sorted(n for n in os.listdir(root) if n.startswith("step_0000002"))
     info = actor.resume(root)  # resume reads the previous, complete checkpoint
     out["resumed"] = (info["step"], info["trainer"]["data_position"])
@@ -122,6 +126,7 @@ def test_async_save_overlaps_step_and_survives_failed_write(tmp_path):
     assert "step_0000001" in out["error"]  # names the checkpoint kept
     assert out["latest_after_failure"] == "step_0000001"
     assert out["left_over"] == []  # the partial step_0000002.tmp is removed
+    assert not out["stale_results"]  # the abandoned save's write results were dropped
     assert out["resumed"] == (1, 2)
 
 

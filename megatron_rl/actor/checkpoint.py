@@ -352,14 +352,25 @@ class PendingSave:
     def path(self) -> str:
         return self.plan.final
 
+    def _drop_write_results(self) -> None:
+        """Empty this rank's write-results queue when the save is abandoned (another rank's
+        write failed), so that the next save does not read these results as its own."""
+        args = self._request.async_fn_args if self._request is not None else ()
+        results = args[2] if len(args) > 2 else None
+        while results is not None and not results.empty():
+            results.get_nowait()
+
     def finalize(self) -> str:
         """Collective: wait for this rank's writer, gather every rank's results (megatron's
         finalize writes the metadata), then publish. Raises :class:`CheckpointWriteError` on
         every rank when any rank's write failed (the previous checkpoint stays ``latest``)."""
         if self._thread is not None:
             self._thread.join()
-        err = self._error
-        self.plan.fail(err)  # every rank's writer is done before megatron's collectives
+        try:  # every rank's writer is done before megatron's collectives
+            self.plan.fail(self._error)
+        except CheckpointWriteError:
+            self._drop_write_results()
+            raise
         err = None
         try:
             for fn in self._request.finalize_fns:
