@@ -14,6 +14,11 @@ ignored and cleaned up on the next save. A write that fails on any rank (disk fu
 directory) fails the save on every rank together (no rank is left waiting in a collective) with a
 :class:`CheckpointWriteError` that names the checkpoint kept; the partial ``step_N.tmp`` is removed.
 
+Asynchronous saves (:func:`start_async_save`, :class:`CheckpointSaver` with ``async_save``): the
+shards are copied to host memory at the save, megatron's ``torch_dist`` writer runs in a thread
+while training goes on, and :meth:`PendingSave.finalize` (the next save, a resume, or exit) does
+the agreement, checks and publication above; until then ``latest`` names the previous one.
+
 Loading never unpickles arbitrary objects: ``trainer.pt`` and the RNG files are read with
 ``torch.load(weights_only=True)`` (plain containers, numbers, strings, tensors; old checkpoints'
 numpy RNG states through an explicit allow-list), and the sharded checkpoint's pickled
