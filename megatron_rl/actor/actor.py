@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.actor.checkpoint import CheckpointSaver, latest_checkpoint, load_checkpoint
 from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.micro_batches import budget_forward_batches, dp_host_group, unsplit_rows
 from megatron_rl.actor.optim import OptimConfig, build_optimizer, wrap_ddp
@@ -259,7 +259,18 @@ class Actor:
         if self.loss_cfg.siren_coef > 0:  # SIREN's anchor: set at the first step, kept
             state["siren_anchor"] = self._siren_anchor_state()
         state["optimizer_steps"] = self.updater.optimizer_steps
-        return save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, state)
+        return self.saver.save(root, step, self.ddp, self.optimizer, self.scheduler, state)
+
+    @property
+    def saver(self) -> CheckpointSaver:
+        """Synchronous unless ``saver.async_save`` is set (``trainer.async_save``)."""
+        if getattr(self, "_saver", None) is None:
+            self._saver = CheckpointSaver()
+        return self._saver
+
+    def wait_for_save(self) -> str | None:
+        """Collective: finish an asynchronous save in flight (moves ``latest``); its path."""
+        return self.saver.wait()
 
     def _siren_anchor_state(self) -> tuple[float, str] | None:
         """SIREN's anchor as ``(value, dtype name)`` from the last pipeline stage (which holds
@@ -283,6 +294,7 @@ class Actor:
 
     def resume(self, root: str) -> dict[str, Any] | None:
         """Load the newest checkpoint under ``root`` if there is one (any saved layout)."""
+        self.wait_for_save()
         path = latest_checkpoint(root)
         if path is None:
             return None

@@ -14,6 +14,11 @@ ignored and cleaned up on the next save. A write that fails on any rank (disk fu
 directory) fails the save on every rank together (no rank is left waiting in a collective) with a
 :class:`CheckpointWriteError` that names the checkpoint kept; the partial ``step_N.tmp`` is removed.
 
+Asynchronous saves (:func:`start_async_save`, :class:`CheckpointSaver` with ``async_save``): the
+shards are copied to host memory at the save, megatron's ``torch_dist`` writer runs in a thread
+while training goes on, and :meth:`PendingSave.finalize` (the next save, a resume, or exit) does
+the agreement, checks and publication above; until then ``latest`` names the previous one.
+
 Loading never unpickles arbitrary objects: ``trainer.pt`` and the RNG files are read with
 ``torch.load(weights_only=True)`` (plain containers, numbers, strings, tensors; old checkpoints'
 numpy RNG states through an explicit allow-list), and the sharded checkpoint's pickled
@@ -28,7 +33,8 @@ import os
 import pickle
 import random
 import shutil
-from typing import Any
+import threading
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -227,54 +233,226 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler,
     loadable, and the partial directory is removed."""
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.actor.precision import precision_of
     from megatron_rl.util.sync_save import use_in_process_results_queue
 
-    rank = dist.get_rank()
-    final = os.path.join(root, step_dir_name(step))
-    tmp = final + ".tmp"
-    kept = _kept_checkpoint(root)  # named by every rank's error
-
-    def fail(exc: BaseException | None) -> None:
-        _agree_or_raise(exc, step, root, tmp, kept, rank)
-
-    err = None
-    if rank == 0:
-        try:
-            _prepare_tmp(root, tmp)
-        except OSError as exc:
-            err = exc
-    fail(err)
+    plan = _begin_save(root, step)
     # The model part holds the fp32 main weights whatever the precision.
     sharded, _ = _sharded_state(model, optimizer, is_loading=False, main_from=optimizer)
     err = None
     use_in_process_results_queue()
     try:
-        dist_checkpointing.save(sharded, tmp)
+        dist_checkpointing.save(sharded, plan.tmp)
     except Exception as exc:  # noqa: BLE001 - a write error on any rank (DCP re-raises it)
         err = exc
     if err is None:
-        try:
-            os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-            _durable_save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-            if rank == 0:
-                _durable_save({"step": step, "layout": _layout_key(),
-                               "precision": precision_of(model),
-                               "scheduler": scheduler.state_dict() if scheduler is not None
-                               else None, "trainer": trainer_state or {}},
-                              os.path.join(tmp, "trainer.pt"))
-        except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError too
-            err = exc
-    phase_begins("checkpoint", step)  # fault injection: files written, not yet renamed
-    fail(err)
+        err = _write_common(plan.tmp, step, model, scheduler, trainer_state)
+    return _finish_save(plan, err)
+
+
+class _SavePlan(NamedTuple):
+    """Where one save writes (``tmp``), publishes (``final``) and which checkpoint it keeps."""
+
+    root: str
+    step: int
+    tmp: str
+    final: str
+    kept: str | None
+
+    def fail(self, exc: BaseException | None) -> None:
+        """Collective: raise :class:`CheckpointWriteError` on every rank if any rank failed."""
+        _agree_or_raise(exc, self.step, self.root, self.tmp, self.kept, dist.get_rank())
+
+
+def _begin_save(root: str, step: int) -> _SavePlan:
+    """Collective: rank 0 makes a fresh ``step_N.tmp`` (removing stale ones)."""
+    final = os.path.join(root, step_dir_name(step))
+    plan = _SavePlan(root, step, final + ".tmp", final, _kept_checkpoint(root))
     err = None
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
-            _publish(root, tmp, final, step)
+            _prepare_tmp(root, plan.tmp)
         except OSError as exc:
             err = exc
-    fail(err)
-    return final
+    plan.fail(err)
+    return plan
+
+
+def _write_common(tmp: str, step: int, model, scheduler,
+                  trainer_state: dict[str, Any] | None) -> BaseException | None:
+    """This rank's RNG states, and (rank 0) ``trainer.pt``; returns the error, if any."""
+    from megatron_rl.actor.precision import precision_of
+
+    rank = dist.get_rank()
+    try:
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        _durable_save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            _durable_save({"step": step, "layout": _layout_key(),
+                           "precision": precision_of(model),
+                           "scheduler": scheduler.state_dict() if scheduler is not None
+                           else None, "trainer": trainer_state or {}},
+                          os.path.join(tmp, "trainer.pt"))
+    except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError too
+        return exc
+    return None
+
+
+def _finish_save(plan: _SavePlan, err: BaseException | None) -> str:
+    """Collective: agree on the write, then rank 0 publishes it (rename + ``latest``)."""
+    phase_begins("checkpoint", plan.step)  # fault injection: files written, not yet renamed
+    plan.fail(err)
+    err = None
+    if dist.get_rank() == 0:
+        try:
+            _publish(plan.root, plan.tmp, plan.final, plan.step)
+        except OSError as exc:
+            err = exc
+    plan.fail(err)
+    return plan.final
+
+
+def _stage_on_host(write_buckets: list, pool: list[torch.Tensor]) -> list:
+    """Copies of the tensors of megatron's write buckets in host memory, owned by the save.
+
+    megatron's own ``preload_tensors`` returns CPU tensors as they are (``.to("cpu")`` is a
+    no-op there), so on CPU the writer would read parameters the next step is updating. The
+    copies go into ``pool``'s buffers, reused from the previous save when the shapes match (no
+    page faults on a fresh allocation; pinned memory for device tensors); one stream sync
+    waits for device-to-host copies before the writer reads them."""
+    sources = [t for _, _, (_, tensor_data) in write_buckets for _, t in tensor_data]
+    if [(t.shape, t.dtype) for t in pool] != [(t.shape, t.dtype) for t in sources]:
+        pool[:] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
+    with torch.no_grad():
+        for buf, t in zip(pool, sources, strict=True):
+            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+    if any(t.is_cuda for t in sources):
+        torch.cuda.current_stream().synchronize()  # the writer thread reads the host copies
+    copies = iter(pool)
+    return [(file_name, storage_key, (bytes_data, [(item, next(copies)) for item, _ in td]))
+            for file_name, storage_key, (bytes_data, td) in write_buckets]
+
+
+class PendingSave:
+    """A checkpoint whose tensors were copied to host and are being written by a background
+    thread (megatron's asynchronous ``torch_dist`` writer). ``latest`` moves only in
+    :meth:`finalize` (collective), after every rank's write completed and was fsynced."""
+
+    def __init__(self, plan: _SavePlan, request, error: BaseException | None) -> None:
+        self.plan = plan
+        self._request = request
+        self._error = error  # of the synchronous part (staging, RNG/trainer files)
+        self._thread: threading.Thread | None = None
+        if request is not None and error is None and request.async_fn is not None:
+            self._thread = threading.Thread(target=self._write, name="ckpt-writer", daemon=True)
+            self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            self._request.async_fn(*self._request.async_fn_args,
+                                   **self._request.async_fn_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank in finalize
+            self._error = exc
+
+    @property
+    def path(self) -> str:
+        return self.plan.final
+
+    def _drop_write_results(self) -> None:
+        """Empty this rank's write-results queue when the save is abandoned (another rank's
+        write failed), so that the next save does not read these results as its own."""
+        args = self._request.async_fn_args if self._request is not None else ()
+        results = args[2] if len(args) > 2 else None
+        while results is not None and not results.empty():
+            results.get_nowait()
+
+    def finalize(self) -> str:
+        """Collective: wait for this rank's writer, gather every rank's results (megatron's
+        finalize writes the metadata), then publish. Raises :class:`CheckpointWriteError` on
+        every rank when any rank's write failed (the previous checkpoint stays ``latest``)."""
+        if self._thread is not None:
+            self._thread.join()
+        try:  # every rank's writer is done before megatron's collectives
+            self.plan.fail(self._error)
+        except CheckpointWriteError:
+            self._drop_write_results()
+            raise
+        err = None
+        try:
+            for fn in self._request.finalize_fns:
+                fn()
+        except Exception as exc:  # noqa: BLE001 - megatron raises on every rank together
+            err = exc
+        if err is None and dist.get_rank() == 0:
+            err = _verify_written(self.plan.tmp, dist.get_world_size())
+        return _finish_save(self.plan, err)
+
+
+def _verify_written(tmp: str, world_size: int) -> BaseException | None:
+    """The error when ``tmp`` lacks a file of a complete checkpoint (DCP metadata, megatron's
+    ``metadata.json``, ``trainer.pt``, every rank's RNG file), else None."""
+    need = [".metadata", "metadata.json", "trainer.pt"] + [
+        os.path.join("rng", f"rank_{r:05d}.pt") for r in range(world_size)]
+    missing = [n for n in need if not os.path.isfile(os.path.join(tmp, n))]
+    if missing:
+        return CheckpointWriteError(f"{tmp} is incomplete after the write: missing {missing}")
+    return None
+
+
+def start_async_save(root: str, step: int, model, optimizer, scheduler,
+                     trainer_state: dict[str, Any] | None = None,
+                     host_pool: list[torch.Tensor] | None = None) -> PendingSave:
+    """Begin a checkpoint save that completes in the background; collective.
+
+    The model/optimizer shards are copied to host memory before this returns (training may
+    then change the parameters); the files are written by a thread while the next steps run.
+    Call :meth:`PendingSave.finalize` on every rank (before the next save, a resume, or exit)
+    to wait for it and move ``latest``. Until then ``latest`` names the previous checkpoint, so
+    a crash during the write leaves that one usable. ``host_pool``: host buffers reused by the
+    next save (only once this one is finalized)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.util.sync_save import use_in_process_results_queue
+
+    plan = _begin_save(root, step)
+    sharded, _ = _sharded_state(model, optimizer, is_loading=False, main_from=optimizer)
+    use_in_process_results_queue()  # the writer thread runs in this process
+    request, err = None, None
+    try:
+        request = dist_checkpointing.save(sharded, plan.tmp, async_sharded_save=True)
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:  # (rank, write_buckets, results_queue)
+            args[1] = _stage_on_host(args[1], host_pool if host_pool is not None else [])
+        request = request._replace(async_fn_args=tuple(args), preload_fn=None)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank in finalize
+        err = exc
+    if err is None:
+        err = _write_common(plan.tmp, step, model, scheduler, trainer_state)
+    return PendingSave(plan, request, err)
+
+
+class CheckpointSaver:
+    """Saves checkpoints synchronously or asynchronously (``trainer.async_save``), with at most
+    one save in flight: a new save, :meth:`wait` and a resume first finish the pending one."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self.pending: PendingSave | None = None
+        self._host_pool: list[torch.Tensor] = []  # host copies of this rank's shards, reused
+
+    def save(self, root: str, step: int, model, optimizer, scheduler,
+             trainer_state: dict[str, Any] | None = None) -> str:
+        """Collective. Returns the checkpoint's path (not yet ``latest`` when asynchronous)."""
+        self.wait()
+        if not self.async_save:
+            return save_checkpoint(root, step, model, optimizer, scheduler, trainer_state)
+        self.pending = start_async_save(root, step, model, optimizer, scheduler, trainer_state,
+                                        self._host_pool)
+        return self.pending.path
+
+    def wait(self) -> str | None:
+        """Collective: finish the pending save (if any); its path, or None."""
+        pending, self.pending = self.pending, None
+        return pending.finalize() if pending is not None else None
 
 
 def _kept_checkpoint(root: str) -> str | None:

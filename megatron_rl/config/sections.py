@@ -133,6 +133,7 @@ class TrainerSection:
     resume: bool = True
     export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
     keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
+    async_save: bool = False  # write checkpoints in the background (docs/checkpoints.md)
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
     deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
     plots: bool = True  # PNG curves in OUTPUT_DIR/plots/ at the end (or: megatron_rl plot DIR)

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.actor.checkpoint import CheckpointSaver, latest_checkpoint, load_checkpoint
 from megatron_rl.actor.forward import _position_ids, validate_micro_batches
 from megatron_rl.actor.micro_batches import (
     budget_forward_batches,
@@ -277,11 +277,23 @@ class Critic:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, root: str, step: int) -> str:
-        return save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler,
+        return self.saver.save(root, step, self.ddp, self.optimizer, self.scheduler,
                                {"optimizer_steps": self.optimizer_steps})
+
+    @property
+    def saver(self) -> CheckpointSaver:
+        """Synchronous unless ``saver.async_save`` is set (``trainer.async_save``)."""
+        if getattr(self, "_saver", None) is None:
+            self._saver = CheckpointSaver()
+        return self._saver
+
+    def wait_for_save(self) -> str | None:
+        """Collective: finish an asynchronous save in flight (moves ``latest``); its path."""
+        return self.saver.wait()
 
     def resume(self, root: str) -> bool:
         """Load the newest critic checkpoint under ``root``; False when there is none."""
+        self.wait_for_save()
         path = latest_checkpoint(root)
         if path is None:
             return False

@@ -51,6 +51,7 @@ class ExportingActor(Actor):
 
     def save(self, root: str, step: int, trainer_state: dict | None = None) -> str:
         path = super().save(root, step, trainer_state)
+        self.wait_for_save()  # trainer.async_save: the export reads (and joins) the finished one
         if self.lora is not None:  # adapter-only checkpoint: export from the live actor
             export_lora(self, path, self.run_cfg)
             dist.barrier()

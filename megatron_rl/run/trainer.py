@@ -77,6 +77,13 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         with_teacher=actor_teacher(cfg.teacher))  # engine sglang: rank 0 asks the servers
     critic = setup.make_critic(cfg, init_state) if t.advantage == "gae" else None
     critic_root = os.path.join(t.output_dir, "critic_checkpoints")
+    for part in (actor, critic):  # trainer.async_save: writes overlap the next steps
+        if part is not None:
+            part.saver.async_save = t.async_save
+    if t.async_save and runtime.is_rank0() and hasattr(actor, "run_cfg"):
+        print("[train] trainer.async_save with HF exports (trainer.export_hf): each export "
+              "waits for its checkpoint's write, so saves do not overlap training; set "
+              "trainer.export_hf=false for asynchronous saves", flush=True)
     del init_state
     start = driver.load_state_dict(actor.resume(ckpt_root)["trainer"]) if resuming else 0
     if critic is not None and resuming:
@@ -159,6 +166,9 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             if runtime.is_rank0():
                 print(f"[train] early stop at step {step + 1}: {decision.reason}", flush=True)
             break
+    actor.wait_for_save()  # an asynchronous save in flight is published before exit
+    if critic is not None:
+        critic.wait_for_save()
     summary = driver.close(val_acc, time.perf_counter() - t_start, step + 1)
     runtime.shutdown()
     return summary
