@@ -20,7 +20,7 @@ RANK, ALPHA = 4, 8.0
 
 # ---- load-time errors ----------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
-    (["actor.lora.rank=0"], "actor.lora.rank must be >= 1, got 0"),
+    (["actor.lora.rank=0", "actor.lora.alpha=32"], "actor.lora.rank must be >= 1, got 0"),
     (["actor.lora.rank=-2"], "actor.lora.rank must be >= 1, got -2"),
     (["actor.lora.rank=4", "actor.lora.targets=[linear_qkv,attn]"],
      "unknown target(s) ['attn']; allowed: ['linear_qkv', 'linear_proj', 'linear_fc1', "
@@ -35,6 +35,18 @@ def test_lora_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as exc:
         load_config(None, overrides)
     assert message in str(exc.value)
+
+
+def test_lora_rank_0_with_default_settings_is_off_and_a_saved_config_reloads(tmp_path):
+    """A run's ``config.json`` lists the whole default section (rank 0): it reloads as
+    no adapters (``eval RUN``, ``export``, resume read it)."""
+    import json
+
+    cfg = load_config(None, [f"output_dir={tmp_path}"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    again = load_config(str(path), [])
+    assert again.actor.lora.rank == 0 and not again.actor.lora.enabled
 
 
 def test_lora_config_accepts_hf_target_names():

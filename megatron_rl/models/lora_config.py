@@ -63,13 +63,26 @@ class LoraConfig:
 
 
 def check_lora_rank(raw: Mapping[str, Any], lora: LoraConfig) -> None:
-    """A rank given in ``actor.lora`` (``raw``: the merged config mapping) must be ``>= 1``
-    (leaving it out, rank 0, means no adapters). Raises :class:`LoraConfigError`."""
+    """A rank given in ``actor.lora`` (``raw``: the merged config mapping) beside adapter
+    settings of its own must be ``>= 1`` (rank 0, or leaving the section out, means no adapters).
+    Raises :class:`LoraConfigError`."""
     actor_raw = raw.get("actor") if isinstance(raw.get("actor"), Mapping) else {}
     lora_raw = actor_raw.get("lora")
-    if isinstance(lora_raw, Mapping) and "rank" in lora_raw and not lora.enabled:
+    if not isinstance(lora_raw, Mapping) or "rank" not in lora_raw or lora.enabled:
+        return
+    # a saved run's config.json lists the whole default section (rank 0 and default values):
+    # that is "no adapters"; rank 0 beside any adapter setting of its own is a mistake
+    default = LoraConfig()
+    own = [k for k, v in lora_raw.items() if k != "rank" and hasattr(default, k)
+           and _plain(getattr(default, k)) != _plain(v)]
+    if own:
         raise LoraConfigError(f"actor.lora.rank must be >= 1, got {lora.rank} (remove the "
                               "actor.lora section to train all weights)")
+
+
+def _plain(v: Any) -> Any:
+    """A config value compared as plain data (tuples and lists alike)."""
+    return list(v) if isinstance(v, (list, tuple)) else v
 
 
 def lora_conflicts(cfg: Any, is_moe: bool = False) -> list[tuple[str, str]]:
