@@ -197,8 +197,8 @@ def test_plan_search_progress_on_stderr_only(monkeypatch, capsys):
     loud = capsys.readouterr()
     assert loud.out == quiet.out and "search:" in loud.out and quiet.err == ""
     lines = loud.err.splitlines()
-    assert lines[0].startswith("[plan search] 1/10 layouts (10%)")
-    assert lines[-1].startswith("[plan search] done: 10/10 layouts (100%)")
+    assert lines[0].startswith("[plan search] 2/20 layouts (10%)")
+    assert lines[-1].startswith("[plan search] done: 20/20 layouts (100%)")
 
 
 def test_progress_says_nothing_done_when_the_work_fails():

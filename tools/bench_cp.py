@@ -26,12 +26,9 @@ def saved_bytes_of_forward(model: torch.nn.Module, tokens: torch.Tensor) -> tupl
     """Bytes of the storages autograd saves during one forward of ``tokens [1, S]`` (all
     positions but the first scored) on this rank, weights excluded; and the summed log-prob
     (after the backward ran)."""
+    from megatron_rl.actor.cp_forward import cp_model_forward, cp_response_logprob_entropy
     from megatron_rl.models.heads import response_logprob_entropy
-    from megatron_rl.parallel.context_parallel import (
-        cp_model_forward,
-        cp_response_logprob_entropy,
-        cp_size,
-    )
+    from megatron_rl.parallel.context_parallel import cp_size
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}

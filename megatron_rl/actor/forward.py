@@ -8,12 +8,11 @@ from typing import Sequence
 
 import torch
 
+from megatron_rl.actor.cp_forward import cp_model_forward, cp_response_logprob_entropy
 from megatron_rl.actor.moe_padding import padding_kwargs
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 from megatron_rl.parallel.context_parallel import (
-    cp_model_forward,
-    cp_response_logprob_entropy,
     cp_size,
     padded_length,
 )

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.actor_config import ActorConfig, ActorConfigError  # noqa: F401 - re-export
+from megatron_rl.actor.cp_forward import cp_model_forward, cp_response_logprob_entropy
 from megatron_rl.actor.forward import forward_logprob_entropy
 from megatron_rl.actor.micro_batches import (
     budget_micro_batches,
@@ -53,8 +54,6 @@ from megatron_rl.loss.siren import SirenTerm, siren_select
 from megatron_rl.models.heads import response_logprob_entropy
 from megatron_rl.models.response_tokens import response_indices
 from megatron_rl.parallel.context_parallel import (
-    cp_model_forward,
-    cp_response_logprob_entropy,
     cp_size,
     padded_length,
 )

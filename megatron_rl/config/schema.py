@@ -137,8 +137,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "rollout.engine": lambda: ("embedded", "sglang"),
     "rollout.sglang.launcher": _choices("megatron_rl.rollout.fleet", "LAUNCHERS"),
     "rollout.sglang.weight_sync": _choices("megatron_rl.rollout.fleet", "WEIGHT_SYNCS"),
-    "rollout.sglang.quantization": _choices("megatron_rl.rollout.fp8", "QUANTIZATIONS"),
-    "rollout.sglang.fp8_scale_fmt": _choices("megatron_rl.rollout.fp8", "SCALE_FMTS"),
+    "rollout.sglang.quantization": _choices("megatron_rl.rollout.quant_choices", "QUANTIZATIONS"),
+    "rollout.sglang.fp8_scale_fmt": _choices("megatron_rl.rollout.quant_choices", "SCALE_FMTS"),
     "rollout.filter_metric": lambda: FILTER_METRICS,
     "actor.precision": _choices("megatron_rl.actor.actor_config", "PRECISIONS"),
     "actor.recompute": _choices("megatron_rl.actor.actor_config", "RECOMPUTE"),
@@ -151,8 +151,8 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
                                                     "ROLLOUT_CORRECTION_DENOMINATORS"),
     "trainer.advantage": lambda: ADVANTAGES,
     "env.name": _choices("megatron_rl.envs", "ENVS"),
-    "teacher.engine": _choices("megatron_rl.loss.distill", "ENGINES"),
-    "teacher.mode": _choices("megatron_rl.loss.distill", "MODES"),
+    "teacher.engine": _choices("megatron_rl.loss.distill_choices", "ENGINES"),
+    "teacher.mode": _choices("megatron_rl.loss.distill_choices", "MODES"),
 }
 
 # Strings that are paths, URLs or names: checked where they are used (see docs/bad-input.md).

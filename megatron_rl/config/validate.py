@@ -203,7 +203,7 @@ def validate_sglang_section(s: SGLangSection) -> None:
 def validate_quantization(s: SGLangSection) -> None:
     """``rollout.sglang.quantization`` (null | ``fp8``) and ``fp8_scale_fmt`` (``float32`` |
     ``ue8m0``), and SGLang arguments that contradict them."""
-    from megatron_rl.rollout.fp8 import QUANTIZATIONS, SCALE_FMTS
+    from megatron_rl.rollout.quant_choices import QUANTIZATIONS, SCALE_FMTS
 
     if s.quantization is not None and s.quantization not in QUANTIZATIONS:
         raise ConfigError(f"rollout.sglang.quantization={s.quantization!r} is not one of "

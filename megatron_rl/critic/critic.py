@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.checkpoint import CheckpointSaver, latest_checkpoint, load_checkpoint
+from megatron_rl.actor.cp_forward import cp_model_forward, cp_token_values
 from megatron_rl.actor.forward import _position_ids, validate_micro_batches
 from megatron_rl.actor.micro_batches import (
     budget_forward_batches,
@@ -47,9 +48,7 @@ from megatron_rl.actor.train_step import ActorConfig, minibatch_slices, split_ro
 from megatron_rl.critic.gae import gae_advantages, masked_whiten
 from megatron_rl.critic.value_loss import value_loss_token_mean
 from megatron_rl.parallel.context_parallel import (
-    cp_model_forward,
     cp_size,
-    cp_token_values,
     padded_length,
 )
 

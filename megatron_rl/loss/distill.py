@@ -45,10 +45,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-Tensor = torch.Tensor
+from megatron_rl.loss.distill_choices import ENGINES, MODES  # noqa: F401
 
-MODES = ("reward", "loss")
-ENGINES = ("actor", "sglang")  # teacher.engine: frozen Megatron model | SGLang servers
+Tensor = torch.Tensor
 
 
 def reverse_kl(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:

@@ -8,15 +8,17 @@ the table for ``S_p`` positions and keeps this rank's two chunks (``get_pos_emb_
 
 What runs where:
 
-* :func:`cp_model_forward` pads and splits a micro-batch's tokens and runs the model on this
-  rank's ``[B, S_p / CP]`` slice; attention gathers K/V over the CP group
-  (:class:`GatherSequence`, :mod:`megatron_rl.models.attention`) and masks on global positions.
-* :func:`cp_response_logprob_entropy` scores the response tokens whose predicting position is on
-  this rank (vocab-parallel over TP as without CP) and sums the ``[B, S]`` per-token values over
-  the CP group (:class:`SumOverCP`). Every CP rank of a DP replica then holds the full per-token
-  log-probs/entropies of its rows, so every token reduction of the loss (token counts,
-  token-mean, sequence aggregation, Clip-Cov/KL-Cov selection, entropy diagnostics, metrics)
-  sees exactly the tokens it sees at CP 1; the loss is computed identically on each CP rank.
+* ``cp_model_forward`` (:mod:`megatron_rl.actor.cp_forward`) pads and splits a micro-batch's
+  tokens and runs the model on this rank's ``[B, S_p / CP]`` slice; attention gathers K/V over
+  the CP group (:class:`GatherSequence`, :mod:`megatron_rl.models.attention`) and masks on
+  global positions.
+* ``cp_response_logprob_entropy`` (same module) scores the response tokens whose predicting
+  position is on this rank (vocab-parallel over TP as without CP) and sums the ``[B, S]``
+  per-token values over the CP group (:class:`SumOverCP`). Every CP rank of a DP replica then
+  holds the full per-token log-probs/entropies of its rows, so every token reduction of the
+  loss (token counts, token-mean, sequence aggregation, Clip-Cov/KL-Cov selection, entropy
+  diagnostics, metrics) sees exactly the tokens it sees at CP 1; the loss is computed
+  identically on each CP rank.
 * packed (THD) rows (:mod:`megatron_rl.actor.packing`): every sequence's segment is padded to a
   multiple of ``2 * CP`` and split the same way per segment (:func:`packed_local_positions`,
   Transformer Engine's THD CP layout); ``cu_seqlens`` stay the global ones, megatron's THD RoPE
@@ -190,66 +192,3 @@ def gather_sequence(x: Tensor, group: Any, order: Tensor | None = None) -> Tenso
 def sum_over_cp(x: Tensor | None, group: Any) -> Tensor | None:
     """:class:`SumOverCP` of ``x`` (None stays None)."""
     return None if x is None else SumOverCP.apply(x, group)
-
-
-# ---- the model call and the head ---------------------------------------------------------------
-def cp_model_forward(model_chunk: torch.nn.Module, tokens: Tensor, **kwargs: Any) -> Tensor:
-    """Run ``model_chunk`` on this CP rank's slice of ``tokens [B, S]``: ``[B, S_p / cp]`` token
-    ids and their global position ids (rotary positions come from megatron's own CP split of the
-    table, which is the same split). ``kwargs`` go to the model; an MoE ``padding_mask [B, S]``
-    is split the same way. Returns the stage's output for the local tokens."""
-    cp, rank = cp_size(), cp_rank()
-    local = split_rows(tokens, cp, rank)
-    if kwargs.get("padding_mask") is not None:
-        from megatron_rl.actor.moe_padding import keep_one_valid_
-
-        kwargs["padding_mask"] = keep_one_valid_(split_rows(kwargs["padding_mask"], cp, rank,
-                                                            fill=True))
-    pos = local_positions(padded_length(tokens.shape[1], cp), cp, rank, tokens.device)
-    return model_chunk(local, pos.unsqueeze(0).expand_as(local), None, **kwargs)
-
-
-def cp_response_logprob_entropy(head: torch.nn.Module, hidden: Tensor, tokens: Tensor,
-                                mask: Tensor, **kwargs: Any
-                                ) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-prob and entropy ``[B, S]`` fp32 of response ``mask [B, S]`` from this CP
-    rank's final hidden states ``hidden [S_p / cp, B, H]``, summed over CP (every rank returns
-    the full values). The token at ``t`` is scored on the rank holding position ``t - 1``.
-    ``kwargs``: :func:`megatron_rl.models.heads.response_logprob_entropy`'s (``index`` is
-    recomputed for the local rows)."""
-    from megatron_rl.models.heads import response_logprob_entropy
-
-    cp, rank, group = cp_size(), cp_rank(), cp_group()
-    bsz, seq = tokens.shape
-    pos = local_positions(padded_length(seq, cp), cp, rank, tokens.device)  # [S_loc] global
-    nxt = pos + 1  # the token each local position predicts
-    valid = nxt < seq
-    nxt_c = nxt.clamp_max(seq - 1)
-    # local view in the head's convention: hidden[j] predicts column j + 1
-    tok_loc = tokens.new_zeros(bsz, pos.numel() + 1)
-    tok_loc[:, 1:] = tokens.index_select(1, nxt_c)
-    mask_loc = torch.zeros(bsz, pos.numel() + 1, dtype=torch.bool, device=mask.device)
-    mask_loc[:, 1:] = mask.bool().index_select(1, nxt_c) & valid
-    kwargs.pop("index", None)
-    logp, ent = response_logprob_entropy(head, hidden, tok_loc, mask_loc, **kwargs)
-    return (sum_over_cp(to_next_columns(logp[:, 1:], seq, pos), group),
-            None if ent is None else sum_over_cp(to_next_columns(ent[:, 1:], seq, pos), group))
-
-
-def to_next_columns(x: Tensor, seq: int, pos: Tensor) -> Tensor:
-    """``x [B, S_loc]`` computed at this rank's global positions ``pos [S_loc]`` -> ``[B, seq]``
-    with the value of position ``p`` in column ``p + 1`` (the token it predicts; positions whose
-    next token is past ``seq`` are dropped), zeros in the other columns."""
-    nxt = pos + 1
-    cols = torch.where(nxt < seq, nxt, torch.full_like(nxt, seq))  # column seq: a sink
-    return x.new_zeros(x.shape[0], seq + 1).index_copy(1, cols, x)[:, :seq]
-
-
-def cp_token_values(value_head: torch.nn.Module, hidden: Tensor, mask: Tensor) -> Tensor:
-    """The critic's values ``[B, S]`` fp32 of the tokens in ``mask`` from this CP rank's hidden
-    states ``[S_p / cp, B, H]`` (token ``t`` reads position ``t - 1``), summed over CP."""
-    cp, rank = cp_size(), cp_rank()
-    seq = mask.shape[1]
-    pos = local_positions(padded_length(seq, cp), cp, rank, mask.device)
-    v = value_head(hidden).squeeze(-1).transpose(0, 1).float()  # [B, S_loc]
-    return sum_over_cp(to_next_columns(v, seq, pos), cp_group()) * mask.float()

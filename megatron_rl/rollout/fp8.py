@@ -42,12 +42,12 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megatron_rl.rollout.quant_choices import QUANTIZATIONS, SCALE_FMTS  # noqa: F401
+
 BLOCK = (128, 128)
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
-SCALE_FMTS = ("float32", "ue8m0")
-QUANTIZATIONS = ("fp8",)  # rollout.sglang.quantization (null: none)
 
 Bucket = list[tuple[str, torch.Tensor]]
 
