@@ -216,21 +216,23 @@ def warm_weights(tmp_path_factory) -> str:
     return path
 
 
-def _short_run(recipe: str, out, weights: str) -> list[dict]:
-    _run(["train", f"examples/{recipe}.yaml", f"output_dir={out}",
-          f"model.init_weights={weights}", *SHORT])
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
 @pytest.fixture(scope="module")
 def short_runs(warm_weights, tmp_path_factory):
-    """``recipe -> metrics rows`` of its short run from the shared warm start (each run once)."""
-    cache: dict[str, list[dict]] = {}
+    """``recipe -> metrics rows`` of its short run from the shared warm start: every recipe
+    of :data:`ACTIVE_METRICS` once, one after another in one spawned rank (one start-up)."""
+    from megatron_rl.parallel.launch import spawn
+    from megatron_rl.run.serial_runs import train_each
+
+    root = tmp_path_factory.mktemp("short")
+    jobs = [(r, os.path.join(ROOT, "examples", f"{r}.yaml"),
+             [f"output_dir={root / r}", f"model.init_weights={warm_weights}", *SHORT])
+            for r in sorted(ACTIVE_METRICS)]
+    results = spawn(train_each, 1, (jobs,), timeout_s=900, env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    failed = {name: res["error"][-2000:] for name, res in results.items() if "error" in res}
+    assert not failed, failed
 
     def get(recipe: str) -> list[dict]:
-        if recipe not in cache:
-            cache[recipe] = _short_run(recipe, tmp_path_factory.mktemp(recipe), warm_weights)
-        return cache[recipe]
+        return [json.loads(line) for line in open(root / recipe / "metrics.jsonl")]
 
     return get
 
