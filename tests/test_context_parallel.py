@@ -284,15 +284,18 @@ def _run_critic(dp: int, cp: int) -> dict:
     return out
 
 
-def _cp_worker(tp: int = 1, pp: int = 1, names: tuple[str, ...] | None = None) -> dict:
+def _cp_worker(tp: int = 1, pp: int = 1, names: tuple[str, ...] | None = None,
+               layouts: tuple = ((2, 1), (1, 2))) -> dict:
+    """Each loss of ``names`` (all: None) at each ``(dp, cp)`` of ``layouts`` (CP 1 first)."""
     from megatron_rl.parallel import runtime
 
     results = {}
     for name, cfg in loss_configs().items():
         if names is None or name in names:
             results[name] = {(dp, cp): _run_layout(dp, cp, name, cfg, tp=tp, pp=pp)
-                             for dp, cp in ((2, 1), (1, 2))}
-    if tp == pp == 1:  # packed rows: every segment padded to 2 x cp and split per segment
+                             for dp, cp in layouts}
+    # packed rows: every segment padded to 2 x cp and split per segment
+    if tp == pp == 1 and layouts == ((2, 1), (1, 2)):
         cfg = loss_configs()["dapo_clip_cov"]
         results["dapo_clip_cov_packed"] = {
             (dp, cp): _run_layout(dp, cp, "dapo_clip_cov", cfg, pack=True)
@@ -308,14 +311,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("tp,pp,names", [(1, 1, None), (1, 2, ("dapo_clip_cov",))],
-                         ids=["tp1pp1", "pp2"])
-def test_cp2_matches_cp1(tp, pp, names):
+@pytest.mark.parametrize("tp,pp,names,layouts", [
+    (1, 1, None, ((2, 1), (1, 2))),
+    (1, 2, ("dapo_clip_cov",), ((2, 1), (1, 2))),
+    (2, 1, ("dapo_clip_cov",), ((2, 1), (1, 2))),
+    (1, 1, ("gspo",), ((4, 1), (2, 2))),
+], ids=["tp1pp1", "pp2", "tp2", "dp2"])
+def test_cp2_matches_cp1(tp, pp, names, layouts):
     """DP2xCP1 vs DP1xCP2 in one job (2 ranks; 4 with PP2: the pipeline's P2P shapes are the
     CP-split ones): log-probs, entropy, selected tokens, loss and metrics, gradients; at PP1 also
     the critic's values, GAE advantages, value-loss metrics and gradients (fp32 slack: see the
     module docstring)."""
-    reports = spawn(_cp_worker, 2 * tp * pp, (tp, pp, names), timeout_s=360)
+    world = tp * pp * layouts[0][0]
+    reports = spawn(_cp_worker, world, (tp, pp, names, layouts), timeout_s=360)
     for rank, res in enumerate(reports):
         critic = res.pop("critic", None)
         if critic is not None:  # values, GAE, the value loss's metrics and gradients
@@ -328,7 +336,7 @@ def test_cp2_matches_cp1(tp, pp, names):
                 assert mb[k] == pytest.approx(ma[k], rel=1e-6, abs=1e-7), (rank, "critic", k)
             assert float(a["grads"].norm()) > 0 and _rel(b["grads"], a["grads"]) <= 1e-6, rank
         for name, by_layout in res.items():
-            a, b = by_layout[(2, 1)], by_layout[(1, 2)]
+            a, b = by_layout[layouts[0]], by_layout[layouts[1]]
             assert b["cp_peers_agree"], (rank, name)
             assert torch.allclose(b["logp"], a["logp"], atol=1e-6, rtol=1e-6), (rank, name)
             assert torch.allclose(b["entropy"], a["entropy"], atol=1e-6, rtol=1e-6), (rank, name)
