@@ -266,19 +266,9 @@ def gather_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def gather_full_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every stage's canonical adapter tensors, on every rank of the model-parallel group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron_rl.models.weights import merge_pipeline_stages
 
-    stage = gather_adapters(model)
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        return stage
-    stages: list = [None] * pp
-    dist.all_gather_object(stages, stage, group=ps.get_pipeline_model_parallel_group())
-    full: dict[str, torch.Tensor] = {}
-    for s in stages:
-        full.update(s)
-    return full
+    return merge_pipeline_stages(gather_adapters(model))
 
 
 @torch.no_grad()

@@ -293,9 +293,15 @@ def gather_full_state_dict(model: torch.nn.Module, main: Mapping[int, torch.Tens
     Small-model helper (tests, the ``check`` command): stages exchange their tensors with
     ``all_gather_object``. Large models use the streaming iterator of the conversion tools.
     """
+
+    return merge_pipeline_stages(gather_stage_state_dict(model, main=main))
+
+
+def merge_pipeline_stages(stage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's ``stage`` dict merged, on every rank (``all_gather_object`` over
+    the PP group: small host dicts only)."""
     from megatron.core import parallel_state as ps
 
-    stage = gather_stage_state_dict(model, main=main)
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
         return stage
