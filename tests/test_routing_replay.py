@@ -109,6 +109,35 @@ def test_serve_returns_routed_experts_as_sglang_does():
         completion_from_response(prompt, off.generate(ask), shape)
 
 
+def test_partial_r3_abort_at_the_last_token_keeps_routed_experts():
+    """Partial rollouts on a server paused with ``abort`` (SGLang < 0.5.21): a request aborted
+    exactly at ``max_new_tokens`` is not sent again; the sample keeps the routed experts of its
+    aborted reply (every prompt and kept token), as a finished reply would carry them."""
+    from megatron_rl.rollout.routed_experts import decode
+    from megatron_rl.rollout.serve import ServeState, build_model
+    from megatron_rl.rollout.sglang_client import Prefix, SGLangEngine
+
+    cfg = get_preset(PRESET)
+    shape = (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    model, path = build_model(PRESET, None)
+    state = ServeState(model, path, None, 0, enable_return_routed_experts=True)
+    prompt = [3, 4, 5, 6]
+    resp = state.generate({"input_ids": prompt, "return_logprob": True,
+                           "return_routed_experts": True,
+                           "sampling_params": {"max_new_tokens": 4, "temperature": 1.0,
+                                               "sampling_seed": 7, "ignore_eos": True}})
+    resp["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted"}  # the sync's
+    eng = SGLangEngine(None, eos_id=1)
+    eng.partial, eng.routed_shape = True, shape
+    kept = Prefix()
+    eng._keep_or_redo(kept, prompt, resp)
+    assert kept.ids == resp["output_ids"] and len(kept.ids) == 4
+    comp = kept.at_cap(prompt)
+    full = decode(resp["meta_info"]["routed_experts"], *shape)
+    assert comp.routed_experts is not None and torch.equal(comp.routed_experts, full)
+    assert comp.routed_experts.shape[0] == len(prompt) + len(comp.response_ids) - 1
+
+
 def test_routing_replay_config_errors():
     from megatron_rl.actor.train_step import ActorConfig, ActorConfigError
     from megatron_rl.config.errors import ConfigError

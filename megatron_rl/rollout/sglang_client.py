@@ -27,11 +27,14 @@ from __future__ import annotations
 import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from megatron_rl.rollout.engine import Bucket, Completion, SamplingParams
 from megatron_rl.rollout.fleet import Fleet, ServerError, http_json
 from megatron_rl.rollout.sampling import request_seed
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StaleResponseError(RuntimeError):
@@ -109,13 +112,15 @@ def completion_from_response(prompt: list[int], resp: dict,
 
 
 class Prefix:
-    """The tokens a request kept across aborts (partial rollouts): ids, their log-probs and the
-    version of each."""
+    """The tokens a request kept across aborts (partial rollouts): ids, their log-probs, the
+    version of each, and (routing replay r3) the last aborted reply's routed experts
+    ``[prompt + kept - 1, layers, top_k]`` int32, which cover every kept token."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.routed: torch.Tensor | None = None
 
     def extend(self, comp: Completion) -> None:
         """Append a reply's tokens (``comp``: its completion; per-token versions from its spans,
@@ -124,6 +129,16 @@ class Prefix:
         self.ids += comp.response_ids
         self.logprobs += comp.logprobs[:n] + [0.0] * (n - len(comp.logprobs))
         self.versions += comp.token_versions or [comp.weight_version] * n
+        if comp.routed_experts is not None:
+            self.routed = comp.routed_experts
+
+    def at_cap(self, prompt: list[int]) -> Completion:
+        """The whole sample when the kept tokens already reach ``max_new_tokens`` (an abort
+        that came exactly at the last token): nothing is sent again; the routed experts are
+        the aborted reply's."""
+        return self.join(prompt, Completion(prompt_ids=list(prompt), response_ids=[],
+                                            logprobs=[], finished=False,
+                                            weight_version=self.versions[-1]))
 
     def join(self, prompt: list[int], comp: Completion) -> Completion:
         """The whole sample: the kept tokens followed by ``comp`` (the reply to prompt + kept
@@ -134,7 +149,8 @@ class Prefix:
                           logprobs=self.logprobs + comp.logprobs, finished=comp.finished,
                           weight_version=comp.weight_version,
                           token_versions=versions if len(set(versions)) > 1 else None,
-                          routed_experts=comp.routed_experts)
+                          routed_experts=comp.routed_experts if comp.routed_experts is not None
+                          else self.routed)
 
 
 def continued_params(params: SamplingParams, kept: int) -> SamplingParams:
@@ -202,9 +218,7 @@ class SGLangEngine:
             if cancel.is_set() or self._stop.is_set():
                 return None
             if kept.ids and len(kept.ids) >= params.max_new_tokens:  # nothing left to generate
-                return kept.join(prompt, Completion(prompt_ids=list(prompt), response_ids=[],
-                                                    logprobs=[], finished=False,
-                                                    weight_version=kept.versions[-1]))
+                return kept.at_cap(prompt)
             rid = uuid.uuid4().hex
             epoch = getattr(self.sync, "epoch", 0)  # weight syncs begun so far
             with self._lock:
@@ -261,8 +275,10 @@ class SGLangEngine:
         """An aborted reply: its tokens join ``kept`` (partial rollouts, ``keep`` None) or are
         thrown away with the kept ones (``keep=False``, or ``partial`` off), counted in
         ``redone_tokens``."""
+        has_routed = "routed_experts" in (resp.get("meta_info") or {})
         try:
-            comp, _ = completion_from_response(prompt + kept.ids, resp)
+            comp, _ = completion_from_response(prompt + kept.ids, resp,
+                                               self.routed_shape if has_routed else None)
         except (KeyError, TypeError, ValueError):
             comp = None
         n = 0 if comp is None else len(comp.response_ids)
