@@ -4,6 +4,7 @@
 gives the same rollout log-probs as merged sync and sends about the adapter's bytes."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -99,3 +100,124 @@ def test_serve_lora_endpoints_follow_sglang_and_match_peft(tmp_path):
     finally:
         srv0.shutdown()
         srv1.shutdown()
+
+
+# ---- the trainer's sync (the real Megatron actor, one rank) ------------------------------------
+def _engine(url: str, tmp: str, adapter: bool):
+    from megatron_rl.config.sections import SGLangSection
+    from megatron_rl.rollout.fleet import Fleet
+    from megatron_rl.rollout.sglang_client import SGLangEngine
+    from megatron_rl.rollout.weight_sync import make_strategy
+
+    fleet = Fleet(SGLangSection(servers=[url], router_url=url), "preset:tiny", EOS, tmp)
+    fleet.workers = {url: "direct"}  # no router: requests go to the server
+    eng = SGLangEngine(fleet, EOS, concurrency=2)
+    eng.sync = make_strategy("from_disk", fleet, os.path.join(tmp, "sync"))
+    eng.adapter_sync = eng.sync.adapter_sync = adapter
+    eng.probe_length, eng.probe_tolerance = 24, 1e-4
+    return eng
+
+
+def _rollout(eng) -> list:
+    from megatron_rl.rollout.engine import SamplingParams
+
+    groups = eng.generate([[5, 6, 7], [9, 10]], SamplingParams(n=2, max_new_tokens=6), seed=3)
+    return [(c.response_ids, c.logprobs) for g in groups for c in g]
+
+
+def _adapter_sync_worker(root: str) -> dict:
+    """Merged sync to one server, adapter-only sync to another (started with LoRA), a third
+    without LoRA; rollouts from both after each of two syncs (the adapters move between them)."""
+    from test_actor_layout import loss_config
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.models.lora import adapter_params
+    from megatron_rl.models.lora_config import LoraConfig
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.weight_sync.common import WeightSyncError
+    from megatron_rl.rollout.weight_sync.lora_adapter import adapter_dir
+    from megatron_rl.rollout.weight_sync.megatron_sync import fleet_plan, sync_fleet
+
+    runtime.init_parallel(tp=1, pp=1, timeout_s=120)
+    actor = Actor(get_preset("tiny"), ActorConfig(micro_batch_size=1,
+                                                  lora=LoraConfig(rank=4, alpha=8.0)),
+                  OptimConfig(lr=1e-3), loss_config(), total_steps=1, seed=7)
+    out: dict = {"syncs": []}
+    torch.manual_seed(1)
+    servers = [_serve(build_hf_model(get_preset("tiny")), lora) for lora in (False, True, False)]
+    merged, adapter, plain = (_engine(u, os.path.join(root, k), a) for (u, _), k, a in
+                              zip(servers, ("m", "a", "p"), (False, True, True)))
+    try:
+        for version in (1, 2):
+            with torch.no_grad():  # trained adapters: B moves away from 0 between syncs
+                for name, p, _ in adapter_params(actor.model):
+                    if ".lora_B" in name:
+                        p.add_(torch.randn_like(p) * 0.05)
+            rec = {}
+            for key, eng in (("merged", merged), ("adapter", adapter)):
+                rec[key] = sync_fleet(actor, eng, fleet_plan(eng), 1, version=version)
+                rec[key + "_bytes"] = eng.pop_metrics()["rollout/weight_sync_bytes"]
+                rec[key + "_rollout"] = _rollout(eng)
+            path = os.path.join(adapter_dir(os.path.join(root, "a", "sync"), version),
+                                "adapter_model.safetensors")
+            from safetensors.torch import load_file
+
+            rec["adapter_file_bytes"] = sum(t.numel() * t.element_size()
+                                            for t in load_file(path).values())
+            rec["lora_path"] = adapter.lora_name
+            out["syncs"].append(rec)
+        try:
+            sync_fleet(actor, plain, fleet_plan(plain), 1, version=1)
+            out["plain"] = "no error"
+        except WeightSyncError as exc:
+            out["plain"] = str(exc)
+    finally:
+        for _, srv in servers:
+            srv.shutdown()
+    out["adapter_numel"] = sum(p.numel() for _, p, _ in adapter_params(actor.model))
+    out["base_bytes"] = sum(p.numel() * p.element_size() for n, p in
+                            actor.model.named_parameters() if ".lora_" not in n)
+    runtime.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_syncs(tmp_path_factory) -> dict:
+    from megatron_rl.parallel.launch import spawn
+
+    root = tmp_path_factory.mktemp("lora_sync")
+    return spawn(_adapter_sync_worker, 1, (str(root),), timeout_s=300)[0]
+
+
+def test_lora_adapter_sync_gives_the_rollouts_of_merged_sync(adapter_syncs):
+    """Same seeds, same tokens and log-probs (fp32: summation order only) from a server with the
+    merged weights and one with the base + the loaded adapter; the probe passed on both."""
+    for rec in adapter_syncs["syncs"]:
+        assert rec["lora_path"] == "megatron_rl_policy"
+        for (ids_m, lp_m), (ids_a, lp_a) in zip(rec["merged_rollout"], rec["adapter_rollout"],
+                                                strict=True):
+            assert ids_m == ids_a
+            assert lp_a == pytest.approx(lp_m, abs=1e-5)
+    first, second = adapter_syncs["syncs"]
+    assert first["merged_rollout"] != second["merged_rollout"]  # the adapters moved
+
+
+def test_lora_adapter_sync_sends_the_adapter_bytes(adapter_syncs):
+    """``rollout/weight_sync_bytes``: the first sync sends the base weights (adapters off) and
+    the adapter, later ones the adapter only; merged sync sends the full model every time."""
+    first, second = adapter_syncs["syncs"]
+    base = adapter_syncs["base_bytes"]
+    assert first["merged_bytes"] == second["merged_bytes"] == base
+    assert first["adapter_bytes"] == base + first["adapter_file_bytes"]
+    assert second["adapter_bytes"] == second["adapter_file_bytes"]
+    # PEFT's split modules repeat the fused QKV/fc1 A per HF module: at most 4x the adapter
+    assert 4 * adapter_syncs["adapter_numel"] * 4 >= second["adapter_bytes"] \
+        >= adapter_syncs["adapter_numel"] * 4
+    assert second["adapter_bytes"] < base / 5
+
+
+def test_lora_adapter_sync_names_a_server_without_lora(adapter_syncs):
+    assert "was not started with LoRA enabled" in adapter_syncs["plain"]
+    assert "--enable-lora" in adapter_syncs["plain"]
