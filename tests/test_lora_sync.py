@@ -221,3 +221,46 @@ def test_lora_adapter_sync_sends_the_adapter_bytes(adapter_syncs):
 def test_lora_adapter_sync_names_a_server_without_lora(adapter_syncs):
     assert "was not started with LoRA enabled" in adapter_syncs["plain"]
     assert "--enable-lora" in adapter_syncs["plain"]
+
+
+# ---- configuration and server arguments ---------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.lora.sync=adapter"], "actor.lora cannot be combined with rollout.engine=embedded"),
+    (["actor.lora.sync=both"], "actor.lora.sync"),
+    (["actor.lora.sync=adapter", "rollout.engine=sglang", "rollout.sglang.quantization=fp8"],
+     "actor.lora cannot be combined with rollout.sglang.quantization=fp8"),
+])
+def test_lora_sync_config_errors_name_the_option(overrides, message):
+    from megatron_rl.config.errors import ConfigError
+    from megatron_rl.config.load import load_config
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["actor.lora.rank=4", *overrides])
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("launcher", ["serve", "sglang"])
+def test_lora_adapter_sync_starts_servers_with_sglang_lora_args(launcher):
+    """Servers the fleet starts get ``--enable-lora --max-lora-rank R --lora-target-modules``
+    (the HF modules of the adapters); our ``serve`` parses them as SGLang does."""
+    import dataclasses
+
+    from megatron_rl.cli.app import build_parser
+    from megatron_rl.config.load import load_config
+    from megatron_rl.rollout.fleet import server_command
+    from megatron_rl.rollout.sglang_client import lora_fleet
+
+    cfg = load_config(None, ["actor.lora.rank=4", "actor.lora.sync=adapter",
+                             "actor.lora.targets=[linear_qkv,linear_fc2]", "rollout.engine=sglang",
+                             f"rollout.sglang.launcher={launcher}"])
+    s = lora_fleet(cfg.rollout.sglang, cfg)
+    cmd = server_command(s, 30000, "/m", EOS)
+    i = cmd.index("--enable-lora")
+    assert cmd[i:] == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules",
+                       "down_proj", "k_proj", "q_proj", "v_proj"]
+    assert lora_fleet(dataclasses.replace(s, extra_args=["--enable-lora"]), cfg).extra_args \
+        == ["--enable-lora"]  # the user's own LoRA arguments are kept
+    if launcher == "serve":
+        args = build_parser().parse_args(cmd[3:])  # after "python -m megatron_rl"
+        assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules) == \
+            (True, 4, ["down_proj", "k_proj", "q_proj", "v_proj"])

@@ -33,7 +33,7 @@ class LoraConfig:
     alpha: float = 16.0  # scaling = alpha / rank
     dropout: float = 0.0  # on the adapter's input, training passes only
     targets: list = field(default_factory=lambda: list(LORA_TARGETS))  # linear_qkv|proj|fc1|fc2
-    sync: str = "merged"  # weight sync: merged full weights, or adapter (SGLang LoRA servers)
+    sync: str = "merged"  # weight sync: merged full weights, or adapters only ([lora.md](lora.md))
 
     @property
     def enabled(self) -> bool:
