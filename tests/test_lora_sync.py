@@ -264,3 +264,15 @@ def test_lora_adapter_sync_starts_servers_with_sglang_lora_args(launcher):
         args = build_parser().parse_args(cmd[3:])  # after "python -m megatron_rl"
         assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules) == \
             (True, 4, ["down_proj", "k_proj", "q_proj", "v_proj"])
+
+
+def test_lora_adapter_sync_pauses_in_abort_mode():
+    """A retracted request keeps the adapter it started with and SGLang's unload waits for it:
+    adapter-only sync pauses in ``abort`` mode even where partial rollouts would retract."""
+    from megatron_rl.rollout.weight_sync.common import SyncStrategy
+
+    s = SyncStrategy(["http://127.0.0.1:9"], "/nonexistent")
+    s.partial, s.pause_modes["http://127.0.0.1:9"] = True, "retract"  # an SGLang 0.5.21 server
+    assert s.pause_mode("http://127.0.0.1:9") == "retract"
+    s.adapter_sync = True
+    assert s.pause_mode("http://127.0.0.1:9") == "abort"
