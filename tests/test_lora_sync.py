@@ -57,7 +57,11 @@ def test_serve_lora_endpoints_follow_sglang_and_match_peft(tmp_path):
     base = build_hf_model(get_preset("tiny")).eval()
     ids = probe_tokens(get_preset("tiny").vocab_size, 12)
     pm = _peft_dir(base, str(tmp_path / "a"), 4, 1)
-    _peft_dir(base, str(tmp_path / "big"), 16, 2)  # over --max-lora-rank 8
+    import shutil
+
+    shutil.copytree(tmp_path / "a", tmp_path / "big")  # rank 16: over --max-lora-rank 8
+    conf = json.loads((tmp_path / "big" / "adapter_config.json").read_text())
+    (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({**conf, "r": 16}))
     plain, srv0 = _serve(base, False)
     url, srv1 = _serve(base, True)
     try:
@@ -126,8 +130,9 @@ def _rollout(eng) -> list:
 
 
 def _adapter_sync_worker(root: str) -> dict:
-    """Merged sync to one server, adapter-only sync to another (started with LoRA), a third
-    without LoRA; rollouts from both after each of two syncs (the adapters move between them)."""
+    """Merged sync to one server, adapter-only sync to another (started with LoRA); rollouts from
+    both after each of two syncs (the adapters move between them); adapter-only sync to the
+    first server (no LoRA)."""
     from test_actor_layout import loss_config
 
     from megatron_rl.actor.actor import Actor
@@ -146,9 +151,9 @@ def _adapter_sync_worker(root: str) -> dict:
                   OptimConfig(lr=1e-3), loss_config(), total_steps=1, seed=7)
     out: dict = {"syncs": []}
     torch.manual_seed(1)
-    servers = [_serve(build_hf_model(get_preset("tiny")), lora) for lora in (False, True, False)]
-    merged, adapter, plain = (_engine(u, os.path.join(root, k), a) for (u, _), k, a in
-                              zip(servers, ("m", "a", "p"), (False, True, True)))
+    servers = [_serve(build_hf_model(get_preset("tiny")), lora) for lora in (False, True)]
+    merged, adapter, plain = (_engine(servers[i][0], os.path.join(root, k), a) for i, k, a in
+                              ((0, "m", False), (1, "a", True), (0, "p", True)))
     try:
         for version in (1, 2):
             with torch.no_grad():  # trained adapters: B moves away from 0 between syncs
