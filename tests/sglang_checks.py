@@ -52,7 +52,32 @@ def validate(path: str) -> dict:
                 assert key == "timeout" and float(val) >= 0, query
         except Exception as exc:  # noqa: BLE001 - reported to the test
             errors.append(f"{method} {url_path}: {type(exc).__name__}: {exc}")
-    return {"errors": errors, "routes": sorted(seen), "tensor": tensor_roundtrip(routes)}
+    return {"errors": errors, "routes": sorted(seen), "tensor": tensor_roundtrip(routes),
+            "lora": lora_configs(json.load(open(path)))}
+
+
+def lora_configs(bodies: list) -> list[dict]:
+    """Each distinct ``/load_lora_adapter`` directory read by SGLang's ``LoRAConfig``: rank,
+    alpha, normalized target modules, and whether they fit the served targets (the
+    ``/server_info`` of our serve lists them: SGLang's ``LoRAMemoryPool.can_support`` rule)."""
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from sglang.srt.lora.utils import get_normalized_target_modules
+
+    served = set(LORA_SERVED)
+    out, seen = [], set()
+    for _, url_path, body in bodies:
+        if url_path != "/load_lora_adapter" or body["lora_path"] in seen:
+            continue
+        seen.add(body["lora_path"])
+        conf = LoRAConfig(body["lora_path"])
+        targets = get_normalized_target_modules(conf.target_modules)
+        out.append({"r": conf.r, "lora_alpha": conf.lora_alpha, "targets": sorted(targets),
+                    "fits": targets <= get_normalized_target_modules(served)})
+    return out
+
+
+# the --lora-target-modules of the serve in test_sglang_real.py
+LORA_SERVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def tensor_roundtrip(routes: dict) -> dict:

@@ -24,7 +24,12 @@ from megatron_rl.rollout.embedded import build_hf_model
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.fleet import Fleet, http_json, wait_healthy
 from megatron_rl.rollout.sglang_client import SGLangEngine
-from megatron_rl.rollout.weight_sync import common, make_strategy, push_single_process
+from megatron_rl.rollout.weight_sync import (
+    common,
+    lora_adapter,
+    make_strategy,
+    push_single_process,
+)
 from megatron_rl.rollout.weight_sync.common import (
     WeightSyncError,
     engine_probe_logprobs,
@@ -69,14 +74,44 @@ def _record(monkeypatch) -> list:
 
     monkeypatch.setattr(common, "http_json", recording)
     monkeypatch.setattr(sglang_client, "http_json", recording)
+    monkeypatch.setattr(lora_adapter, "http_json", recording)
     return sent
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _full_adapters(rank: int) -> dict:
+    """Canonical full adapter tensors of the tiny preset (what ``gather_full_adapters`` returns
+    for rank-``rank`` adapters on every target), random."""
+    from megatron_rl.convert.common import FC1
+    from megatron_rl.convert.registry import mapping_for
+    from megatron_rl.models.lora_config import LORA_TARGETS as MODULES
+
+    cfg = get_preset("tiny")
+    hf = build_hf_model(cfg).state_dict()
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for m in mapping_for(cfg).tensor_maps(cfg):
+        if not m.canonical.endswith(".weight") or m.canonical.split(".")[-2] not in MODULES:
+            continue
+        prefix, shapes = m.canonical[: -len(".weight")], [hf[h].shape for h in m.hf]
+        out[prefix + ".lora_A"] = torch.randn(rank, shapes[0][1], generator=g)
+        if m.kind == FC1:
+            out[prefix + ".lora_B_gate"] = torch.randn(shapes[0][0], rank, generator=g)
+            out[prefix + ".lora_B_up"] = torch.randn(shapes[1][0], rank, generator=g)
+        else:
+            out[prefix + ".lora_B"] = torch.randn(sum(s[0] for s in shapes), rank, generator=g)
+    return out
 
 
 @pytest.mark.timeout(1800)
 def test_every_request_body_validates_with_sglang_types(sglang_python, tmp_path, monkeypatch):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl", "serve", "--preset", "tiny",
-                             "--port", str(port), "--eos-id", str(EOS)], env=venv_env())
+                             "--port", str(port), "--eos-id", str(EOS), "--enable-lora",
+                             "--max-lora-rank", "4", "--lora-target-modules", *LORA_TARGETS],
+                            env=venv_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 120, proc)
@@ -98,6 +133,18 @@ def test_every_request_body_validates_with_sglang_types(sglang_python, tmp_path,
         eng.sync.spots, eng.sync.spots_per_send = [("model.norm.weight", [1.0])], 1
         with pytest.raises(WeightSyncError):  # Qwen: 400, but the body is SGLang's
             eng.sync.spot_check()
+        # adapter-only LoRA sync: our PEFT directory loaded (twice: unload + load), then
+        # rollout and probe requests that name it
+        from megatron_rl.models.lora_config import LoraConfig
+
+        path = str(tmp_path / "adapter")
+        lora_adapter.write_adapter(_full_adapters(4), LoraConfig(rank=4, alpha=8.0),
+                                   get_preset("tiny"), path)
+        for _ in range(2):
+            lora_adapter.load_adapter([url], path, set())
+        eng.lora_name = lora_adapter.ADAPTER_NAME
+        eng.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=3), seed=1)
+        engine_probe_logprobs(url, probe_tokens(256, 8), eng.lora_name)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -110,7 +157,11 @@ def test_every_request_body_validates_with_sglang_types(sglang_python, tmp_path,
             "/init_weights_update_group", "/update_weights_from_distributed",
             "/end_weight_update", "/update_weights_from_disk", "/update_weight_version",
             "/weights_checker", "/continue_generation", "/destroy_weights_update_group",
-            "/abort_request", "/get_weights_by_name"} <= set(out["routes"])
+            "/abort_request", "/get_weights_by_name", "/load_lora_adapter",
+            "/unload_lora_adapter"} <= set(out["routes"])
+    # SGLang's LoRAConfig reads our adapter directory; its targets fit the server's
+    assert out["lora"] == [{"r": 4, "lora_alpha": 8.0, "fits": True,
+                            "targets": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]}]
     assert out["tensor"] == {"ok": True, "load_format": "flattened_bucket",
                              "flush_cache": False}
 

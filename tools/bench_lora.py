@@ -9,7 +9,8 @@ with adapters off), take ``--steps`` RL steps on a random batch, and report:
 - ``peak_mem``: peak CUDA memory allocated (GPU) or the process's peak RSS (CPU, which includes
   the Python/torch runtime both modes share, so the CPU ratio understates the saving);
 - ``sync_bytes``: the merged weight sync (every HF tensor, what every sync strategy sends) vs an
-  adapter-only sync (the PEFT adapter tensors).
+  adapter-only sync (``actor.lora.sync: adapter``: the PEFT adapter file's tensors in the actor's
+  dtype, what each sync after the first loads into the servers).
 
     python tools/bench_lora.py --preset tiny --rank 16 [--precision bf16]
 
@@ -84,8 +85,9 @@ def _worker(preset: str, rank: int, precision: str | None, steps: int) -> dict:
         actor.add_ref_logprobs(b)
         actor.update(b, step)
     merged = sum(_nbytes(t for _, t in bucket) for bucket in iter_hf_weight_buckets(actor.model))
-    adapter = _nbytes(peft_tensors(gather_full_adapters(actor.model), cfg).values()) \
-        if rank else 0
+    dtype = next(p.dtype for p in actor.model.parameters())  # what the adapter sync writes
+    adapter = _nbytes(t.to(dtype) for t in peft_tensors(gather_full_adapters(actor.model),
+                                                        cfg).values()) if rank else 0
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else rss_kib("VmHWM") * 1024)
     out = {"optim_bytes": optimizer_bytes(actor.optimizer), "peak_mem": peak,

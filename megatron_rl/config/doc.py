@@ -157,6 +157,7 @@ ALLOWED_FROM: dict[str, tuple[str, str]] = {
     "actor.precision": ("megatron_rl.actor.precision", "PRECISIONS"),
     "actor.recompute": ("megatron_rl.actor.precision", "RECOMPUTE"),
     "optim.lr_decay_style": ("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
+    "actor.lora.sync": ("megatron_rl.models.lora_config", "LORA_SYNCS"),
     "loss.algorithm": ("megatron_rl.loss.config", "PRESETS"),
     "loss.rollout_correction": ("megatron_rl.loss.params", "ROLLOUT_CORRECTIONS"),
     "loss.rollout_correction_denominator": ("megatron_rl.loss.params",

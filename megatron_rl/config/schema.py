@@ -143,6 +143,7 @@ CHOICES: dict[str, Callable[[], tuple[str, ...]]] = {
     "actor.precision": _choices("megatron_rl.actor.actor_config", "PRECISIONS"),
     "actor.recompute": _choices("megatron_rl.actor.actor_config", "RECOMPUTE"),
     "actor.routing_replay": _choices("megatron_rl.actor.actor_config", "ROUTING_REPLAY_MODES"),
+    "actor.lora.sync": _choices("megatron_rl.models.lora_config", "LORA_SYNCS"),
     "optim.lr_decay_style": _choices("megatron_rl.actor.optim", "LR_DECAY_STYLES"),
     "loss.algorithm": lambda: tuple(sorted(_choices("megatron_rl.loss.config", "PRESETS")())),
     "loss.rollout_correction": _choices("megatron_rl.loss.params",

@@ -16,6 +16,11 @@ HF_ALIASES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_
               "down_proj": "linear_fc2"}
 
 
+# how the rollout servers get the trained policy: "merged" weights W + (alpha/r)·B·A every sync,
+# or "adapter": the base once, then only the adapters (SGLang's /load_lora_adapter)
+LORA_SYNCS = ("merged", "adapter")
+
+
 class LoraConfigError(ValueError):
     """An ``actor.lora`` field has an invalid value or cannot be combined with another option."""
 
@@ -28,6 +33,7 @@ class LoraConfig:
     alpha: float = 16.0  # scaling = alpha / rank
     dropout: float = 0.0  # on the adapter's input, training passes only
     targets: list = field(default_factory=lambda: list(LORA_TARGETS))  # linear_qkv|proj|fc1|fc2
+    sync: str = "merged"  # weight sync: merged full weights, or adapters only ([lora.md](lora.md))
 
     @property
     def enabled(self) -> bool:
@@ -60,6 +66,8 @@ class LoraConfig:
         if not self.targets:
             raise LoraConfigError("actor.lora.targets is empty; allowed: "
                                   f"{list(LORA_TARGETS)}")
+        if self.sync not in LORA_SYNCS:
+            raise LoraConfigError(f"actor.lora.sync={self.sync!r} is not one of {LORA_SYNCS}")
 
 
 def check_lora_rank(raw: Mapping[str, Any], lora: LoraConfig) -> None:
@@ -98,4 +106,22 @@ def lora_conflicts(cfg: Any, is_moe: bool = False) -> list[tuple[str, str]]:
         out.append(("actor.offload_ref=true", "with LoRA the reference policy is the base model "
                     "itself (adapters off): there is no reference copy to offload; set "
                     "actor.offload_ref to null or false"))
+    out += adapter_sync_conflicts(cfg)
+    return out
+
+
+def adapter_sync_conflicts(cfg: Any) -> list[tuple[str, str]]:
+    """``(option=value, reason)`` for every option ``actor.lora.sync: adapter`` cannot run with."""
+    if cfg.actor.lora.sync != "adapter":
+        return []
+    out = []
+    why = ("actor.lora.sync=adapter loads the adapters into SGLang servers started with LoRA "
+           "enabled (/load_lora_adapter)")
+    if cfg.rollout.engine != "sglang":
+        out.append((f"rollout.engine={cfg.rollout.engine}", why + "; the embedded engine takes "
+                    "merged weights: set actor.lora.sync=merged or rollout.engine=sglang"))
+    elif cfg.rollout.sglang.quantization:
+        out.append((f"rollout.sglang.quantization={cfg.rollout.sglang.quantization}",
+                    "FP8 rollouts quantise the merged weights; an adapter on an FP8 base is not "
+                    "what the actor computes: set actor.lora.sync=merged"))
     return out

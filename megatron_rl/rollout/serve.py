@@ -13,8 +13,10 @@ Endpoints: ``/generate``, ``/health``, ``/health_generate``, ``/abort_request``,
 ``/destroy_weights_update_group`` (a gloo/NCCL group with the trainer's senders),
 ``/update_weight_version``, ``/get_weights_by_name``, ``/get_model_info``, ``/server_info``
 (alias ``/get_server_info``), ``/release_memory_occupation`` + ``/resume_memory_occupation``
-(SGLang's contract: :mod:`megatron_rl.rollout.memory_occupation`); with ``--sglang-rules 0.5.21``
-(default) also ``/begin_weight_update``, ``/end_weight_update`` and ``/weights_checker``.
+(SGLang's contract: :mod:`megatron_rl.rollout.memory_occupation`), ``/load_lora_adapter`` +
+``/unload_lora_adapter`` and ``/generate``'s ``lora_path`` (``--enable-lora``:
+:mod:`megatron_rl.rollout.serve_lora`); with ``--sglang-rules 0.5.21`` (default) also
+``/begin_weight_update``, ``/end_weight_update`` and ``/weights_checker``.
 
 Where the trainer depends on them it follows real SGLang's rules: ``--sglang-rules 0.5.21``
 refuses tensor/distributed updates outside a weight-update session (HTTP 400, SGLang's message;
@@ -43,6 +45,7 @@ import torch
 from megatron_rl.rollout.fp8 import wire_view
 from megatron_rl.rollout.memory_occupation import MemoryOccupation, tensor_bytes
 from megatron_rl.rollout.sampling import SampleResult, sample_completion, teacher_forced_logprobs
+from megatron_rl.rollout.serve_lora import GenerateRefused, LoraRefused, ServedLora
 from megatron_rl.rollout.serve_rules import NEW_RULES, OLD_RULES, RULES  # noqa: F401 - re-export
 
 NO_WEIGHTS_BY_NAME = ("qwen2", "qwen3")  # SGLang's models without get_weights_by_name
@@ -308,8 +311,8 @@ class ServeState:
     """Model, weight version, pause state and in-flight requests of one server."""
 
     def __init__(self, model: torch.nn.Module, model_path: str, eos_id: int | None,
-                 port: int, rules: str = NEW_RULES, enable_return_routed_experts: bool = False
-                 ) -> None:
+                 port: int, rules: str = NEW_RULES, enable_return_routed_experts: bool = False,
+                 lora: ServedLora | None = None) -> None:
         self.model, self.model_path, self.eos_id, self.port = model, model_path, eos_id, port
         # as SGLang's --enable-return-routed-experts: without it a request's
         # return_routed_experts is ignored (no meta_info.routed_experts)
@@ -335,12 +338,20 @@ class ServeState:
         self.groups: dict[str, Any] = {}
         self.started = time.time()
         self.memory = MemoryOccupation(model)  # released regions (colocation)
+        self.lora = lora or ServedLora(model)  # SGLang's LoRA adapters (--enable-lora)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate_one(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
-                     logprob_start_len: int, routed: tuple[bool, int] = (False, 0)) -> dict:
+                     logprob_start_len: int, routed: tuple[bool, int] = (False, 0),
+                     lora_path: str | None = None) -> dict:
         """One SGLang-shaped response dict for one prompt. ``routed``: the request's
-        ``(return_routed_experts, routed_experts_start_len)``."""
+        ``(return_routed_experts, routed_experts_start_len)``; ``lora_path``: the name of the
+        loaded LoRA adapter it runs with (None: the base model)."""
+        with self.lora.using(lora_path):
+            return self._generate_one(ids, sp, rid, return_logprob, logprob_start_len, routed)
+
+    def _generate_one(self, ids: list[int], sp: dict, rid: str, return_logprob: bool,
+                      logprob_start_len: int, routed: tuple[bool, int]) -> dict:
         want_routed, start_len = routed
         if want_routed and not 0 <= start_len <= len(ids):  # scheduler.py handle_generate_request
             msg = (f"routed_experts_start_len={start_len} must be in [0, {len(ids)}] (the number "
@@ -416,9 +427,11 @@ class ServeState:
         rids = [rids] if isinstance(rids, str) else rids
         routed = (bool(req.get("return_routed_experts")),
                   int(req.get("routed_experts_start_len", 0)))
+        loras = req.get("lora_path")
+        loras = loras if isinstance(loras, list) else [loras] * len(batch)
         out = [self.generate_one(list(map(int, b)), sp, r, bool(req.get("return_logprob")),
-                                 int(req.get("logprob_start_len", -1)), routed)
-               for b, sp, r in zip(batch, sps, rids)]
+                                 int(req.get("logprob_start_len", -1)), routed, lora)
+               for b, sp, r, lora in zip(batch, sps, rids, loras)]
         return out[0] if single else out
 
     def abort(self, req: dict) -> None:
@@ -632,7 +645,7 @@ class ServeState:
                 "internal_states": [{"paused": not self.running.is_set(),
                                      "num_running_reqs": len(self.inflight),
                                      "memory_released": sorted(self.memory.released)}],
-                "max_total_num_tokens": 1 << 20}
+                "max_total_num_tokens": 1 << 20, **self.lora.server_info()}
 
 
 def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
@@ -703,6 +716,8 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
                 "/get_server_info": lambda: (s.server_info(), False),
                 "/release_memory_occupation": lambda: (s.release_memory(req), False),
                 "/resume_memory_occupation": lambda: (s.resume_memory(req), False),
+                "/load_lora_adapter": lambda: (s.lora.load(req), False),
+                "/unload_lora_adapter": lambda: (s.lora.unload(req), False),
             }
             if s.rules == NEW_RULES:
                 routes.update({"/begin_weight_update": lambda: (s.begin_session(), False),
@@ -715,6 +730,14 @@ def make_handler(state: ServeState) -> type[BaseHTTPRequestHandler]:
                 body, text = routes[path]()
             except RefusedError as exc:  # SGLang's own refusals: 400 with its message
                 self._send(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)})
+                return
+            except LoraRefused as exc:  # SGLang's LoRAUpdateOutput (no adapters: null)
+                body = s.lora.result(False, str(exc)) if s.lora.enabled else \
+                    {"success": False, "error_message": str(exc), "loaded_adapters": None}
+                self._send(HTTPStatus.BAD_REQUEST, body)
+                return
+            except GenerateRefused as exc:  # SGLang's _create_error_response
+                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
                 return
             except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": repr(exc)},
@@ -737,8 +760,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run ``serve`` until interrupted (the CLI subcommand)."""
     torch.set_num_threads(args.threads)
     model, path = build_model(args.preset, args.model_path)
+    lora = ServedLora(model, bool(getattr(args, "enable_lora", False)),
+                      getattr(args, "max_lora_rank", None),
+                      getattr(args, "lora_target_modules", None))
     state = ServeState(model, path, args.eos_id, args.port, args.sglang_rules,
-                       args.enable_return_routed_experts)
+                       args.enable_return_routed_experts, lora)
     srv = make_server(state, args.host, args.port)
     print(f"[serve] {path} on http://{args.host}:{state.port}", flush=True)
     try:

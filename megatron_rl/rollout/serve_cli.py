@@ -23,6 +23,13 @@ def add_serve_subcommand(sub) -> None:
                    "/flush_cache?timeout) or <= 0.5.20")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="as SGLang: honour requests' return_routed_experts (MoE routing replay)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="as SGLang: /load_lora_adapter, /unload_lora_adapter and generate "
+                   "requests' lora_path (needs --max-lora-rank and --lora-target-modules)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="as SGLang: the largest adapter rank a load accepts")
+    p.add_argument("--lora-target-modules", nargs="*", default=None,
+                   help="as SGLang: the HF module names adapters may target (q_proj, ...)")
     p.set_defaults(func=_cmd_serve)
 
 

@@ -58,14 +58,17 @@ def sampling_params_json(params: SamplingParams, stop_ids: list[int], seed: int)
 
 
 def generate_request(prompt: list[int], params: SamplingParams, stop_ids: list[int], seed: int,
-                     rid: str, routed_experts: bool = False) -> dict:
+                     rid: str, routed_experts: bool = False, lora: str | None = None) -> dict:
     """The ``/generate`` body of one sample (SGLang ``GenerateReqInput`` fields);
-    ``routed_experts``: ask for every token's MoE routing (``return_routed_experts``)."""
+    ``routed_experts``: ask for every token's MoE routing (``return_routed_experts``); ``lora``:
+    the name of the loaded LoRA adapter to generate with (SGLang's ``lora_path``)."""
     req = {"input_ids": list(prompt), "sampling_params": sampling_params_json(params, stop_ids,
                                                                               seed),
            "return_logprob": True, "rid": rid, "stream": False}
     if routed_experts:
         req["return_routed_experts"] = True
+    if lora:
+        req["lora_path"] = lora
     return req
 
 
@@ -177,6 +180,11 @@ class SGLangEngine:
         self.probe_length, self.probe_tolerance = 64, 1e-4
         self.routed_shape: tuple[int, int] | None = None  # (layers, top_k): routing replay r3
         self.weight_version = -1
+        # actor.lora.sync=adapter: the servers keep the base and load the policy's adapters
+        # (megatron_rl.rollout.weight_sync.lora_adapter); requests name the loaded adapter
+        self.adapter_sync = False
+        self.lora_name: str | None = None  # set once servers hold the adapter
+        self.lora_base_urls: set[str] = set()  # servers that received the base weights
         self._lock = threading.Lock()
         self._metrics: dict[str, float] = {}
         self._lags: list[int] = []
@@ -226,7 +234,8 @@ class SGLangEngine:
             # a continued request: its own seed (a fresh random stream for the rest)
             body = generate_request(prompt + kept.ids, continued_params(params, len(kept.ids)),
                                     [self.eos_id], request_seed(seed, len(kept.ids), 0)
-                                    if kept.ids else seed, rid, self.routed_shape is not None)
+                                    if kept.ids else seed, rid, self.routed_shape is not None,
+                                    self.lora_name)
             try:
                 resp = http_json("POST", self._generate_url(), body, timeout=self.timeout)
             except ServerError as exc:
@@ -388,6 +397,9 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
         import dataclasses
 
         s = dataclasses.replace(s, extra_args=[*s.extra_args, flag])
+    adapter_sync = cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter"
+    if adapter_sync:  # SGLang's LoRA adapter loading (--enable-lora ...), unless given
+        s = lora_fleet(s, cfg)
     root = os.path.join(cfg.trainer.output_dir, "sglang")
     model_path = cfg.model.hf_path or write_model_config(cfg, os.path.join(root, "model"))
     if s.quantization == "fp8":
@@ -399,6 +411,7 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
                                 os.path.join(cfg.trainer.output_dir, "weight_sync"))
     engine.sync.quantization, engine.sync.scale_fmt = s.quantization, s.fp8_scale_fmt
     engine.partial = engine.sync.partial = cfg.rollout.partial
+    engine.adapter_sync = engine.sync.adapter_sync = adapter_sync
     engine.sync.spots_per_send = s.spot_checks
     engine.sync.flush_retries = s.flush_retries
     if hasattr(engine.sync, "address_override"):
@@ -410,6 +423,22 @@ def make_sglang_engine(cfg, tokenizer) -> SGLangEngine:
         m = model_config(cfg.model)
         engine.routed_shape = (m.num_hidden_layers, m.num_experts_per_tok)
     return engine
+
+
+def lora_fleet(s, cfg):
+    """``rollout.sglang`` with the LoRA server arguments of adapter-only sync
+    (:func:`megatron_rl.rollout.weight_sync.lora_adapter.server_args_for`) appended to
+    ``extra_args``, unless they already name ``--enable-lora``."""
+    import dataclasses
+
+    from megatron_rl.convert.model_source import model_config
+    from megatron_rl.rollout.weight_sync.lora_adapter import server_args_for
+
+    extra = [str(a) for a in s.extra_args]
+    if "--enable-lora" in extra:
+        return s
+    return dataclasses.replace(s, extra_args=extra + server_args_for(cfg.actor.lora,
+                                                                     model_config(cfg.model)))
 
 
 def fp8_fleet(s, model_path: str, out_dir: str):

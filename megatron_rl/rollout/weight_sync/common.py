@@ -175,11 +175,16 @@ class SyncStrategy:
         self.epoch, self.paused = 0, False  # syncs begun; paused between begin and resume
         self.partial = False  # rollout.partial: keep in-flight requests' tokens across a sync
         self.pause_modes: dict[str, str] = {}  # url -> its pause mode (pause_mode_for), once
+        # actor.lora.sync=adapter: always "abort" (a retracted request keeps the adapter it
+        # started with, and SGLang's unload of that adapter waits for it: the sync would block)
+        self.adapter_sync = False
+        self.lora_checked: set[str] = set()  # servers whose /server_info has enable_lora
 
     def pause_mode(self, url: str) -> str:
         """The ``/pause_generation`` mode of the server at ``url`` (:func:`pause_mode_for` of its
-        ``/server_info`` version, read once; ``"abort"`` where it cannot be read)."""
-        if not self.partial:
+        ``/server_info`` version, read once; ``"abort"`` where it cannot be read, and with
+        adapter-only LoRA sync)."""
+        if not self.partial or self.adapter_sync:
             return "abort"
         if url not in self.pause_modes:
             try:
@@ -213,16 +218,17 @@ class SyncStrategy:
         return offsets
 
     # ---- coordinator ---------------------------------------------------------------------------
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, session: bool = True) -> None:
         """Pause generation (each server in its :meth:`pause_mode`: running requests retracted
         with their tokens kept, or aborted), flush the KV cache (bounded retries while aborted
-        requests drain) and open the weight-update session on every server."""
+        requests drain) and open the weight-update session on every server (``session=False``:
+        no base weights follow, e.g. an adapter-only LoRA sync)."""
         self.epoch += 1  # before the pause: the client re-queues the requests it aborts
         self.paused = True
         post_each(self.urls, lambda u: post_all([u], "/pause_generation",
                                                 {"mode": self.pause_mode(u)}))
         self.flush()
-        if self.needs_session:
+        if self.needs_session and session:
             post_each(self.urls, self._begin_session)
 
     def _begin_session(self, url: str) -> None:
@@ -411,12 +417,15 @@ def probe_tokens(vocab_size: int, length: int, seed: int = 20260) -> list[int]:
     return torch.randint(2, vocab_size, (length,), generator=g).tolist()
 
 
-def engine_probe_logprobs(url: str, ids: list[int]) -> list[float]:
+def engine_probe_logprobs(url: str, ids: list[int], lora: str | None = None) -> list[float]:
     """``log p(ids[t] | ids[<t])``, t >= 1, computed by the server (SGLang
-    ``input_token_logprobs`` with ``logprob_start_len=0``)."""
-    reply = http_json("POST", url + "/generate", {
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-        "return_logprob": True, "logprob_start_len": 0}, timeout=120.0)
+    ``input_token_logprobs`` with ``logprob_start_len=0``); ``lora``: with that loaded LoRA
+    adapter (SGLang's ``lora_path``)."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True, "logprob_start_len": 0}
+    if lora:
+        body["lora_path"] = lora
+    reply = http_json("POST", url + "/generate", body, timeout=120.0)
     lps = reply["meta_info"]["input_token_logprobs"]
     return [float(lp) for lp, *_ in lps[1:]]
 
@@ -448,10 +457,11 @@ def probe_failure(url: str, gap: ProbeGap, tol: float, tokens: int) -> str | Non
             f"{tokens} tokens (largest {gap.max:.3g}) > {tol:g}")
 
 
-def probe_gaps(urls: list[str], ids: list[int], actor_logp: list[float]
-               ) -> dict[str, ProbeGap]:
-    """:class:`ProbeGap` of every server's teacher-forced log-probs of ``ids`` vs the actor's."""
-    return {u: probe_gap(engine_probe_logprobs(u, ids), actor_logp) for u in urls}
+def probe_gaps(urls: list[str], ids: list[int], actor_logp: list[float],
+               lora: str | None = None) -> dict[str, ProbeGap]:
+    """:class:`ProbeGap` of every server's teacher-forced log-probs of ``ids`` vs the actor's
+    (``lora``: with that loaded adapter)."""
+    return {u: probe_gap(engine_probe_logprobs(u, ids, lora), actor_logp) for u in urls}
 
 
 def worst_gap(gaps: Iterable[ProbeGap]) -> ProbeGap:
@@ -462,12 +472,13 @@ def worst_gap(gaps: Iterable[ProbeGap]) -> ProbeGap:
     return ProbeGap(*(max(vals, key=lambda v: (v != v, v)) for vals in zip(*gaps)))
 
 
-def probe_servers(urls: list[str], ids: list[int], actor_logp: list[float], tol: float
-                  ) -> tuple[ProbeGap, list[str]]:
+def probe_servers(urls: list[str], ids: list[int], actor_logp: list[float], tol: float,
+                  lora: str | None = None) -> tuple[ProbeGap, list[str]]:
     """The worst :class:`ProbeGap` over every server's teacher-forced log-probs of ``ids`` vs the
     actor's, and the errors of the servers whose mean gap is over ``tol``
-    (``rollout.sglang.probe_tolerance``; the rule: docs/gpu.md)."""
-    gaps = probe_gaps(urls, ids, actor_logp)
+    (``rollout.sglang.probe_tolerance``; the rule: docs/gpu.md); ``lora``: the servers compute
+    with that loaded adapter."""
+    gaps = probe_gaps(urls, ids, actor_logp, lora)
     errors = [e for u, g in gaps.items() if (e := probe_failure(u, g, tol, len(actor_logp)))]
     return worst_gap(gaps.values()), errors
 

@@ -59,7 +59,14 @@ def fleet_plan(engine, generate: bool = True) -> dict | None:
 
     engine.fleet.check_health(generate=generate)
     s = engine.sync
-    return {"strategy": s.name, "urls": sync_targets(engine.fleet), "sync_dir": s.sync_dir,
+    urls = sync_targets(engine.fleet)
+    adapter = None  # actor.lora.sync=adapter: base weights only where a server lacks them
+    if getattr(engine, "adapter_sync", False):
+        from megatron_rl.rollout.weight_sync.lora_adapter import ADAPTER_NAME
+
+        adapter = {"name": ADAPTER_NAME,
+                   "base": any(u not in engine.lora_base_urls for u in urls)}
+    return {"strategy": s.name, "urls": urls, "sync_dir": s.sync_dir, "adapter": adapter,
             "model_path": s.model_path, "spots": s.spots_per_send, "server_tp": s.server_tp,
             "sender_address": getattr(s, "address_override", None),
             "gpus": list(getattr(s, "gpus", None) or []),
@@ -156,11 +163,24 @@ def _actor_probe(actor, plan: dict, last_sender: bool) -> tuple[list[int], list[
 def _engine_probe(plan: dict, ids: list[int], ref: list[float] | None
                   ) -> tuple[ProbeGap, str | None]:
     """Every server's probe log-probs against the actor's ``ref`` (where this rank has them):
-    the worst :class:`ProbeGap` and the servers over ``probe_tolerance`` (mean gap)."""
+    the worst :class:`ProbeGap` and the servers over ``probe_tolerance`` (mean gap); with
+    adapter-only LoRA sync the servers compute with the loaded adapter."""
     if ref is None:
         return ProbeGap(0.0, 0.0), None
-    gap, errors = probe_servers(plan["urls"], ids, ref, plan["probe_tolerance"])
+    lora = (plan.get("adapter") or {}).get("name")
+    gap, errors = probe_servers(plan["urls"], ids, ref, plan["probe_tolerance"], lora)
     return gap, "; ".join(errors) or None
+
+
+def _base_only(model, on: bool):
+    """Adapters off inside the block when ``on`` (the stream then yields the base weights)."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    from megatron_rl.models.lora import adapters_disabled
+
+    return adapters_disabled(model)
 
 
 def _hook(hooks, name: str) -> str | None:
@@ -174,17 +194,48 @@ def _hook(hooks, name: str) -> str | None:
     return None
 
 
+def _send_adapter(actor, coord: SyncStrategy | None, plan: dict, version: int
+                  ) -> tuple[int, str | None]:
+    """Adapter-only LoRA sync (:mod:`.lora_adapter`): every stage's adapters gathered (collective
+    over the model-parallel group), written as a PEFT directory and loaded into every server by
+    the coordinator. ``(bytes, error)`` on the coordinator, ``(0, None)`` elsewhere."""
+    from megatron_rl.models.lora import gather_full_adapters
+    from megatron_rl.rollout.weight_sync.lora_adapter import (
+        adapter_dir,
+        load_adapter,
+        write_adapter,
+    )
+
+    full = gather_full_adapters(actor.model)
+    if coord is None:
+        return 0, None
+    try:
+        dtype = next(p.dtype for p in actor.model.parameters())
+        path = adapter_dir(plan["sync_dir"], version)
+        sent = write_adapter({n: t.to(dtype) for n, t in full.items()}, actor.lora,
+                             actor.model_cfg, path)
+        load_adapter(list(plan["urls"]), path, coord.lora_checked, plan["adapter"]["name"])
+    except Exception as exc:  # noqa: BLE001 - every rank raises after the all-gather
+        return 0, f"adapter: {exc!r}"
+    return sent, None
+
+
 def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=None
                ) -> str | None:
-    """The verified sync (module docstring); a summary on rank 0, None elsewhere."""
+    """The verified sync (module docstring); a summary on rank 0, None elsewhere. With
+    adapter-only LoRA sync (``plan["adapter"]``) the base weights go (adapters off) only where a
+    server lacks them, then the adapters are loaded (:mod:`.lora_adapter`)."""
     from megatron.core import parallel_state as ps
 
     from megatron_rl.convert.stream import iter_hf_weight_buckets, serves_expert_gathers
     from megatron_rl.parallel.runtime import first_replica
 
+    adapter = plan.get("adapter")
+    base = adapter is None or adapter["base"]  # the base (or merged) weights are sent
     if not first_replica():  # DP replicas > 0 and CP ranks > 0 hold copies
         err = _hook(hooks, "before_send")
-        if serves_expert_gathers(actor.model):  # MoE: replica 0's stream gathers our experts
+        # MoE: replica 0's stream gathers our experts
+        if base and serves_expert_gathers(actor.model):
             for _ in iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False):
                 pass
         err = _hook(hooks, "after_send") or err
@@ -198,7 +249,7 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
     if coord is not None and err is None:
         coord.urls = list(plan["urls"])
         try:
-            coord.begin(version)
+            coord.begin(version, session=base)
         except Exception as exc:  # noqa: BLE001
             err = f"begin: {exc!r}"
     if errs := _agree(err, mp):
@@ -207,10 +258,17 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
     stage = ps.get_pipeline_model_parallel_rank()
     tp0 = ps.get_tensor_model_parallel_rank() == 0
     sender = _sender(plan, stage, coord if stage == 0 else None) if tp0 else None
-    buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False)
-    sent, err = _send_all(sender, buckets, version)
-    del buckets
+    sent, err = 0, None
+    if base:
+        with _base_only(actor.model, adapter is not None):
+            buckets = iter_hf_weight_buckets(actor.model, bucket_mb * 2**20, broadcast_pp=False)
+            sent, err = _send_all(sender, buckets, version)
+            del buckets
     errs = _agree(err, mp)
+    if adapter is not None and not errs:
+        extra, err = _send_adapter(actor, coord, plan, version)
+        sent += extra
+        errs = _agree(err, mp)
     ids, ref, local = [], None, []  # local: this rank's errors until the next agreement
     if not errs:
         try:  # while the actor's parameters are still on the device
@@ -219,7 +277,10 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
             local.append(f"probe on stage {stage}: {exc!r}")
     if not errs and not local and coord is not None:
         try:
-            coord.commit(version)
+            if base:
+                coord.commit(version)
+            else:  # adapter only: no base weights to load; the version, then a flush
+                SyncStrategy.commit(coord, version)
         except Exception as exc:  # noqa: BLE001
             local.append(f"commit: {exc!r}")
     if herr := _hook(hooks, "after_send"):  # colocation: parameters out, KV cache back
@@ -258,6 +319,12 @@ def sync_fleet(actor, engine, plan: dict, bucket_mb: int, version: int, hooks=No
         return None
     total = sum(b for b, _ in byte_list)
     engine.weight_version = version
+    if adapter is not None:  # the servers hold the base and the adapter: requests name it
+        from megatron_rl.rollout.weight_sync.lora_adapter import prune_adapters
+
+        engine.lora_base_urls.update(plan["urls"])
+        engine.lora_name = adapter["name"]
+        prune_adapters(plan["sync_dir"], version)
     gap = worst_gap(ProbeGap(*d) for d in diffs)
     metrics = {"weight_sync_probe_gap": gap.mean, "weight_sync_probe_max_diff": gap.max,
                "weight_sync_s": dt, "weight_sync_gbps": total / dt / 1e9,
