@@ -1,7 +1,8 @@
 """The RL loop end to end through the CLI: every example recipe runs; a short run improves its
-training reward; a PP2 x DP2 run streams weights from one DP replica. (A run killed mid-way
-resumes to the uninterrupted run's metrics and checkpoint: tests/test_lifecycle.py, through
-tools/chaos.py.)"""
+training reward (its two ranks run the CLI in place, as under torchrun); a PP2 x DP2 run
+(``python -m megatron_rl train``, launcher and all) streams weights from one DP replica. (A
+run killed mid-way resumes to the uninterrupted run's metrics and checkpoint:
+tests/test_lifecycle.py, through tools/chaos.py.)"""
 
 import glob
 import json
@@ -28,6 +29,17 @@ def run_train(config: str, out, *overrides: str, timeout: int = 600) -> str:
     return res.stdout
 
 
+def train_in_ranks(world: int, config: str, out, *overrides: str) -> str:
+    """``train config output_dir=out overrides`` run in place on ``world`` spawned ranks (as
+    under torchrun; :func:`conftest.run_cli`): rank 0's stdout. For runs that are not about
+    the launcher: no interpreter start-up, the ranks fork from the test's rank server."""
+    from conftest import run_cli
+
+    (code, stdout, stderr), = run_cli(world, train_cmd(config, out, *overrides)[3:])
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
+
+
 def metrics(out) -> list[dict]:
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [{k: v for k, v in r.items()
@@ -35,10 +47,11 @@ def metrics(out) -> list[dict]:
             for r in rows]
 
 
-# The main recipe at TP2xPP1, 30 steps (about 40 s on 2 cores).
+# The main recipe at TP2xPP1, 30 steps (about 40 s on 2 cores). One checkpoint, at the end: a
+# save costs more than a tiny step and does not change the run (resumes elsewhere are bit-exact).
 SHORT = ("parallel.tp=2", "parallel.pp=1", "trainer.total_steps=30", "trainer.test_freq=10",
          "trainer.plots=false",
-         "trainer.save_freq=5", "data.val_size=16")
+         "trainer.save_freq=30", "data.val_size=16")
 
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "tiny_*.yaml")))
@@ -83,7 +96,7 @@ def test_every_example_recipe_runs(tmp_path):
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    stdout = run_train("examples/tiny_dapo.yaml", out, *SHORT)
+    stdout = train_in_ranks(2, os.path.join(ROOT, "examples", "tiny_dapo.yaml"), out, *SHORT)
     return out, stdout
 
 
