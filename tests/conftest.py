@@ -71,24 +71,22 @@ def server():
 # ---- one short RL run through a real sglang-router fleet, shared by two test modules ------------
 def tiny_train(out, *overrides: str, timeout: int = 800) -> tuple[list[dict], str]:
     """Three RL steps of the tiny recipe at TP1 x PP2 (per-request seeds: the samples do not
-    depend on which server or batch served a request): ``(metrics rows, stdout)``."""
+    depend on which server or batch served a request): ``(metrics rows, stdout)``. The CLI runs
+    in place on two spawned ranks (:func:`run_cli`, as under torchrun)."""
     import json
-    import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
-           "trainer.plots=false", "trainer.test_freq=3", "trainer.save_freq=3",
-           "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
-           "rollout.dynamic_sampling=false", "rollout.val_n=1", "actor.micro_batch_size=8",
-           "actor.mini_batch_size=8",
-           "sft.steps=10", "data.val_size=8", "rollout.per_request_seed=true",
-           "rollout.temperature=0.9", *overrides]
-    env = {**os.environ, "PYTHONPATH": root}
-    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], res.stdout
+    argv = ["train", os.path.join(root, "examples", "tiny_dapo.yaml"),
+            f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
+            "trainer.plots=false", "trainer.test_freq=3", "trainer.save_freq=3",
+            "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
+            "rollout.dynamic_sampling=false", "rollout.val_n=1", "actor.micro_batch_size=8",
+            "actor.mini_batch_size=8",
+            "sft.steps=10", "data.val_size=8", "rollout.per_request_seed=true",
+            "rollout.temperature=0.9", *overrides]
+    (code, stdout, stderr), = run_cli(2, argv, timeout_s=timeout)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], stdout
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +107,9 @@ def cli_each(commands: list, port_dir: str) -> list[tuple[int, str, str]]:
     """``python -m megatron_rl ARGV`` for each ARGV of ``commands`` in turn, in this spawned rank:
     the spawn's torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK) make ``train``/``sft``/``eval``
     run this rank in place, as under torchrun; every rank of the group runs every command, each
-    command with a fresh rendezvous port (rank 0 picks it and leaves it in ``port_dir``). An
-    entry ``("write", path, text)`` replaces a file's text instead (atomically; each rank writes
-    the same). Returns ``(exit code, stdout, stderr)`` per command (-1 and the traceback in stderr
-    for an exception); stops after the first exception."""
+    command with a fresh rendezvous port (rank 0 picks it and leaves it in ``port_dir``).
+    Returns ``(exit code, stdout, stderr)`` per command (-1 and the traceback in stderr for an
+    exception); stops after the first exception."""
     import contextlib
     import io
     import time
@@ -124,13 +121,6 @@ def cli_each(commands: list, port_dir: str) -> list[tuple[int, str, str]]:
 
     results = []
     for i, argv in enumerate(commands):
-        if argv[0] == "write":
-            tmp = f"{argv[1]}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(argv[2])
-            os.replace(tmp, argv[1])
-            results.append((0, "", ""))
-            continue
         port_file = os.path.join(port_dir, f"port{i}")
         if os.environ["RANK"] == "0":
             with open(port_file + ".tmp", "w") as f:
