@@ -71,24 +71,22 @@ def server():
 # ---- one short RL run through a real sglang-router fleet, shared by two test modules ------------
 def tiny_train(out, *overrides: str, timeout: int = 800) -> tuple[list[dict], str]:
     """Three RL steps of the tiny recipe at TP1 x PP2 (per-request seeds: the samples do not
-    depend on which server or batch served a request): ``(metrics rows, stdout)``."""
+    depend on which server or batch served a request): ``(metrics rows, stdout)``. The CLI runs
+    in place on two spawned ranks (:func:`run_cli`, as under torchrun)."""
     import json
-    import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
-           f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
-           "trainer.plots=false", "trainer.test_freq=3", "trainer.save_freq=3",
-           "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
-           "rollout.dynamic_sampling=false", "rollout.val_n=1", "actor.micro_batch_size=8",
-           "actor.mini_batch_size=8",
-           "sft.steps=10", "data.val_size=8", "rollout.per_request_seed=true",
-           "rollout.temperature=0.9", *overrides]
-    env = {**os.environ, "PYTHONPATH": root}
-    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], res.stdout
+    argv = ["train", os.path.join(root, "examples", "tiny_dapo.yaml"),
+            f"output_dir={out}", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=3",
+            "trainer.plots=false", "trainer.test_freq=3", "trainer.save_freq=3",
+            "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
+            "rollout.dynamic_sampling=false", "rollout.val_n=1", "actor.micro_batch_size=8",
+            "actor.mini_batch_size=8",
+            "sft.steps=10", "data.val_size=8", "rollout.per_request_seed=true",
+            "rollout.temperature=0.9", *overrides]
+    (code, stdout, stderr), = run_cli(2, argv, timeout_s=timeout)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))], stdout
 
 
 @pytest.fixture(scope="session")
@@ -102,3 +100,65 @@ def fleet_run(tmp_path_factory):
                          f"rollout.sglang.router_port={free_port_block(3)}",
                          "rollout.sglang.weight_sync=from_tensor")
     return rows, out
+
+
+# ---- CLI commands in spawned ranks (no launcher process, no interpreter start per command) ------
+def cli_each(commands: list, port_dir: str) -> list[tuple[int, str, str]]:
+    """``python -m megatron_rl ARGV`` for each ARGV of ``commands`` in turn, in this spawned rank:
+    the spawn's torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK) make ``train``/``sft``/``eval``
+    run this rank in place, as under torchrun; every rank of the group runs every command, each
+    command with a fresh rendezvous port (rank 0 picks it and leaves it in ``port_dir``).
+    Returns ``(exit code, stdout, stderr)`` per command (-1 and the traceback in stderr for an
+    exception); stops after the first exception."""
+    import contextlib
+    import io
+    import time
+    import traceback
+
+    from megatron_rl.cli.app import main
+    from megatron_rl.parallel import runtime
+    from megatron_rl.parallel.launch import free_port
+
+    results = []
+    for i, argv in enumerate(commands):
+        port_file = os.path.join(port_dir, f"port{i}")
+        if os.environ["RANK"] == "0":
+            with open(port_file + ".tmp", "w") as f:
+                f.write(str(free_port()))
+            os.replace(port_file + ".tmp", port_file)
+        while not os.path.exists(port_file):
+            time.sleep(0.05)
+        os.environ["MASTER_PORT"] = open(port_file).read()
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 1
+            except Exception:  # noqa: BLE001 - reported to the test
+                code = -1
+                err.write(traceback.format_exc())
+                runtime.shutdown()
+        results.append((code, out.getvalue(), err.getvalue()))
+        if code == -1:
+            break
+    return results
+
+
+def run_cli(world: int, *commands, timeout_s: float = 850,
+            env: dict | None = None) -> list[tuple[int, str, str]]:
+    """:func:`cli_each` on ``world`` spawned ranks (world = the commands' TP x PP x CP x DP):
+    rank 0's ``(exit code, stdout, stderr)`` per command. The ranks fork from the test
+    process's rank server, which has torch and megatron-core imported already; ``env``: more
+    variables for them."""
+    import shutil
+    import tempfile
+
+    from megatron_rl.parallel.launch import spawn
+
+    port_dir = tempfile.mkdtemp(prefix="mrl_cli_ports_")
+    try:
+        return spawn(cli_each, world, (list(commands), port_dir), timeout_s=timeout_s,
+                     env={"CUDA_VISIBLE_DEVICES": "", **(env or {})})[0]
+    finally:
+        shutil.rmtree(port_dir, ignore_errors=True)

@@ -534,10 +534,14 @@ def test_one_step_off_run_killed_mid_way_resumes(tmp_path):
     assert proc.poll() is None, "the run finished before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "resumed from checkpoint" in res.stdout
-    assert "rollout producer stopped" in res.stdout
+    # the resume: the same command in place on two spawned ranks (as under torchrun)
+    from conftest import run_cli
+
+    (code, out, err), = run_cli(2, ["train", os.path.join(root, cmd[4]), *cmd[5:]],
+                                timeout_s=600)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "resumed from checkpoint" in out
+    assert "rollout producer stopped" in out
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     trained = [r for r in rows if "rollout/staleness_max" in r]
     assert [r["step"] for r in trained] == [1, 2, 3, 4, 5, 6]

@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_actor_checkpoint import _train
 from test_actor_layout import GLOBAL_SEQS, loss_config
-from test_trainer import metrics, run_train
+from test_trainer import ROOT, metrics, train_in_ranks
 
 from megatron_rl.parallel.launch import spawn
 
@@ -248,12 +248,14 @@ E2E = ("parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "optim.use_distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_run_resumes_to_the_same_metrics(tmp_path):
-    run_train("examples/tiny_dapo.yaml", tmp_path, *E2E)
+    """Both runs: the CLI in place on two spawned ranks (as under torchrun)."""
+    config = os.path.join(ROOT, "examples", "tiny_dapo.yaml")
+    train_in_ranks(2, config, tmp_path, *E2E)
     full = metrics(tmp_path)
     # As if the job had been killed right after its first checkpoint: ``latest`` names step 0
     # (later checkpoints are overwritten, later metric rows dropped on resume).
     (tmp_path / "checkpoints" / "latest").write_text("step_0000000")
-    out = run_train("examples/tiny_dapo.yaml", tmp_path, *E2E)
+    out = train_in_ranks(2, config, tmp_path, *E2E)
     assert "resumed from checkpoint at step 1" in out
     assert metrics(tmp_path) == full and len(full) == 4
 

@@ -151,45 +151,63 @@ def _cli(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path):
+def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path, capsys):
     """Two RL steps, then: `eval RUN` (newest checkpoint), `eval HF_EXPORT --out` and `eval
     MEGATRON_CKPT --out` (the export converted back) give the same samples and metrics; at
     temperature 0 the embedded engine and our `serve` fleet behind the real sglang-router give
     the same samples; `eval RUN --step 1` is another checkpoint; `eval CONFIG output_dir=RUN`
-    still prints the validation accuracy; `eval --compare` reads both."""
+    still prints the validation accuracy; `eval --compare` reads both. All commands but one run
+    one after another in one spawned rank (as under torchrun); `eval RUN` is a real
+    `python -m megatron_rl` process (launcher, spawned rank, progress on stderr)."""
+    from conftest import run_cli
+
+    from megatron_rl.cli.app import main
     from megatron_rl.testing.procs import free_port_block
 
     run = tmp_path / "run"
-    _cli("train", "examples/tiny_dapo.yaml", f"output_dir={run}", "parallel.tp=1",
-         "parallel.pp=1", "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
-         "sft.steps=20", "trainer.train_batch_size=4", "rollout.n=4", "rollout.gen_batch_size=4",
-         "rollout.dynamic_sampling=false", "actor.micro_batch_size=8",
-         "actor.mini_batch_size=8", "data.val_size=8", "trainer.plots=false")
     sets = ["--sets", "math_latex,chain_sum", "--n", "4", "--k", "1,2,4",
             "--max-new-tokens", "4"]
+    greedy = ["--sets", "math_latex,chain_sum", "--n", "2", "--temperature", "0",
+              "--max-new-tokens", "4"]
+    commands = [
+        ["train", str(ROOT / "examples" / "tiny_dapo.yaml"), f"output_dir={run}",
+         "parallel.tp=1", "parallel.pp=1", "trainer.total_steps=2", "trainer.save_freq=1",
+         "trainer.test_freq=2", "sft.steps=20", "trainer.train_batch_size=4", "rollout.n=4",
+         "rollout.gen_batch_size=4", "rollout.dynamic_sampling=false",
+         "actor.micro_batch_size=8", "actor.mini_batch_size=8", "data.val_size=8",
+         "trainer.plots=false"],
+        ["export", str(run), "--out", str(tmp_path / "hf")],
+        ["eval", str(tmp_path / "hf"), *sets, "--out", str(tmp_path / "hf_eval")],
+        ["convert", "hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--out",
+         str(tmp_path / "meg")],
+        ["eval", str(tmp_path / "meg"), *sets, "--out", str(tmp_path / "meg_eval")],
+        ["eval", str(run), *greedy, "--out", str(tmp_path / "emb")],
+        ["eval", str(run), *greedy, "--out", str(tmp_path / "fleet"), "rollout.engine=sglang",
+         "rollout.sglang.num_servers=2", f"rollout.sglang.router_port={free_port_block(3)}",
+         "rollout.sglang.weight_sync=from_tensor"],
+        ["eval", str(run), *sets, "--step", "1", "--out", str(tmp_path / "step1")],
+        ["eval", str(ROOT / "examples" / "tiny_dapo.yaml"), f"output_dir={run}",
+         "parallel.tp=1", "parallel.pp=1", "data.val_size=8"],
+    ]
+    results = run_cli(1, *commands, timeout_s=1100)
+    for argv, (code, out, err) in zip(commands, results):
+        assert code == 0, (argv[:2], out[-3000:], err[-3000:])
+    assert len(results) == len(commands)
+    legacy = results[-1][1]
+    assert "eval: val_acc=" in legacy and "(after step 2)" in legacy
+
     res = _cli("eval", str(run), *sets)
     assert "eval: val_acc=" in res.stdout and "(after step 2)" in res.stdout
     assert "pass@4" in res.stdout.splitlines()[-4] and "samples" in res.stderr  # table, progress
     trained = json.loads((run / "eval" / "math_latex.json").read_text())
     assert len(trained["samples"]) == 48 and trained["settings"]["n"] == 4
     assert set(trained["samples"][0]) >= {"prompt_id", "response", "answer", "score", "correct"}
-    _cli("export", str(run), "--out", str(tmp_path / "hf"))
-    _cli("eval", str(tmp_path / "hf"), *sets, "--out", str(tmp_path / "hf_eval"))
     exported = json.loads((tmp_path / "hf_eval" / "eval" / "math_latex.json").read_text())
     assert [s["response"] for s in exported["samples"]] == \
         [s["response"] for s in trained["samples"]]
     assert exported["metrics"] == trained["metrics"]
-    _cli("convert", "hf-to-megatron", "--hf-dir", str(tmp_path / "hf"), "--out",
-         str(tmp_path / "meg"))
-    _cli("eval", str(tmp_path / "meg"), *sets, "--out", str(tmp_path / "meg_eval"))
     converted = json.loads((tmp_path / "meg_eval" / "eval" / "math_latex.json").read_text())
     assert converted["kind"] == "megatron" and converted["metrics"] == trained["metrics"]
-    greedy = ["--sets", "math_latex,chain_sum", "--n", "2", "--temperature", "0",
-              "--max-new-tokens", "4"]
-    _cli("eval", str(run), *greedy, "--out", str(tmp_path / "emb"))
-    _cli("eval", str(run), *greedy, "--out", str(tmp_path / "fleet"), "rollout.engine=sglang",
-         "rollout.sglang.num_servers=2", f"rollout.sglang.router_port={free_port_block(3)}",
-         "rollout.sglang.weight_sync=from_tensor")
     for name in ("math_latex", "chain_sum"):
         emb = json.loads((tmp_path / "emb" / "eval" / f"{name}.json").read_text())
         fleet = json.loads((tmp_path / "fleet" / "eval" / f"{name}.json").read_text())
@@ -197,11 +215,8 @@ def test_run_its_hf_export_and_config_form_give_the_same_samples(tmp_path):
         assert [s["response"] for s in fleet["samples"]] == [s["response"] for s in
                                                              emb["samples"]], name
         assert fleet["metrics"] == emb["metrics"], name
-    _cli("eval", str(run), *sets, "--step", "1", "--out", str(tmp_path / "step1"))
     step1 = json.loads((tmp_path / "step1" / "eval" / "chain_sum.json").read_text())
     assert "(after step 1)" in step1["weights"]
-    legacy = _cli("eval", "examples/tiny_dapo.yaml", f"output_dir={run}", "parallel.tp=1",
-                  "parallel.pp=1", "data.val_size=8")
-    assert "eval: val_acc=" in legacy.stdout and "(after step 2)" in legacy.stdout
-    cmp = _cli("eval", "--compare", str(tmp_path / "step1"), str(run))
-    assert "chain_sum (n=4, paired bootstrap over prompts)" in cmp.stdout
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(tmp_path / "step1"), str(run)]) == 0
+    assert "chain_sum (n=4, paired bootstrap over prompts)" in capsys.readouterr().out

@@ -195,14 +195,11 @@ def test_training_logs_eval_sets_at_start_every_test_freq_and_end(tmp_path):
     assert last["eval/gym/pass@4"] >= last["eval/gym/pass@1"]
     assert "eval/greedy/pass@1" in last and "[eval] step 3 gym:" in stdout
     # `eval RUN` on the last checkpoint: the numbers the training log shows for that step
-    import os
-    import subprocess
-    import sys
+    # (in place on the run's two ranks, as under torchrun: conftest.run_cli)
+    from conftest import run_cli
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", str(tmp_path)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (code, out, err), = run_cli(2, ["eval", str(tmp_path)], timeout_s=600)
+    assert code == 0, out[-2000:] + err[-2000:]
     for name in ("gym", "greedy"):
         doc = json.loads((tmp_path / "eval" / f"{name}.json").read_text())
         logged = {k.split("/")[-1]: v for k, v in last.items() if k.startswith(f"eval/{name}/")}

@@ -14,8 +14,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -284,16 +282,18 @@ def test_train_from_hf_dir_tp2pp2_exports_loadable_hf_checkpoints(tiny, tmp_path
 
     out = tmp_path / "run"
     (tmp_path / "run.yaml").write_text(f"model: {{hf_path: {tiny['qwen2']['model']}}}\n")
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(tmp_path / "run.yaml"),
+    from conftest import run_cli
+
+    cmd = ["train", str(tmp_path / "run.yaml"),
            f"data.path={tiny['qwen2']['data']}", "data.val_size=8", "parallel.tp=2",
            "parallel.pp=2", "trainer.total_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
            "trainer.plots=false",
            "trainer.train_batch_size=4", "rollout.n=2", "rollout.max_new_tokens=6",
            "rollout.dynamic_sampling=false", "actor.micro_batch_size=4",
            "loss.algorithm=grpo", "optim.lr=0.01", f"output_dir={out}"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "summary: val_acc_start=" in res.stdout
+    (code, stdout, stderr), = run_cli(4, cmd, timeout_s=800)  # TP2 x PP2 in place
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "summary: val_acc_start=" in stdout
     assert json.load(open(out / "reference_source.json"))["kind"] == "hf"  # grpo has a KL term
     ckpts = sorted(glob.glob(str(out / "checkpoints" / "step_*")))
     assert len(ckpts) == 2 and all(os.path.isfile(os.path.join(c, "hf", "config.json"))

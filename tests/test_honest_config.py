@@ -251,9 +251,22 @@ def _train(out, *extra):
                           text=True, timeout=600)
 
 
+def _train_here(out, capsys, *extra) -> tuple[int, str, str]:
+    """``train`` through the CLI's ``main`` in this process, for command lines the resume
+    preflight ends before any rank starts: ``(exit code, stdout, stderr)``."""
+    from megatron_rl.cli.app import main
+
+    capsys.readouterr()
+    code = main(["train", *RUN, f"output_dir={out}", *extra])
+    res = capsys.readouterr()
+    return code, res.out, res.err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_reinforce_pp_run_metrics_pruning_and_resume_preflight(tmp_path):
+def test_reinforce_pp_run_metrics_pruning_and_resume_preflight(tmp_path, capsys, monkeypatch):
+    """Three steps (early stop), then the resume preflight: a finished run, a refused change
+    (both end before any rank starts, so they run in this process) and an allowed one."""
     res = _train(tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "early stop at step 3" in res.stdout
@@ -269,13 +282,15 @@ def test_reinforce_pp_run_metrics_pruning_and_resume_preflight(tmp_path):
     ckpts = sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.startswith("step_"))
     assert ckpts == ["step_0000001", "step_0000002"]  # keep_checkpoints=2
 
-    again = _train(tmp_path)  # an early-stopped run is finished
-    assert again.returncode == 0 and "early-stopped after step 3" in again.stdout
+    monkeypatch.chdir(ROOT)
+    code, out, _ = _train_here(tmp_path, capsys)  # an early-stopped run is finished
+    assert code == 0 and "early-stopped after step 3" in out
     assert len([json.loads(x) for x in open(tmp_path / "metrics.jsonl")]) == len(rows)
 
-    bad = _train(tmp_path, "trainer.advantage=grpo", "trainer.kl_in_reward_coef=0")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: cannot resume")
-    assert "trainer.advantage: 'reinforce_pp' -> 'grpo'" in bad.stderr
+    code, _, err = _train_here(tmp_path, capsys, "trainer.advantage=grpo",
+                               "trainer.kl_in_reward_coef=0")
+    assert code == 2 and err.startswith("error: cannot resume")
+    assert "trainer.advantage: 'reinforce_pp' -> 'grpo'" in err
 
     more = _train(tmp_path, "early_stop.enabled=false")  # allowed change: warned, kept
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]

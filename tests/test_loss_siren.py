@@ -4,6 +4,8 @@ no host sync, config validation. DP=2 layouts: tests/test_loss_layout.py (case "
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -149,12 +151,13 @@ def test_siren_anchor_survives_resume(tmp_path):
     """SIREN's anchor (the first step's selected entropy, held by the last pipeline stage) is
     saved with the checkpoint: a run resumed after step 1 logs the same metrics as the whole run
     (a re-anchored run would take step 2's entropy as its anchor)."""
-    from test_trainer import metrics, run_train
+    from test_trainer import ROOT, metrics, train_in_ranks
 
-    run_train("examples/tiny_siren.yaml", tmp_path, *SIREN_RESUME)
+    config = os.path.join(ROOT, "examples", "tiny_siren.yaml")
+    train_in_ranks(2, config, tmp_path, *SIREN_RESUME)
     full = metrics(tmp_path)
     assert len({r["siren/anchor"] for r in full if "siren/anchor" in r}) == 1
     (tmp_path / "checkpoints" / "latest").write_text("step_0000000")
-    out = run_train("examples/tiny_siren.yaml", tmp_path, *SIREN_RESUME)
+    out = train_in_ranks(2, config, tmp_path, *SIREN_RESUME)
     assert "resumed from checkpoint at step 1" in out
     assert metrics(tmp_path) == full and len(full) == 4

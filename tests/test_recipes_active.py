@@ -198,19 +198,16 @@ SHORT = ("parallel.tp=1", "parallel.pp=1", "sft.steps=0", "trainer.total_steps=2
          "data.val_size=4", "rollout.val_n=1")
 
 
-def _run(args: list[str], timeout: int = 600) -> None:
-    res = subprocess.run([sys.executable, "-m", "megatron_rl", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "PYTHONPATH": ROOT})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def warm_weights(tmp_path_factory) -> str:
-    """One supervised warm start of the tiny recipes (TP1), shared by the short runs."""
+    """One supervised warm start of the tiny recipes (TP1), shared by the short runs (the CLI
+    in place on one spawned rank, as under torchrun: conftest.run_cli)."""
+    from conftest import run_cli
+
     out = tmp_path_factory.mktemp("sft")
-    _run(["sft", "examples/tiny_dapo.yaml", f"output_dir={out}", "parallel.tp=1",
-          "parallel.pp=1"])
+    (code, stdout, stderr), = run_cli(1, ["sft", os.path.join(ROOT, "examples", "tiny_dapo.yaml"),
+                                          f"output_dir={out}", "parallel.tp=1", "parallel.pp=1"])
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     path = os.path.join(out, "sft_weights.pt")
     assert os.path.exists(path)
     return path
@@ -218,8 +215,9 @@ def warm_weights(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def short_runs(warm_weights, tmp_path_factory):
-    """``recipe -> metrics rows`` of its short run from the shared warm start: every recipe
-    of :data:`ACTIVE_METRICS` once, one after another in one spawned rank (one start-up)."""
+    """``recipe -> (summary, metrics rows)`` of its short run from the shared warm start: every
+    recipe of :data:`ACTIVE_METRICS` once, one after another in one spawned rank (one
+    start-up). These runs are also these recipes' share of test_trainer's every-recipe check."""
     from megatron_rl.parallel.launch import spawn
     from megatron_rl.run.serial_runs import train_each
 
@@ -231,8 +229,9 @@ def short_runs(warm_weights, tmp_path_factory):
     failed = {name: res["error"][-2000:] for name, res in results.items() if "error" in res}
     assert not failed, failed
 
-    def get(recipe: str) -> list[dict]:
-        return [json.loads(line) for line in open(root / recipe / "metrics.jsonl")]
+    def get(recipe: str) -> tuple[dict, list[dict]]:
+        rows = [json.loads(line) for line in open(root / recipe / "metrics.jsonl")]
+        return results[recipe]["summary"], rows
 
     return get
 
@@ -249,9 +248,15 @@ def _derived(row: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(ACTIVE_METRICS))
 def test_active_mechanism_acts_in_recipe(recipe, short_runs):
-    rows = [_derived(r) for r in short_runs(recipe)]
+    """The recipe runs its two RL steps (nothing skipped, the policy loss and the entropy
+    dynamics diagnostic logged) and its mechanism shows in each step's metrics."""
+    summary, raw = short_runs(recipe)
+    assert summary["steps"] == 2
+    rows = [_derived(r) for r in raw]
     steps = [r for r in rows if "policy/ppo_kl" in r]
     assert len(steps) == 2
+    assert steps[-1]["actor/skipped"] == 0.0 and "policy/pg_loss" in steps[-1]
+    assert "entropy_dynamics/cov_mean_top" in steps[-1]
     for r in steps:
         assert r["policy/ppo_kl"] != 0.0  # updates 2-4 are off-policy
         for key in ACTIVE_METRICS[recipe]:
@@ -262,8 +267,8 @@ def test_active_mechanism_acts_in_recipe(recipe, short_runs):
 def test_active_kl_cov_differs_from_dapo(short_runs):
     """With one update per step the two recipes logged identical metrics at every step; now the
     KL-Cov penalty acts from the second update on, so the first step's update differs."""
-    dapo = [r for r in short_runs("tiny_dapo") if "policy/ppo_kl" in r]
-    klcov = [r for r in short_runs("tiny_kl_cov") if "policy/ppo_kl" in r]
+    dapo = [r for r in short_runs("tiny_dapo")[1] if "policy/ppo_kl" in r]
+    klcov = [r for r in short_runs("tiny_kl_cov")[1] if "policy/ppo_kl" in r]
     assert dapo[0]["rollout/reward"] == klcov[0]["rollout/reward"]  # the same first rollout
     assert dapo[0]["actor/grad_norm"] != klcov[0]["actor/grad_norm"]
     assert dapo[-1]["policy/entropy"] != klcov[-1]["policy/entropy"]
