@@ -126,7 +126,7 @@ def test_study_report_summary_over_seeds_on_recorded_metrics(tmp_path):
             {0: 0.5, 4: 0.6}, {0: 0.3, 4: 0.4})
     _record(by_name["dapo,max_staleness=0 seed=2"].run_dir, [1.0, 0.9, 0.8, 0.7],
             {0: 0.5, 4: 0.8}, {0: 0.3, 4: 0.45})
-    # bapo, staleness 1: one seed recorded, not finished
+    # bapo, staleness 1: one seed recorded, not finished (it would have collapsed at step 2)
     _record(by_name["bapo,max_staleness=1 seed=1"].run_dir, [0.5, 0.2],
             {0: 0.4, 2: 0.25}, {}, done=False)
     report = open(write_report(plan)).read()
@@ -141,8 +141,9 @@ def test_study_report_summary_over_seeds_on_recorded_metrics(tmp_path):
         "dapo", "0", "2/2", f"0.700 ± {sd_acc:.3f}", f"0.425 ± {math.sqrt(2 * 0.025**2):.3f}",
         f"0.850 ± {math.sqrt(2 * 0.05**2):.3f}", f"0.500 ± {math.sqrt(2 * 0.2**2):.3f}",
         "1/2 (3, —)", "4, 4"]
+    # an unfinished run counts in "steps trained" only
     assert _table_row(report, "bapo", "1") == [
-        "bapo", "1", "0/2", "0.250 ± 0.000", "—", "—", "0.200 ± 0.000", "1/2 (2, —)", "2, 0"]
+        "bapo", "1", "0/2", "—", "—", "—", "—", "0/0", "2, 0"]
     assert _table_row(report, "dapo", "1")[2:4] == ["0/2", "—"]
     assert "`policy/entropy` is below 0.5 × its value" in report
     # the per-run table is still there, and the curves are one figure side by side

@@ -2,7 +2,7 @@
 
 A sweep file with ``seeds`` (and/or a sweep ``grid``, e.g. ``rollout.max_staleness: [0, 1]``)
 is a study: every (condition, grid point) is a *group* of runs, one per seed. For each group the
-report gives (:func:`study_table`)
+report gives over its finished runs (:func:`study_table`)
 
 - the final validation accuracy (``val/acc``, the last value logged) as mean ± spread over
   seeds; the spread is the sample standard deviation (n - 1; 0 for one seed);
@@ -90,12 +90,11 @@ def groups(plan: SweepPlan, sweep: str) -> list[list[Condition]]:
 def summarize_group(runs: list[list[dict]], keys: list[str], metric: str,
                     fraction: float) -> dict[str, Any]:
     """One group's row: final accuracy, final pass@k (``keys``), final entropy (mean, spread,
-    count) and every run's steps to collapse and steps trained."""
+    count) and every run's steps to collapse."""
     return {"acc": mean_spread([final(r, ACC_KEY) for r in runs]),
             "pass": {k: mean_spread([final(r, k) for r in runs]) for k in keys},
             "entropy": mean_spread([final(r, ENTROPY_KEY) for r in runs]),
-            "collapse": [steps_to_collapse(r, metric, fraction) for r in runs],
-            "steps": [max([int(x["step"]) for x in r if "step" in x] or [0]) for r in runs]}
+            "collapse": [steps_to_collapse(r, metric, fraction) for r in runs]}
 
 
 def study_table(plan: SweepPlan, sweep: str) -> list[str]:
@@ -111,18 +110,23 @@ def study_table(plan: SweepPlan, sweep: str) -> list[str]:
     lines = [f"### Summary over seeds ({sweep})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in grps:
-        s = summarize_group([rows_of[c.run_dir] for c in g], keys, plan.collapse_metric,
+        done = [c for c in g if is_done(c)]
+        s = summarize_group([rows_of[c.run_dir] for c in done], keys, plan.collapse_metric,
                             plan.collapse_fraction)
         collapsed = sum(x is not None for x in s["collapse"])
         per_seed = ", ".join("—" if x is None else str(x) for x in s["collapse"])
+        steps = [max([int(x["step"]) for x in rows_of[c.run_dir] if "step" in x] or [0])
+                 for c in g]
         cells = ([g[0].label or g[0].group] + [str(g[0].point.get(k)) for k in grid_keys]
-                 + [f"{sum(is_done(c) for c in g)}/{len(g)}", _pm(s["acc"])]
+                 + [f"{len(done)}/{len(g)}", _pm(s["acc"])]
                  + [_pm(s["pass"][k]) for k in keys]
-                 + [_pm(s["entropy"]), f"{collapsed}/{len(g)} ({per_seed})",
-                    ", ".join(str(x) for x in s["steps"])])
+                 + [_pm(s["entropy"]), f"{collapsed}/{len(done)}" + (f" ({per_seed})" if done
+                                                                     else ""),
+                    ", ".join(str(x) for x in steps)])
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Final values are each run's last logged value, as mean ± sample standard "
-              f"deviation over seeds. Steps to collapse: the first step at which "
+    lines += ["", f"Summary columns are over the finished runs: each run's last logged value, "
+              f"as mean ± sample standard deviation over seeds. Steps to collapse: the first "
+              f"step at which "
               f"`{plan.collapse_metric}` is below {plan.collapse_fraction:g} × its value at the "
               f"run's first logged step (— : never)."]
     return lines
