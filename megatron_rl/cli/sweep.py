@@ -7,12 +7,16 @@ A sweep file (YAML)::
     output_dir: runs/sweeps/rv_tiny      # default: runs/sweeps/<file stem>; output_dir=... on the
                                          # command line overrides it
     parallel_runs: 1                     # runs executed at the same time
+    seeds: [1, 2, 3]                     # optional: every condition once per seed
+    seed_key: trainer.seed               # the key the seed sets (default trainer.seed)
+    collapse: {metric: policy/entropy, fraction: 0.5}  # "steps to collapse" (study report)
     sweeps:
       - name: rv_filter
         axis: rollout.rv_filter_p        # the one changed key (labels the table)
         values: [1.0, 0.9]               # one condition per value: {axis: value}
         conditions:                      # and/or named conditions setting several keys
           nofilter: {rollout.rv_filter_p: 1.0, rollout.rv_include_zero: true}
+        grid: {rollout.max_staleness: [0, 1]}  # optional: every condition x every grid point
 
 Every condition's config is loaded (and so validated) before anything runs. Each run is
 ``python -m megatron_rl train BASE key=value ... output_dir=OUT/<sweep>/<condition>`` with its log
@@ -21,6 +25,8 @@ in ``train.log``; a run that finished writes ``sweep_done.json`` and is skipped 
 ``OUT/report.md`` holds one table per sweep (best and final validation success, steps trained,
 early stop and why) and ``OUT/plots/<sweep>_<metric>.png`` one line per condition for the
 validation success, the policy entropy, the KL to the reference and the in-group reward std.
+With ``seeds`` or a ``grid`` the report adds the study's summary table and curves over seeds
+(:mod:`megatron_rl.cli.study`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ class Condition:
     overrides: dict[str, Any]
     run_dir: str = ""
     total_steps: int = 0  # trainer.total_steps of the run (progress)
+    label: str = ""  # the condition's own name (without grid point and seed)
+    group: str = ""  # the condition without its seed (runs of one group differ only by seed)
+    point: dict[str, Any] = field(default_factory=dict)  # its grid point ({} without a grid)
+    seed: int | None = None  # None: the sweep file has no ``seeds``
 
 
 @dataclass
@@ -69,6 +79,15 @@ class SweepPlan:
     parallel_runs: int
     sweeps: dict[str, str] = field(default_factory=dict)  # sweep name -> axis label
     conditions: list[Condition] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)  # [] : one run per condition
+    grids: dict[str, dict[str, list]] = field(default_factory=dict)  # sweep -> its grid
+    collapse_metric: str = "policy/entropy"
+    collapse_fraction: float = 0.5
+
+    @property
+    def is_study(self) -> bool:
+        """Seeds or a grid: the report adds the summary over seeds (:mod:`.study`)."""
+        return bool(self.seeds) or any(self.grids.values())
 
 
 def _slug(text: str) -> str:
@@ -87,7 +106,8 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
             spec = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"sweep file {path!r} does not exist") from None
-    known = {"base", "overrides", "output_dir", "parallel_runs", "sweeps"}
+    known = {"base", "overrides", "output_dir", "parallel_runs", "sweeps", "seeds", "seed_key",
+             "collapse"}
     bad = sorted(set(spec) - known)
     if bad:
         raise ConfigError(f"{path}: unknown sweep key(s) {bad}{closest_name(bad[0], known)} "
@@ -104,6 +124,9 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
                      parallel_runs=int(spec.get("parallel_runs", 1)))
     if plan.parallel_runs < 1:
         raise ConfigError(f"{path}: parallel_runs must be >= 1")
+    plan.seeds = _seeds(path, spec.get("seeds"))
+    seed_key = str(spec.get("seed_key", "trainer.seed"))
+    _collapse(path, spec.get("collapse"), plan)
     common = dict(spec.get("overrides") or {})
     for item in extra or []:
         if "=" not in item:
@@ -113,11 +136,11 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
     for i, sw in enumerate(spec["sweeps"]):
         if not isinstance(sw, dict) or "name" not in sw:
             raise ConfigError(f"{path}: sweeps[{i}] must be a mapping with a 'name'")
-        extra = sorted(set(sw) - {"name", "axis", "values", "conditions"})
+        allowed = ("name", "axis", "values", "conditions", "grid")
+        extra = sorted(set(sw) - set(allowed))
         if extra:
             raise ConfigError(f"{path}: sweeps[{i}] has unknown key(s) {extra}"
-                              f"{closest_name(extra[0], ('name', 'axis', 'values', 'conditions'))}"
-                              " (allowed: name, axis, values, conditions)")
+                              f"{closest_name(extra[0], allowed)} (allowed: {', '.join(allowed)})")
         name, axis = str(sw["name"]), sw.get("axis")
         if name in plan.sweeps:
             raise ConfigError(f"{path}: two sweeps are named {name!r}")
@@ -134,15 +157,70 @@ def load_sweep(path: str, extra: list[str] | None = None) -> SweepPlan:
         if not conds:
             raise ConfigError(f"{path}: sweep {name} has no conditions (give values or "
                               "conditions)")
-        for cname, sets in conds:
-            c = Condition(name, cname, {**common, **sets})
-            c.run_dir = os.path.join(plan.output_dir, _slug(name), _slug(cname))
-            try:
-                c.total_steps = load_config(base, run_overrides(c)).trainer.total_steps
-            except ConfigError as exc:
-                raise ConfigError(f"{path}: sweep {name}, condition {cname}: {exc}") from None
-            plan.conditions.append(c)
+        plan.grids[name] = _grid(path, name, sw.get("grid"))
+        crossed = _cross(conds, plan.grids[name])
+        for seed in plan.seeds or [None]:  # seed-major: a cut-short study covers every group
+            for label, cname, sets in crossed:
+                c = Condition(name, cname, {**common, **sets}, label=label, group=cname,
+                              point={k: sets[k] for k in plan.grids[name]}, seed=seed)
+                c.run_dir = os.path.join(plan.output_dir, _slug(name), _slug(cname))
+                if seed is not None:
+                    c.name = f"{cname} seed={seed}"
+                    c.overrides[seed_key] = seed
+                    c.run_dir = os.path.join(c.run_dir, f"seed={seed}")
+                try:
+                    c.total_steps = load_config(base, run_overrides(c)).trainer.total_steps
+                except ConfigError as exc:
+                    raise ConfigError(f"{path}: sweep {name}, condition {c.name}: {exc}") from None
+                plan.conditions.append(c)
     return plan
+
+
+def _seeds(path: str, raw: Any) -> list[int]:
+    """``seeds``: a list of distinct ints (absent: [])."""
+    if raw is None:
+        return []
+    if (not isinstance(raw, list) or not raw
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw)
+            or len(set(raw)) != len(raw)):
+        raise ConfigError(f"{path}: seeds must be a non-empty list of distinct ints, got {raw!r}")
+    return list(raw)
+
+
+def _collapse(path: str, raw: Any, plan: SweepPlan) -> None:
+    """``collapse: {metric, fraction}``: the definition of "steps to collapse" (study report)."""
+    if raw is None:
+        return
+    if not isinstance(raw, dict) or set(raw) - {"metric", "fraction"}:
+        raise ConfigError(f"{path}: collapse must be a mapping with 'metric' and/or 'fraction', "
+                          f"got {raw!r}")
+    plan.collapse_metric = str(raw.get("metric", plan.collapse_metric))
+    frac = raw.get("fraction", plan.collapse_fraction)
+    if not _finite(frac) or not 0 < frac < 1:
+        raise ConfigError(f"{path}: collapse.fraction must be a number in (0, 1), got {frac!r}")
+    plan.collapse_fraction = float(frac)
+
+
+def _grid(path: str, sweep: str, raw: Any) -> dict[str, list]:
+    """A sweep's ``grid``: dotted key -> non-empty list of values (absent: {})."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(v, list) and v for v in raw.values()):
+        raise ConfigError(f"{path}: sweep {sweep}: grid must map keys to non-empty lists of "
+                          f"values, got {raw!r}")
+    return {str(k): list(v) for k, v in raw.items()}
+
+
+def _cross(conds: list[tuple[str, dict]],
+           grid: dict[str, list]) -> list[tuple[str, str, dict]]:
+    """Every condition at every grid point: ``(label, name, sets)`` with the name
+    ``label,key=value,...`` (the key's last component); the grid overrides a condition's key."""
+    out = [(n, n, sets) for n, sets in conds]
+    for key, values in grid.items():
+        short = key.split(".")[-1]
+        out = [(lab, f"{n},{short}={v}", {**sets, key: v}) for lab, n, sets in out
+               for v in values]
+    return out
 
 
 def run_overrides(c: Condition) -> list[str]:
@@ -259,7 +337,13 @@ def write_report(plan: SweepPlan) -> str:
             stop = f"yes ({s['reason']})" if s["early_stopped"] else "no"
             lines.append(f"| {c.name} | {_fmt(s['best_val'])} | {_fmt(s['final_val'])} | "
                          f"{s['steps']} | {stop} | {'yes' if is_done(c) else 'no'} |")
-        plots = plot_sweep(plan, sweep)
+        if plan.is_study:
+            from megatron_rl.cli.study import plot_study, study_table
+
+            lines += ["", *study_table(plan, sweep)]
+            plots = plot_study(plan, sweep)
+        else:
+            plots = plot_sweep(plan, sweep)
         lines += [""] + [f"![{os.path.basename(p)}](plots/{os.path.basename(p)})" for p in plots]
         lines.append("")
     path = os.path.join(plan.output_dir, "report.md")
