@@ -1,6 +1,7 @@
 """A tiny multi-turn PPO run (critic + GAE) on FrozenLake improves its success rate (issue 15)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,14 +33,17 @@ def test_tiny_frozenlake_ppo_improves_success(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_tiny_frozenlake_reinforce_pp_runs_end_to_end(tmp_path):
+def test_tiny_frozenlake_reinforce_pp_runs_end_to_end_with_collapse_metrics(tmp_path):
     """REINFORCE++ with KL in the reward on multi-turn episodes (issue 23 item 6): the late
-    advantages (returns carried across environment tokens) reach the update."""
+    advantages (returns carried across environment tokens) reach the update. The same run logs
+    the RAGEN-2 collapse diagnostics (issue 44) on both steps, finite, within their bounds."""
     cmd = [sys.executable, "-m", "megatron_rl", "train", "examples/sweeps/tiny_frozenlake.yaml",
            f"output_dir={tmp_path}", "trainer.advantage=reinforce_pp",
            "trainer.kl_in_reward_coef=0.01", "trainer.total_steps=2", "trainer.test_freq=2",
            "trainer.plots=false",
-           "trainer.save_freq=100", "env.val_size=4", "sft.steps=5", "early_stop.enabled=false"]
+           "trainer.save_freq=100", "env.val_size=4", "sft.steps=5", "early_stop.enabled=false",
+           "trainer.collapse_metrics.enabled=true", "trainer.collapse_metrics.every_n_steps=1",
+           "trainer.collapse_metrics.max_inputs=4", "trainer.collapse_metrics.reasoning=reply"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
@@ -48,3 +52,10 @@ def test_tiny_frozenlake_reinforce_pp_runs_end_to_end(tmp_path):
     # step 2 trains on updated weights, so old and reference policies differ: KL in the reward
     assert steps[1]["advantage/kl_in_reward"] > 0
     assert all(abs(r["policy/pg_loss"]) < 1e3 for r in steps)
+    for r in steps:  # 4 inputs (env maps) x 8 samples each, every reply scored under every map
+        assert r["collapse/inputs"] == 4 and r["collapse/samples"] == 32, r
+        keys = [k for k in r if k.startswith("collapse/")]
+        assert all(math.isfinite(r[k]) for k in keys), {k: r[k] for k in keys}
+        assert r["collapse/conditional_entropy"] >= 0 and r["collapse/valid_rate"] > 0
+        assert r["collapse/mi_estimate"] <= r["collapse/mi_upper_bound"] + 1e-9
+        assert 0 <= r["collapse/retrieval_accuracy"] <= 1
