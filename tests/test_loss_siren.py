@@ -108,7 +108,8 @@ def test_siren_runs_without_host_sync():
 
 def test_siren_config_validation_and_missing_inputs():
     for bad in (dict(siren_coef=-1.0), dict(siren_quantile=1.0), dict(siren_quantile=0.0),
-                dict(siren_anchor=-0.5)):
+                dict(siren_anchor=-0.5), dict(siren_coef=0.1, siren_top_p=0.0),
+                dict(siren_coef=0.1, siren_top_p=1.5), dict(siren_top_p=0.8)):
         with pytest.raises(LossConfigError, match="siren_"):
             LossConfig(**bad).validate()
     cfg = LossConfig.for_algorithm("siren")
@@ -231,3 +232,24 @@ def test_siren_top_p_entropy_without_host_sync():
         h = vocab_parallel_top_p_entropy(logits, 0.8)
         h.sum().backward()
     assert syncs.n == 0
+
+
+@pytest.mark.gpu
+def test_siren_top_p_entropy_on_cuda_matches_cpu_without_host_sync():
+    """The nucleus search on the device: same entropies and gradients as on the CPU, no host
+    sync (fp32 and bf16 logits)."""
+    from megatron_rl.ops.top_p_entropy import vocab_parallel_top_p_entropy
+    from megatron_rl.testing.device_spy import CountHostSyncs
+
+    logits = torch.randn(256, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        res = []
+        for device in ("cpu", "cuda"):
+            x = logits.to(device=device, dtype=dtype).requires_grad_(True)
+            with CountHostSyncs() as syncs:
+                h = vocab_parallel_top_p_entropy(x, 0.8, chunk_size=100)
+                h.sum().backward()
+            assert syncs.n == 0 and h.device.type == device
+            res.append((h.detach().cpu(), x.grad.float().cpu()))
+        torch.testing.assert_close(res[1][0], res[0][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(res[1][1], res[0][1], atol=1e-4, rtol=1e-3)
