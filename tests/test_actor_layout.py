@@ -74,6 +74,7 @@ def _update_worker(tp: int, pp: int, dp: int, steps: int, fused: bool = False,
                                                   fused_logprob_entropy=fused),
                   OptimConfig(lr=1e-3, adam_eps=1e-6, clip_grad=1.0), loss_config(loss),
                   total_steps=steps, seed=7)
+    collapse = collapse_part(actor) if loss == "gmpo" else None  # one model is enough
     history = []
     for step in range(steps):
         actor.add_old_logprobs(batch)
@@ -87,11 +88,41 @@ def _update_worker(tp: int, pp: int, dp: int, steps: int, fused: bool = False,
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
             ps.get_data_parallel_rank() == 0:
         out = {"history": history}
+        if collapse is not None:
+            out["collapse"] = collapse
     if torch.distributed.get_rank() == 0:
         out = dict(out or {}, state=state)
     if not runtime_up:
         runtime.shutdown()
     return out
+
+
+def collapse_records() -> list[dict]:
+    """Three episode groups of two samples each: prompt and first reply token ids (issue 44)."""
+    g = torch.Generator().manual_seed(5)
+    recs = []
+    for uid in range(3):
+        prompt = torch.randint(1, VOCAB, (4 + uid,), generator=g).tolist()
+        for _ in range(2):
+            reply = torch.randint(1, VOCAB, (3,), generator=g).tolist() + [0]  # 0: EOS
+            recs.append({"uid": uid, "prompt_ids": prompt, "response_ids": reply,
+                         "turn_ends": [3]})
+    return recs
+
+
+def collapse_part(actor) -> dict[str, float]:
+    """RAGEN-2 collapse metrics of :func:`collapse_records` with ``actor`` (every rank holds all
+    rows: DP = 1), on the last stage."""
+    from megatron_rl.metrics.collapse import (
+        collapse_metrics,
+        cross_rows,
+        first_turn_pair,
+        plan_pairs,
+    )
+
+    pairs = [first_turn_pair(r, 0, "reply", [], []) for r in collapse_records()]
+    inputs, samples, plan = plan_pairs(pairs, max_inputs=8)
+    return collapse_metrics(actor, cross_rows(inputs, samples, 0, 2), plan)
 
 
 def _losses_worker(tp: int, pp: int, fused: bool, losses: tuple[str, ...]) -> dict:
@@ -156,6 +187,18 @@ def test_update_is_layout_invariant(reference, tp, pp, dp, fused):
 def new_loss_runs():
     """TP1xPP1 and TP2xPP2 (fused head) runs of every new loss: one spawn per layout."""
     return run_losses(1, 1, False), run_losses(2, 2, True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_collapse_metrics_are_layout_invariant(new_loss_runs):
+    """The cross-scoring pass (every reply under every prompt) through the actor's forward at
+    TP2xPP2 gives the TP1xPP1 collapse statistics."""
+    ref, got = (runs["gmpo"]["collapse"] for runs in new_loss_runs)
+    assert ref["collapse/inputs"] == 3 and ref["collapse/samples"] == 6
+    assert ref["collapse/mi_estimate"] != 0.0 and sorted(got) == sorted(ref)
+    for k, v in ref.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-5), k
 
 
 # what shows each loss's mechanism acting on this batch

@@ -264,7 +264,36 @@ def dp2_worker(data: dict, tp_data: dict | None) -> dict:
         res["tp"] = _tp_erc_part(tp_data)
         res["tp_top_p"] = _tp_top_p_part(tp_data)
     res["radix"] = _radix_fallback_part(data, rows)
+    res["collapse"] = collapse_part(dist.group.WORLD)
     return res
+
+
+def collapse_part(group) -> dict:
+    """RAGEN-2 collapse statistics from cross-scoring rows split over the DP ranks of ``group``
+    (None: one process, every row): this rank's rows' log-probs, the ``[M, N]`` matrix summed
+    over the group."""
+    from megatron_rl.metrics.collapse import (
+        Pair,
+        collapse_statistics,
+        cross_matrix,
+        cross_rows,
+        plan_pairs,
+    )
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 50, (3 + j,), generator=g).tolist() for j in range(3)]
+    pairs = [Pair(i // 3, prompts[i // 3], torch.randint(1, 50, (1 + i % 4,), generator=g).tolist())
+             for i in range(9)]  # 3 inputs x 3 samples
+    inputs, samples, plan = plan_pairs(pairs, max_inputs=8)
+    batch = cross_rows(inputs, samples, 0, rows_multiple=4)  # 27 rows + 1 padding row
+    logp = -torch.rand(batch["tokens"].shape, generator=g, dtype=torch.float64)
+    if group is not None:  # contiguous DP blocks, as the trainer scatters them
+        n = batch["tokens"].shape[0] // 2
+        rows = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+        batch, logp = {k: v[rows] for k, v in batch.items()}, logp[rows]
+    mat = cross_matrix(logp, batch, plan.shape, group)
+    return collapse_statistics(mat, torch.tensor(plan.lengths), torch.tensor(plan.sample_input),
+                               torch.tensor(plan.signature))
 
 
 def _radix_fallback_part(data: dict, rows: slice) -> dict:
@@ -469,6 +498,19 @@ def test_siren_top_p_entropy_tp2_matches_tp1(dp2_results):
             torch.testing.assert_close(got_h, h, atol=ATOL, rtol=0)
             torch.testing.assert_close(got_g, grad[:, rank * v_local:(rank + 1) * v_local],
                                        atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_collapse_statistics_dp2_match_single_process(dp2_results):
+    """The collapse cross-scoring rows split over two DP ranks: the all-reduced matrix gives the
+    single-process statistics on both ranks."""
+    ref = collapse_part(None)
+    assert ref["collapse/mi_estimate"] != 0
+    for r in dp2_results[0]:
+        assert sorted(r["collapse"]) == sorted(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(r["collapse"][k], v, atol=1e-12, rtol=1e-12, msg=k)
 
 
 # ---- negative controls: the comparison above can fail --------------------------------------
