@@ -225,6 +225,31 @@ def erc_from_logits(logits: torch.Tensor, labels: torch.Tensor, data: dict, tp_g
     return dict(entropy=ent.detach(), keep=keep, loss=out.loss.detach(), grad=logits.grad.clone())
 
 
+TOP_P = (0.5, 0.8, 0.95)
+
+
+def top_p_entropies(logits: torch.Tensor, tp_group) -> dict:
+    """SIREN's nucleus entropy of ``logits`` (a vocab shard at TP=2) at each of :data:`TOP_P`
+    and its gradient w.r.t. the logits (upstream: a fixed ramp)."""
+    from megatron_rl.ops.top_p_entropy import vocab_parallel_top_p_entropy
+
+    out = {}
+    for p in TOP_P:
+        x = logits.detach().clone().requires_grad_(True)
+        h = vocab_parallel_top_p_entropy(x, p, tp_group, temperature=0.7, chunk_size=40)
+        (h * torch.linspace(-1, 1, h.numel())).sum().backward()
+        out[p] = (h.detach(), x.grad)
+    return out
+
+
+def _tp_top_p_part(data: dict) -> dict:
+    """TP=2: the nucleus threshold searched over both vocabulary shards."""
+    rank = dist.get_rank()
+    v_local = data["tp_logits"].shape[-1] // 2
+    return top_p_entropies(data["tp_logits"][:, rank * v_local:(rank + 1) * v_local],
+                           dist.group.WORLD)
+
+
 def dp2_worker(data: dict, tp_data: dict | None) -> dict:
     from megatron_rl.parallel.runtime import init_distributed
 
@@ -237,8 +262,38 @@ def dp2_worker(data: dict, tp_data: dict | None) -> dict:
             res[(case, n_micro)] = run_layout(case, data, rows, n_micro, "default", trim)
     if tp_data is not None:
         res["tp"] = _tp_erc_part(tp_data)
+        res["tp_top_p"] = _tp_top_p_part(tp_data)
     res["radix"] = _radix_fallback_part(data, rows)
+    res["collapse"] = collapse_part(dist.group.WORLD)
     return res
+
+
+def collapse_part(group) -> dict:
+    """RAGEN-2 collapse statistics from cross-scoring rows split over the DP ranks of ``group``
+    (None: one process, every row): this rank's rows' log-probs, the ``[M, N]`` matrix summed
+    over the group."""
+    from megatron_rl.metrics.collapse import (
+        Pair,
+        collapse_statistics,
+        cross_matrix,
+        cross_rows,
+        plan_pairs,
+    )
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 50, (3 + j,), generator=g).tolist() for j in range(3)]
+    pairs = [Pair(i // 3, prompts[i // 3], torch.randint(1, 50, (1 + i % 4,), generator=g).tolist())
+             for i in range(9)]  # 3 inputs x 3 samples
+    inputs, samples, plan = plan_pairs(pairs, max_inputs=8)
+    batch = cross_rows(inputs, samples, 0, rows_multiple=4)  # 27 rows + 1 padding row
+    logp = -torch.rand(batch["tokens"].shape, generator=g, dtype=torch.float64)
+    if group is not None:  # contiguous DP blocks, as the trainer scatters them
+        n = batch["tokens"].shape[0] // 2
+        rows = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+        batch, logp = {k: v[rows] for k, v in batch.items()}, logp[rows]
+    mat = cross_matrix(logp, batch, plan.shape, group)
+    return collapse_statistics(mat, torch.tensor(plan.lengths), torch.tensor(plan.sample_input),
+                               torch.tensor(plan.signature))
 
 
 def _radix_fallback_part(data: dict, rows: slice) -> dict:
@@ -383,14 +438,20 @@ def test_partial_denominator_kept_cases_differ_from_all(data, reference):
         assert not torch.allclose(alt["grad"], reference[case]["grad"]), case
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_dp2_layouts_match_single_process(data, reference):
+@pytest.fixture(scope="module")
+def dp2_results(data):
+    """The one spawned 2-process job: ``(per-rank results, TP data or None)``."""
     from megatron_rl.parallel.launch import spawn
 
-    with_tp = _vocab_parallel_available()
-    tp_data = _tp_data(data) if with_tp else data
-    results = spawn(dp2_worker, 2, (data, tp_data if with_tp else None), timeout_s=240)
+    tp_data = _tp_data(data) if _vocab_parallel_available() else None
+    return spawn(dp2_worker, 2, (data, tp_data), timeout_s=240), tp_data
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dp2_layouts_match_single_process(data, reference, dp2_results):
+    results, tp_data = dp2_results
+    with_tp = tp_data is not None
     for r in results:
         for case, ((sel_a, st_a), *others) in r["radix"].items():
             for sel_b, st_b in others:  # the radix fallback and the trainer's rank bound
@@ -416,6 +477,40 @@ def test_dp2_layouts_match_single_process(data, reference):
             torch.testing.assert_close(tp["grad"],
                                        ref["grad"][:, rank * v_local:(rank + 1) * v_local],
                                        atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_siren_top_p_entropy_tp2_matches_tp1(dp2_results):
+    """SIREN's top-p vocabulary mask over two vocabulary shards (threshold searched with
+    all-reduces over the TP group): the same nucleus entropies and logit gradients as over the
+    whole vocabulary."""
+    results, tp_data = dp2_results
+    if tp_data is None:
+        pytest.skip("vocab-parallel ops unavailable")
+    ref = top_p_entropies(tp_data["tp_logits"], None)
+    v_local = tp_data["tp_logits"].shape[-1] // 2
+    for p in TOP_P:
+        h, grad = ref[p]
+        assert (h > 0).any() and (h == 0).any(), p  # empty and non-empty nuclei
+        for rank, r in enumerate(results):
+            got_h, got_g = r["tp_top_p"][p]
+            torch.testing.assert_close(got_h, h, atol=ATOL, rtol=0)
+            torch.testing.assert_close(got_g, grad[:, rank * v_local:(rank + 1) * v_local],
+                                       atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_collapse_statistics_dp2_match_single_process(dp2_results):
+    """The collapse cross-scoring rows split over two DP ranks: the all-reduced matrix gives the
+    single-process statistics on both ranks."""
+    ref = collapse_part(None)
+    assert ref["collapse/mi_estimate"] != 0
+    for r in dp2_results[0]:
+        assert sorted(r["collapse"]) == sorted(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(r["collapse"][k], v, atol=1e-12, rtol=1e-12, msg=k)
 
 
 # ---- negative controls: the comparison above can fail --------------------------------------

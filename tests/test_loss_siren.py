@@ -4,6 +4,7 @@ no host sync, config validation. DP=2 layouts: tests/test_loss_layout.py (case "
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -108,7 +109,8 @@ def test_siren_runs_without_host_sync():
 
 def test_siren_config_validation_and_missing_inputs():
     for bad in (dict(siren_coef=-1.0), dict(siren_quantile=1.0), dict(siren_quantile=0.0),
-                dict(siren_anchor=-0.5)):
+                dict(siren_anchor=-0.5), dict(siren_coef=0.1, siren_top_p=0.0),
+                dict(siren_coef=0.1, siren_top_p=1.5), dict(siren_top_p=0.8)):
         with pytest.raises(LossConfigError, match="siren_"):
             LossConfig(**bad).validate()
     cfg = LossConfig.for_algorithm("siren")
@@ -161,3 +163,95 @@ def test_siren_anchor_survives_resume(tmp_path):
     out = train_in_ranks(2, config, tmp_path, *SIREN_RESUME)
     assert "resumed from checkpoint at step 1" in out
     assert metrics(tmp_path) == full and len(full) == 4
+
+
+# ---- the top-p vocabulary mask (megatron_rl/ops/top_p_entropy.py) -------------------------------
+def authors_top_p_entropy(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """The authors' efficient_top_p_sampling (Linn3a/siren@fa59a8d: verl/verl/workers/actor/
+    dp_actor.py) re-implemented from its description, k = the whole vocabulary: sort, cumulative
+    sum, keep the ranks before the first cumulative value >= p, renormalise, 1e-12 guards."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    cutoff = torch.searchsorted(cum, torch.full((cum.shape[0], 1), p, dtype=cum.dtype))
+    keep_sorted = torch.arange(cum.shape[1]).unsqueeze(0) < cutoff
+    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    pd = probs * keep
+    pd = pd / (pd.sum(-1, keepdim=True) + 1e-12)
+    return -(pd * torch.log(pd + 1e-12)).sum(-1)
+
+
+def test_siren_top_p_entropy_hand_vector():
+    from megatron_rl.ops.top_p_entropy import vocab_parallel_top_p_entropy
+
+    # probabilities 0.5, 0.3, 0.15, 0.05 in a shuffled vocabulary order
+    logits = torch.log(torch.tensor([[0.15, 0.5, 0.05, 0.3]])).repeat(3, 1)
+    h = [float(vocab_parallel_top_p_entropy(logits[:1], p)) for p in (0.85, 0.97, 0.4)]
+    # 0.85: {0.5, 0.3} -> q = (0.625, 0.375); 0.97: {0.5, 0.3, 0.15} / 0.95; 0.4: nothing
+    assert h[0] == pytest.approx(-(0.625 * math.log(0.625) + 0.375 * math.log(0.375)), abs=1e-6)
+    q = torch.tensor([0.5, 0.3, 0.15], dtype=torch.float64) / 0.95
+    assert h[1] == pytest.approx(float(-(q * q.log()).sum()), abs=1e-6)
+    assert h[2] == 0.0
+    # temperature 2 flattens: p ~ sqrt(.) renormalised; compare with the authors' rule
+    got = vocab_parallel_top_p_entropy(logits, 0.85, temperature=2.0)
+    torch.testing.assert_close(got.double(), authors_top_p_entropy(logits / 2.0, 0.85),
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.8, 0.95])
+def test_siren_top_p_entropy_matches_authors_code_and_its_gradient(p):
+    """Random logits (no ties): the nucleus entropy equals the authors' sort-based one; the
+    gradient equals autograd through the masked softmax (mask from the authors' rule)."""
+    from megatron_rl.ops.top_p_entropy import vocab_parallel_top_p_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 40, generator=g) * 2).requires_grad_(True)
+    got = vocab_parallel_top_p_entropy(logits, p, chunk_size=24)
+    want = authors_top_p_entropy(logits.detach(), p)
+    assert (want > 0).any()
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+    upstream = torch.randn(64, generator=g)
+    (gl,) = torch.autograd.grad((got * upstream).sum(), logits)
+    ref_logits = logits.detach().double().requires_grad_(True)
+    probs = torch.softmax(ref_logits, -1)
+    sorted_p, order = probs.detach().sort(-1, descending=True)
+    cut = torch.searchsorted(sorted_p.cumsum(-1), torch.full((64, 1), p, dtype=torch.float64))
+    keep = torch.zeros(64, 40, dtype=torch.bool).scatter(
+        1, order, torch.arange(40).unsqueeze(0) < cut)
+    logq = torch.log_softmax(ref_logits.masked_fill(~keep, -1e4), -1)
+    h = -(torch.where(keep, logq.exp() * logq, 0.0)).sum(-1)
+    h = torch.where(keep.any(-1), h, 0.0)
+    (gr,) = torch.autograd.grad((h * upstream.double()).sum(), ref_logits)
+    torch.testing.assert_close(gl.double(), gr, atol=1e-5, rtol=0)
+
+
+def test_siren_top_p_entropy_without_host_sync():
+    from megatron_rl.ops.top_p_entropy import vocab_parallel_top_p_entropy
+    from megatron_rl.testing.device_spy import CountHostSyncs
+
+    logits = torch.randn(6, 16).requires_grad_(True)
+    with CountHostSyncs() as syncs:
+        h = vocab_parallel_top_p_entropy(logits, 0.8)
+        h.sum().backward()
+    assert syncs.n == 0
+
+
+@pytest.mark.gpu
+def test_siren_top_p_entropy_on_cuda_matches_cpu_without_host_sync():
+    """The nucleus search on the device: same entropies and gradients as on the CPU, no host
+    sync (fp32 and bf16 logits)."""
+    from megatron_rl.ops.top_p_entropy import vocab_parallel_top_p_entropy
+    from megatron_rl.testing.device_spy import CountHostSyncs
+
+    logits = torch.randn(256, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        res = []
+        for device in ("cpu", "cuda"):
+            x = logits.to(device=device, dtype=dtype).requires_grad_(True)
+            with CountHostSyncs() as syncs:
+                h = vocab_parallel_top_p_entropy(x, 0.8, chunk_size=100)
+                h.sum().backward()
+            assert syncs.n == 0 and h.device.type == device
+            res.append((h.detach().cpu(), x.grad.float().cpu()))
+        torch.testing.assert_close(res[1][0], res[0][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(res[1][1], res[0][1], atol=1e-4, rtol=1e-3)

@@ -22,7 +22,7 @@ from megatron_rl.actor.precision import (
     set_precision,
     wrap_precision,
 )
-from megatron_rl.actor.train_step import ActorConfig, PolicyUpdater, split_rows
+from megatron_rl.actor.train_step import ActorConfig, PolicyUpdater, entropy_top_p, split_rows
 from megatron_rl.loss import LossConfig
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.config import ModelConfig
@@ -166,7 +166,9 @@ class Actor:
                                        fused=self.cfg.use_fused_head,
                                        pack=self.cfg.pack_sequences,
                                        routing=None if routing == "free" else self.routing,
-                                       record_routing=routing == "record")
+                                       record_routing=routing == "record",
+                                       entropy_top_p=entropy_top_p(self.loss_cfg)
+                                       if compute_entropy else 1.0)
         if not outs:
             return None
         keys = ("logp", "entropy") if compute_entropy else ("logp",)

@@ -55,8 +55,8 @@ def variable_lengths(model: torch.nn.Module) -> bool:
 def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict], *,
                             temperature: float = 1.0, compute_entropy: bool = True,
                             chunk_size: int | None = None, fused: bool = False,
-                            pack: bool = False, routing=None, record_routing: bool = False
-                            ) -> list[dict]:
+                            pack: bool = False, routing=None, record_routing: bool = False,
+                            entropy_top_p: float = 1.0) -> list[dict]:
     """Run ``micro_batches`` (dicts with ``tokens`` and ``mask``, ``[B, S]``) through the pipeline.
 
     ``pack``: run each micro-batch as one packed row (:mod:`megatron_rl.actor.packing`); same
@@ -67,6 +67,8 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
     Context parallelism (``parallel.cp`` > 1, padded rows): each rank runs its two chunks of
     every row (:mod:`megatron_rl.parallel.context_parallel`) and every CP rank returns the full
     ``[B, S]`` values.
+
+    ``entropy_top_p < 1``: the entropy is the top-p nucleus entropy (SIREN's vocabulary mask).
 
     Returns, on the last pipeline stage, one dict per micro-batch with ``logp`` and ``entropy``
     (``[B, S]`` fp32, zero outside the mask); an empty list on the other stages.
@@ -114,7 +116,8 @@ def forward_logprob_entropy(model: torch.nn.Module, micro_batches: Sequence[dict
 
         def collect(hidden_states, non_loss_data=True):
             kw = dict(temperature=temperature, compute_entropy=compute_entropy,
-                      entropy_grad=False, chunk_size=chunk_size, fused=fused)
+                      entropy_grad=False, chunk_size=chunk_size, fused=fused,
+                      entropy_top_p=entropy_top_p)
             if packed is not None:
                 logp, ent = packed.logprob_entropy(head, hidden_states, i, **kw)
             elif cp > 1:

@@ -130,6 +130,12 @@ def _last_stage() -> bool:
     return ps.is_pipeline_last_stage()
 
 
+def entropy_top_p(cfg: LossConfig) -> float:
+    """The vocabulary nucleus of every entropy the actor computes: SIREN's ``siren_top_p`` when
+    SIREN is on (its selection, anchor and regulariser, and the logged entropy), else 1."""
+    return cfg.siren_top_p if cfg.siren_coef > 0 else 1.0
+
+
 def needs_entropy(cfg: LossConfig, adaptive: bool) -> tuple[bool, bool]:
     """(compute entropy in the update pass, entropy needs a gradient)."""
     grad = cfg.entropy_coeff > 0 or adaptive or cfg.siren_coef > 0
@@ -175,7 +181,8 @@ class PolicyUpdater:
                                        compute_entropy=siren,
                                        chunk_size=self.cfg.logprob_chunk_size,
                                        fused=self.cfg.use_fused_head,
-                                       pack=self.cfg.pack_sequences, routing=self.routing)
+                                       pack=self.cfg.pack_sequences, routing=self.routing,
+                                       entropy_top_p=entropy_top_p(cfg))
 
     def _cov_selection(self, mbs: list[dict], ctx: ReductionContext, prepass: list[dict] | None,
                        step: int, salt: int = 0):
@@ -290,7 +297,7 @@ class PolicyUpdater:
             if last and packed is None and cp == 1 else None
         head_kwargs = dict(temperature=self.cfg.temperature, compute_entropy=compute_ent,
                            entropy_grad=ent_grad, chunk_size=self.cfg.logprob_chunk_size,
-                           fused=self.cfg.use_fused_head)
+                           fused=self.cfg.use_fused_head, entropy_top_p=entropy_top_p(cfg))
 
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)

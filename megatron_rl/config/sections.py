@@ -122,6 +122,17 @@ class RolloutSection:
 
 
 @dataclass
+class CollapseMetricsSection:
+    # RAGEN-2 collapse diagnostics of multi-turn runs (docs/training.md): H(Z|X), I(X;Z)
+    enabled: bool = False  # log collapse/* (needs env.name); extra forward passes, see the docs
+    every_n_steps: int = 10  # on the first step and every N-th after it
+    max_inputs: int = 8  # inputs (episode groups) scored; rows = max_inputs^2 x rollout.n
+    reasoning: str = "think"  # Z = think: text between the tags | reply: the whole first reply
+    think_open: str = "<think>"  # tag ending X (reasoning: think)
+    think_close: str = "</think>"  # tag after Z (reasoning: think)
+
+
+@dataclass
 class TrainerSection:
     total_steps: int = 20
     train_batch_size: int = 8  # prompts per RL step
@@ -137,6 +148,7 @@ class TrainerSection:
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
     deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
     plots: bool = True  # PNG curves in OUTPUT_DIR/plots/ at the end (or: megatron_rl plot DIR)
+    collapse_metrics: CollapseMetricsSection = field(default_factory=CollapseMetricsSection)
 
 
 @dataclass

@@ -64,6 +64,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     if not 0 < cfg.rollout.rv_filter_p <= 1:
         raise ConfigError(f"rollout.rv_filter_p must be in (0, 1], got {cfg.rollout.rv_filter_p}")
     validate_env_critic(cfg)
+    validate_collapse_metrics(cfg)
     validate_teacher(cfg)  # on-policy distillation: weights, layout, the student's tokenizer
     rows = cfg.trainer.train_batch_size * cfg.rollout.n
     if rows % cfg.parallel.dp:
@@ -157,6 +158,20 @@ def validate_env_critic(cfg: RunConfig) -> None:
     if c.warmup_steps < 0 or c.ppo_epochs < 1 or c.mini_batch_size < 0:
         raise ConfigError("critic.warmup_steps >= 0, critic.ppo_epochs >= 1 and "
                           "critic.mini_batch_size >= 0 are required")
+
+
+def validate_collapse_metrics(cfg: RunConfig) -> None:
+    """``trainer.collapse_metrics``: RAGEN-2 diagnostics of a multi-turn run's first replies
+    (ranges and choices are checked with every field, :mod:`megatron_rl.config.schema`)."""
+    c = cfg.trainer.collapse_metrics
+    if not c.enabled:
+        return
+    if not cfg.env.name:
+        raise ConfigError("trainer.collapse_metrics.enabled needs a multi-turn environment (set "
+                          f"env.name to one of {ENVS}); single-turn runs have no first reply")
+    if c.reasoning == "think" and not (c.think_open and c.think_close):
+        raise ConfigError("trainer.collapse_metrics.think_open and think_close must be "
+                          "non-empty with reasoning: think")
 
 
 def validate_sglang_section(s: SGLangSection) -> None:

@@ -187,6 +187,12 @@ def _siren_checks(cfg: LossParams) -> None:
     if not isinstance(cfg.siren_quantile, (int, float)) or not 0.0 < cfg.siren_quantile < 1.0:
         raise LossConfigError(f"siren_quantile={cfg.siren_quantile!r} is out of range; "
                               "allowed: (0, 1)")
+    if not isinstance(cfg.siren_top_p, (int, float)) or not 0.0 < cfg.siren_top_p <= 1.0:
+        raise LossConfigError(f"siren_top_p={cfg.siren_top_p!r} is out of range; allowed: (0, 1] "
+                              "(1 = full-vocabulary entropy)")
+    if cfg.siren_top_p < 1.0 and cfg.siren_coef <= 0:
+        raise LossConfigError(f"siren_top_p={cfg.siren_top_p} needs siren_coef > 0 (it masks "
+                              "SIREN's entropies)")
     if cfg.siren_anchor is not None:
         _range("siren_anchor", cfg.siren_anchor, 0.0, math.inf, "[0, inf) or None")
 

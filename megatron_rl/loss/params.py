@@ -89,6 +89,7 @@ class LossParams:
     siren_coef: float = 0.0  # SIREN: weight of (H_S - H_anchor)^2 added to the loss (0 = off)
     siren_quantile: float = 0.8  # SIREN: tokens above this entropy quantile of the mini-batch
     siren_anchor: float | None = None  # SIREN: fixed anchor entropy; None = the first step's H_S
+    siren_top_p: float = 1.0  # SIREN: H_t over the top-p vocabulary nucleus (1 = full vocab)
     # ERC gate [9]
     erc: bool = False
     erc_low: float = 0.95

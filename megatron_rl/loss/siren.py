@@ -25,16 +25,16 @@ entropy of the whole batch, kept for the run); ``exp_scripts/siren.sh`` (coef 0.
 
 Deliberate differences (read before comparing numbers with the paper):
 
-* **No top-p vocabulary mask.** The paper's first mask renormalises each position's distribution
-  over its top-p nucleus before taking the entropy. Here ``H_t`` is the full-vocabulary entropy
-  the vocab-parallel head already computes exactly over TP ranks (the authors' ``abla_wo_topp``
-  ablation). A top-p entropy over a TP-sharded vocabulary needs a global per-position nucleus
-  threshold (a new vocab-parallel reduction) that is not implemented.
+* **Top-p vocabulary mask** (``siren_top_p``; 1 = off, the authors' ``abla_wo_topp``): the
+  paper's first mask renormalises each position's distribution over its top-p nucleus before
+  taking the entropy; with ``siren_top_p < 1`` the actor's head computes every entropy that way
+  (:mod:`megatron_rl.ops.top_p_entropy`: the nucleus threshold searched over the TP-sharded
+  vocabulary with all-reduces, no sort, no gather, no host sync), so ``H_t`` here is that.
 * Scope of the quantile and of ``H_S``: the reference takes the quantile per response row
   (``nanquantile(..., dim=-1)``) and averages per micro-batch (``seq-mean-token-mean``); here both
   are over the whole mini-batch (token mean over ``S``), the same for any layout.
-* The anchor is taken from the first RL step this process trains (the old-policy pass of its
-  whole batch); a resumed run re-anchors at its first step unless ``siren_anchor`` fixes it.
+* The anchor is taken from the first RL step (the old-policy pass of its whole batch) and saved
+  with the checkpoints (a resumed run keeps it), unless ``siren_anchor`` fixes it.
 """
 
 from __future__ import annotations

@@ -133,6 +133,7 @@ class RolloutDriver:
         self.val_start: float | None = None
         self._dp_table: list[int] | None = None
         self.received_bytes = 0  # the last step's rows, as this rank received them
+        self._collapse_records: list[dict] | None = None  # trainer.collapse_metrics (rank 0)
         self.producer = None  # rollout.max_staleness > 0: the rollout producer thread (rank 0)
         self._loader_state: dict | None = None  # loader after the last batch trained (async)
         self.teacher = None  # teacher.engine: sglang (rank 0): rollout.teacher_client
@@ -225,6 +226,7 @@ class RolloutDriver:
             from megatron_rl.rollout.multiturn import collect_env_step, episodes_to_batch
 
             records, metrics = collect_env_step(self.engine, self.tok, self.loader, self.cfg, step)
+            self._collapse_records = records if self.collapse_due(step) else None
             if records:
                 batch = episodes_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
                                           rows_multiple)
@@ -243,6 +245,29 @@ class RolloutDriver:
             batch, metrics, self._dp_table, dp, mini,
             balance=bool(self.cfg.actor.max_tokens_per_micro_batch))
         return local, metrics
+
+    def collapse_due(self, step: int) -> bool:
+        """Whether step ``step`` logs the collapse diagnostics (``trainer.collapse_metrics``: the
+        first step of the run and every ``every_n_steps``-th)."""
+        c = self.cfg.trainer.collapse_metrics
+        return bool(c.enabled and self.cfg.env.name and step % c.every_n_steps == 0)
+
+    def collapse_rows(self, dp: int) -> tuple[dict | None, Any]:
+        """Every rank, on a step :meth:`collapse_due`: this rank's DP share of the step's
+        cross-scoring rows and their plan (:mod:`megatron_rl.metrics.collapse`), built by rank 0
+        from the episodes :meth:`collect` kept."""
+        from megatron_rl.metrics.collapse import build_cross_batch
+
+        batch = plan = None
+        if self.rank0 and self._collapse_records:
+            rows_multiple = dp * (self.cfg.actor.micro_batch_size or 1)
+            batch, plan = build_cross_batch(self._collapse_records, self.tok,
+                                            self.cfg.trainer.collapse_metrics, rows_multiple)
+            self._collapse_records = None
+        if self._dp_table is None:
+            self._dp_table = dp_rank_table()
+        local, plan, _ = scatter_rows(batch, plan, self._dp_table, dp, 0)
+        return local, plan
 
     def _score_with_teacher(self, batch: dict) -> dict[str, float]:
         """Rank 0, ``teacher.engine: sglang``: the served teacher's log-probs of the step's

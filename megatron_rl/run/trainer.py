@@ -5,6 +5,7 @@ prompts, the rollout engine, logging and early stopping, and broadcasts what the
         batch    = driver.collect(step)              # rollout, rewards, filters (rank 0);
                                                      # each rank receives its DP rows
         batch   += actor.old_logprobs(batch); batch += actor.ref_logprobs(batch)
+        metrics += collapse_metrics(actor, cross-scoring rows)   # multi-turn, every N steps
         batch   += actor.teacher_logprobs(batch)     # distillation: teacher scores the samples
         metrics  = actor.update(batch)               # losses of ALGORITHMS.md
         sync_weights(actor -> engine)
@@ -38,6 +39,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 
     from megatron_rl.actor.checkpoint import latest_checkpoint
     from megatron_rl.config.teacher import actor_teacher
+    from megatron_rl.metrics.collapse import collapse_metrics
     from megatron_rl.metrics.host import host_stats
     from megatron_rl.metrics.tracking import gpu_stats
     from megatron_rl.metrics.update import aggregate_updates, logp_mismatch
@@ -123,6 +125,10 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             actor.add_old_logprobs(local)
         with ph("ref_logp"):
             actor.add_ref_logprobs(local)
+        collapse: dict = {}
+        if driver.collapse_due(step):  # trainer.collapse_metrics: the rollout weights' H(Z|X)...
+            with ph("collapse"):
+                collapse = collapse_metrics(actor, *driver.collapse_rows(dp))
         if actor.teacher_model is not None:
             with ph("teacher"):
                 actor.add_teacher_logprobs(local)
@@ -131,6 +137,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         extra = {**add_late_advantages(local, t.advantage, t.kl_in_reward_coef),
                  **logp_mismatch(local)}
         extra.update(add_distillation(local, cfg.teacher))
+        extra.update(collapse)
         if critic is not None:
             with ph("values"):
                 critic.add_advantages(local)  # values -> GAE advantages and returns
