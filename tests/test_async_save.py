@@ -44,6 +44,43 @@ def _latest(root: str) -> str | None:
     return None if path is None else os.path.basename(path)
 
 
+def _copy_before_optimizer_step(actor, root: str) -> dict:
+    """Save with the writer thread's host copy held back until the next optimizer step asks
+    for it (were there no such wait: until that step is over). The optimizer step must run
+    after the copy, and the checkpoint must hold the save's weights."""
+    from megatron_rl.actor import checkpoint as ckpt
+    from megatron_rl.actor.checkpoint import load_checkpoint
+
+    gate, order = threading.Event(), []
+    stage, wait_staged, opt_step = ckpt._stage_on_host, ckpt.PendingSave.wait_staged, None
+
+    def held_stage(*a, **k):
+        gate.wait()
+        copies = stage(*a, **k)
+        order.append("copied")
+        return copies
+
+    def waiting(self):
+        gate.set()  # the step asks for the copy: let the writer thread make it now
+        wait_staged(self)
+
+    ckpt._stage_on_host, ckpt.PendingSave.wait_staged = held_stage, waiting
+    opt_step = actor.optimizer.step
+    actor.optimizer.step = lambda *a, **k: (order.append("optimizer step"), opt_step(*a, **k))[1]
+    try:
+        saved = _params(actor)
+        actor.save(root, 1, {"data_position": 2})
+        _train_step(actor, 2)  # runs while the copy has not started
+        gate.set()
+        actor.wait_for_save()
+    finally:
+        ckpt._stage_on_host, ckpt.PendingSave.wait_staged = stage, wait_staged
+        del actor.optimizer.step
+    load_checkpoint(os.path.join(root, "step_0000001"), actor.ddp, actor.optimizer)
+    return {"copy_order": order, "held_copy_has_save_weights": all(
+        torch.equal(saved[k], v) for k, v in _params(actor).items())}
+
+
 def _async_worker(root: str, kill: bool) -> dict:
     from megatron_rl.actor.checkpoint import CheckpointWriteError, load_checkpoint
     from megatron_rl.parallel import runtime
@@ -72,6 +109,8 @@ def _async_worker(root: str, kill: bool) -> dict:
     load_checkpoint(os.path.join(root, "step_0000001"), actor.ddp)
     out["saved_weights_written"] = all(torch.equal(saved[k], v)
                                        for k, v in _params(actor).items())
+
+    out.update(_copy_before_optimizer_step(actor, root + "_copy"))
 
     if kill:  # the process dies while its writer is still busy
         stop = threading.Event()
@@ -122,6 +161,9 @@ def test_async_save_overlaps_step_and_survives_failed_write(tmp_path):
     assert out["changed_by_next_step"]
     assert out["latest_after_write"] == "step_0000001"
     assert out["saved_weights_written"]  # the weights of the save's step, not the next step's
+    # the host copy runs in the writer thread; the next optimizer step waits for it
+    assert out["copy_order"][0] == "copied" and "optimizer step" in out["copy_order"]
+    assert out["held_copy_has_save_weights"]
     assert out["error"] and "injected: the disk went away" in out["error"]
     assert "step_0000001" in out["error"]  # names the checkpoint kept
     assert out["latest_after_failure"] == "step_0000001"
