@@ -30,6 +30,7 @@ numpy RNG states through an explicit allow-list), and the sharded checkpoint's p
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import os
@@ -280,24 +281,41 @@ def _begin_save(root: str, step: int) -> _SavePlan:
     return plan
 
 
-def _write_common(tmp: str, step: int, model, scheduler,
-                  trainer_state: dict[str, Any] | None) -> BaseException | None:
-    """This rank's RNG states, and (rank 0) ``trainer.pt``; returns the error, if any."""
+def _common_files(step: int, model, scheduler,
+                  trainer_state: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's RNG states, and (rank 0) ``trainer.pt``: ``{relative path: object}``,
+    snapshots taken now (training may change the live objects afterwards)."""
     from megatron_rl.actor.precision import precision_of
 
     rank = dist.get_rank()
+    files: dict[str, Any] = {os.path.join("rng", f"rank_{rank:05d}.pt"): _rng_state()}
+    if rank == 0:
+        files["trainer.pt"] = copy.deepcopy({
+            "step": step, "layout": _layout_key(), "precision": precision_of(model),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "trainer": trainer_state or {}})
+    return files
+
+
+def _write_files(tmp: str, files: dict[str, Any]) -> BaseException | None:
+    """Save and fsync each of :func:`_common_files`' objects under ``tmp``; the error, if any."""
     try:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        _durable_save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-        if rank == 0:
-            _durable_save({"step": step, "layout": _layout_key(),
-                           "precision": precision_of(model),
-                           "scheduler": scheduler.state_dict() if scheduler is not None
-                           else None, "trainer": trainer_state or {}},
-                          os.path.join(tmp, "trainer.pt"))
+        for rel, obj in files.items():
+            _durable_save(obj, os.path.join(tmp, rel))
     except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError too
         return exc
     return None
+
+
+def _write_common(tmp: str, step: int, model, scheduler,
+                  trainer_state: dict[str, Any] | None) -> BaseException | None:
+    """This rank's RNG states, and (rank 0) ``trainer.pt``; returns the error, if any."""
+    try:
+        files = _common_files(step, model, scheduler, trainer_state)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        return exc
+    return _write_files(tmp, files)
 
 
 def _finish_save(plan: _SavePlan, err: BaseException | None) -> str:
@@ -355,11 +373,13 @@ class PendingSave:
     and was fsynced."""
 
     def __init__(self, plan: _SavePlan, request, error: BaseException | None,
-                 stage: Callable[[Any], Any] | None = None) -> None:
+                 stage: Callable[[Any], Any] | None = None,
+                 files: dict[str, Any] | None = None) -> None:
         self.plan = plan
         self._request = request
         self._stage = stage  # request -> request writing host copies (runs in the thread)
-        self._error = error  # of the synchronous part (planning, RNG/trainer files)
+        self._files = files or {}  # the small RNG/trainer files (written by the thread)
+        self._error = error  # of the synchronous part (planning, state snapshots)
         self._staged = threading.Event()  # set once the writer no longer reads live tensors
         self._thread: threading.Thread | None = None
         if request is not None and error is None and request.async_fn is not None:
@@ -378,8 +398,10 @@ class PendingSave:
         finally:
             self._staged.set()
         try:
-            self._request.async_fn(*self._request.async_fn_args,
-                                   **self._request.async_fn_kwargs)
+            self._error = _write_files(self.plan.tmp, self._files)
+            if self._error is None:
+                self._request.async_fn(*self._request.async_fn_args,
+                                       **self._request.async_fn_kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank in finalize
             self._error = exc
 
@@ -443,15 +465,15 @@ def start_async_save(root: str, step: int, model, optimizer, scheduler,
                      host_pool: list[torch.Tensor] | None = None) -> PendingSave:
     """Begin a checkpoint save that completes in the background; collective.
 
-    On this thread: megatron's save planning and the small RNG/trainer files. A writer thread
-    then copies the model/optimizer shards to host memory and writes them while the next steps
-    run; call :meth:`PendingSave.wait_staged` before anything changes the parameters or the
-    optimizer state (:class:`CheckpointSaver` users: :meth:`CheckpointSaver.wait_staged`, which
-    the actor and critic call before each optimizer step and offload). Call
-    :meth:`PendingSave.finalize` on every rank (before the next save, a resume, or exit) to wait
-    for it and move ``latest``. Until then ``latest`` names the previous checkpoint, so a crash
-    during the write leaves that one usable. ``host_pool``: host buffers reused by the next
-    save (only once this one is finalized)."""
+    On this thread: megatron's save planning and snapshots of the RNG/trainer state. A writer
+    thread then copies the model/optimizer shards to host memory and writes every file while
+    the next steps run; call :meth:`PendingSave.wait_staged` before anything changes the
+    parameters or the optimizer state (:class:`CheckpointSaver` users:
+    :meth:`CheckpointSaver.wait_staged`, which the actor and critic call before each optimizer
+    step and offload). Call :meth:`PendingSave.finalize` on every rank (before the next save, a
+    resume, or exit) to wait for it and move ``latest``. Until then ``latest`` names the
+    previous checkpoint, so a crash during the write leaves that one usable. ``host_pool``:
+    host buffers reused by the next save (only once this one is finalized)."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.util.sync_save import use_in_process_results_queue
@@ -471,9 +493,13 @@ def start_async_save(root: str, step: int, model, optimizer, scheduler,
         request = request._replace(preload_fn=None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank in finalize
         err = exc
+    files = None
     if err is None:
-        err = _write_common(plan.tmp, step, model, scheduler, trainer_state)
-    return PendingSave(plan, request, err, stage)
+        try:  # snapshots now; the writer thread writes them
+            files = _common_files(step, model, scheduler, trainer_state)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank in finalize
+            err = exc
+    return PendingSave(plan, request, err, stage, files)
 
 
 class CheckpointSaver:
