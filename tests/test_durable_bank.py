@@ -161,6 +161,7 @@ def _rollout_run(out: str, steps: int, calls: str, kill_step: int | None = None)
         "actor.mini_batch_size=8", "actor.micro_batch_size=8",
         "rollout.max_num_gen_batches=30", "rollout.durable_bank=true",
         "rollout.reward_fn=test_durable_bank.parity_reward", "data.val_size=8",
+        "data.train_size=64",
         "trainer.plots=false", f"trainer.seed={SEED}"])
     tok = setup.make_tokenizer(cfg)
     driver = RolloutDriver(cfg, tok, setup.score_fn(cfg))
