@@ -190,3 +190,28 @@ def test_async_save_config_is_validated():
     assert load_config(None, ["trainer.async_save=true"]).trainer.async_save is True
     with pytest.raises(ConfigError, match="trainer.async_save must be true or false"):
         load_config(None, ["trainer.async_save=3"])
+
+
+@pytest.mark.gpu
+def test_async_save_gpu_host_copy_in_writer_thread_after_training_stream():
+    """CUDA: the writer thread's host copy waits for the training stream's last write before
+    the save (the event recorded at the save) and lands in pinned host memory; a later write
+    on the device does not reach it."""
+    from megatron_rl.actor.checkpoint import _stage_on_host
+
+    src = torch.randn(2048, 2048, device="cuda")
+    want = src.double().mul(3).float().cpu()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the stream is busy when the update below is queued
+    src.mul_(3)  # the training step's last update, still queued
+    ready = torch.cuda.Event()
+    ready.record()
+    out: dict = {}
+    writer = threading.Thread(target=lambda: out.update(
+        buckets=_stage_on_host([("f", "k", ([], [("item", src)]))], [], ready)))
+    writer.start()
+    writer.join()
+    src.add_(1)  # the next optimizer step
+    copy = out["buckets"][0][2][1][0][1]
+    assert not copy.is_cuda and copy.is_pinned()
+    assert torch.equal(copy, want)
