@@ -208,25 +208,25 @@ def _rollout_run(out: str, steps: int, calls: str, kill_step: int | None = None)
 def _bank_worker(jobs: list[tuple[str, int | None]], steps: int, calls: str) -> list[dict]:
     from megatron_rl.parallel import runtime
 
-    runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=300)
+    runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=600)
     out = [_rollout_run(d, steps, calls, kill) for d, kill in jobs]
     runtime.shutdown()
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)
 def test_durable_bank_kill_during_generation_resumes_same_samples(tmp_path):
     from megatron_rl.parallel.launch import WorkerError, spawn
 
     run, ref, calls = str(tmp_path / "run"), str(tmp_path / "ref"), str(tmp_path / "calls")
     with pytest.raises(WorkerError, match="SIGKILL"):  # SIGKILLed as step 1's second generation round starts
-        spawn(_bank_worker, 1, ([(run, 1)], 2, calls), timeout_s=300)
+        spawn(_bank_worker, 1, ([(run, 1)], 2, calls), timeout_s=600)
     banked = {(r["step"], r["round"], r["newest"]) for r in
               read_records(os.path.join(run, FILE_NAME))[0]}
     assert (1, 0, 1) in banked and (1, 1, 1) not in banked  # round 0 of step 1 was banked
     resumed, reference = spawn(_bank_worker, 1, ([(run, None), (ref, None)], 2, calls),
-                               timeout_s=300)[0]
+                               timeout_s=600)[0]
     log = [tuple(x) for x in map(json.loads, open(calls))]
     run_calls = [(s, r) for d, s, r in log if d == run]
     killed = run_calls.index((1, 1)) + 1
