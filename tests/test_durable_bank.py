@@ -220,7 +220,8 @@ def test_durable_bank_kill_during_generation_resumes_same_samples(tmp_path):
     from megatron_rl.parallel.launch import WorkerError, spawn
 
     run, ref, calls = str(tmp_path / "run"), str(tmp_path / "ref"), str(tmp_path / "calls")
-    with pytest.raises(WorkerError, match="SIGKILL"):  # SIGKILLed as step 1's second generation round starts
+    # SIGKILLed as step 1's second generation round starts
+    with pytest.raises(WorkerError, match="SIGKILL"):
         spawn(_bank_worker, 1, ([(run, 1)], 2, calls), timeout_s=600)
     banked = {(r["step"], r["round"], r["newest"]) for r in
               read_records(os.path.join(run, FILE_NAME))[0]}
