@@ -44,6 +44,43 @@ def _latest(root: str) -> str | None:
     return None if path is None else os.path.basename(path)
 
 
+def _copy_before_optimizer_step(actor, root: str) -> dict:
+    """Save with the writer thread's host copy held back until the next optimizer step asks
+    for it (were there no such wait: until that step is over). The optimizer step must run
+    after the copy, and the checkpoint must hold the save's weights."""
+    from megatron_rl.actor import checkpoint as ckpt
+    from megatron_rl.actor.checkpoint import load_checkpoint
+
+    gate, order = threading.Event(), []
+    stage, wait_staged, opt_step = ckpt._stage_on_host, ckpt.PendingSave.wait_staged, None
+
+    def held_stage(*a, **k):
+        gate.wait()
+        copies = stage(*a, **k)
+        order.append("copied")
+        return copies
+
+    def waiting(self):
+        gate.set()  # the step asks for the copy: let the writer thread make it now
+        wait_staged(self)
+
+    ckpt._stage_on_host, ckpt.PendingSave.wait_staged = held_stage, waiting
+    opt_step = actor.optimizer.step
+    actor.optimizer.step = lambda *a, **k: (order.append("optimizer step"), opt_step(*a, **k))[1]
+    try:
+        saved = _params(actor)
+        actor.save(root, 1, {"data_position": 2})
+        _train_step(actor, 2)  # runs while the copy has not started
+        gate.set()
+        actor.wait_for_save()
+    finally:
+        ckpt._stage_on_host, ckpt.PendingSave.wait_staged = stage, wait_staged
+        del actor.optimizer.step
+    load_checkpoint(os.path.join(root, "step_0000001"), actor.ddp, actor.optimizer)
+    return {"copy_order": order, "held_copy_has_save_weights": all(
+        torch.equal(saved[k], v) for k, v in _params(actor).items())}
+
+
 def _async_worker(root: str, kill: bool) -> dict:
     from megatron_rl.actor.checkpoint import CheckpointWriteError, load_checkpoint
     from megatron_rl.parallel import runtime
@@ -72,6 +109,8 @@ def _async_worker(root: str, kill: bool) -> dict:
     load_checkpoint(os.path.join(root, "step_0000001"), actor.ddp)
     out["saved_weights_written"] = all(torch.equal(saved[k], v)
                                        for k, v in _params(actor).items())
+
+    out.update(_copy_before_optimizer_step(actor, root + "_copy"))
 
     if kill:  # the process dies while its writer is still busy
         stop = threading.Event()
@@ -122,6 +161,9 @@ def test_async_save_overlaps_step_and_survives_failed_write(tmp_path):
     assert out["changed_by_next_step"]
     assert out["latest_after_write"] == "step_0000001"
     assert out["saved_weights_written"]  # the weights of the save's step, not the next step's
+    # the host copy runs in the writer thread; the next optimizer step waits for it
+    assert out["copy_order"][0] == "copied" and "optimizer step" in out["copy_order"]
+    assert out["held_copy_has_save_weights"]
     assert out["error"] and "injected: the disk went away" in out["error"]
     assert "step_0000001" in out["error"]  # names the checkpoint kept
     assert out["latest_after_failure"] == "step_0000001"
@@ -148,3 +190,28 @@ def test_async_save_config_is_validated():
     assert load_config(None, ["trainer.async_save=true"]).trainer.async_save is True
     with pytest.raises(ConfigError, match="trainer.async_save must be true or false"):
         load_config(None, ["trainer.async_save=3"])
+
+
+@pytest.mark.gpu
+def test_async_save_gpu_host_copy_in_writer_thread_after_training_stream():
+    """CUDA: the writer thread's host copy waits for the training stream's last write before
+    the save (the event recorded at the save) and lands in pinned host memory; a later write
+    on the device does not reach it."""
+    from megatron_rl.actor.checkpoint import _stage_on_host
+
+    src = torch.randn(2048, 2048, device="cuda")
+    want = src.double().mul(3).float().cpu()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the stream is busy when the update below is queued
+    src.mul_(3)  # the training step's last update, still queued
+    ready = torch.cuda.Event()
+    ready.record()
+    out: dict = {}
+    writer = threading.Thread(target=lambda: out.update(
+        buckets=_stage_on_host([("f", "k", ([], [("item", src)]))], [], ready)))
+    writer.start()
+    writer.join()
+    src.add_(1)  # the next optimizer step
+    copy = out["buckets"][0][2][1][0][1]
+    assert not copy.is_cuda and copy.is_pinned()
+    assert torch.equal(copy, want)

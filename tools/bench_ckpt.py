@@ -3,9 +3,10 @@ synchronous saves and with ``trainer.async_save`` (docs/checkpoints.md), on CPU 
 
 Each mode trains a small GPT actor for ``--steps`` RL updates and saves every ``--save-every``
 steps. The stall of a save is the wall time the loop spends inside ``actor.save`` (for the
-asynchronous mode: planning, copying the shards to host memory, writing the small RNG/trainer
-files, and waiting for the previous save if it is still being written). The wait for the last
-save at exit is printed separately (once per run, not per save).
+asynchronous mode: waiting for the previous save if it is still being written -- also printed
+by itself --, planning, and snapshots of the RNG/trainer state; the host copy of the shards
+runs in the writer thread during the next step). The wait for the last save at exit is printed
+separately (once per run, not per save).
 
     python tools/bench_ckpt.py                 # about a minute on 2 CPU cores
     python tools/bench_ckpt.py --hidden 1024   # bigger checkpoint
@@ -62,7 +63,7 @@ def _worker(mode: str, root: str, hidden: int, layers: int, vocab: int, steps: i
     runtime.init_parallel(tp=1, pp=1, dp=1, timeout_s=600)
     actor = _actor(hidden, layers, vocab, steps)
     actor.saver.async_save = mode == "async"
-    stalls, step_times = [], []
+    stalls, waits, step_times = [], [], []
     for step in range(steps):
         t0 = time.perf_counter()
         batch = _batch(step, vocab)
@@ -71,6 +72,8 @@ def _worker(mode: str, root: str, hidden: int, layers: int, vocab: int, steps: i
         step_times.append(time.perf_counter() - t0)
         if (step + 1) % save_every == 0:
             t0 = time.perf_counter()
+            actor.wait_for_save()  # inside actor.save too; timed apart (async: the last write)
+            waits.append(time.perf_counter() - t0)
             actor.save(root, step, {"data_position": step + 1})
             stalls.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
@@ -78,8 +81,8 @@ def _worker(mode: str, root: str, hidden: int, layers: int, vocab: int, steps: i
     exit_wait = time.perf_counter() - t0
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     runtime.shutdown()
-    return {"stalls": stalls, "exit_wait": exit_wait, "step": statistics.median(step_times),
-            "mib": size / 2**20 / len(stalls)}
+    return {"stalls": stalls, "waits": waits, "exit_wait": exit_wait,
+            "step": statistics.median(step_times), "mib": size / 2**20 / len(stalls)}
 
 
 def main() -> None:
@@ -101,7 +104,8 @@ def main() -> None:
         r = results[mode]
         print(f"{mode:5s}: checkpoint {r['mib']:.0f} MiB, step {r['step']:.3f} s (median), "
               f"stall per save {statistics.mean(r['stalls']):.3f} s "
-              f"(each: {', '.join(f'{s:.3f}' for s in r['stalls'])}), "
+              f"(each: {', '.join(f'{s:.3f}' for s in r['stalls'])}; of which waiting for the "
+              f"previous write: {', '.join(f'{s:.3f}' for s in r['waits'])}), "
               f"wait at exit {r['exit_wait']:.3f} s", flush=True)
     ratio = statistics.mean(results["async"]["stalls"]) / statistics.mean(results["sync"]["stalls"])
     print(f"bench_ckpt: stall_ratio={ratio:.3f}")

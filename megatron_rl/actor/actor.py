@@ -135,6 +135,7 @@ class Actor:
         self.model.config.grad_scale_func = getattr(self.optimizer, "scale_loss", None)
         self.updater = PolicyUpdater(self.ddp, self.optimizer, self.scheduler, actor_cfg,
                                      self.loss_cfg, entropy_controller, routing=self.routing)
+        self.updater.before_optimizer_step = self.wait_for_save_copy
 
     def micro_batches(self, batch: Mapping[str, Any]) -> list[dict]:
         """Cut this rank's rows into micro-batches of ``actor.micro_batch_size`` sequences."""
@@ -269,6 +270,13 @@ class Actor:
         if getattr(self, "_saver", None) is None:
             self._saver = CheckpointSaver()
         return self._saver
+
+    def wait_for_save_copy(self) -> None:
+        """Block until an asynchronous save in flight holds its host copy of the weights and
+        optimizer state (before they change: the optimizer step, an offload); no collective."""
+        saver = getattr(self, "_saver", None)
+        if saver is not None:
+            saver.wait_staged()
 
     def wait_for_save(self) -> str | None:
         """Collective: finish an asynchronous save in flight (moves ``latest``); its path."""

@@ -14,10 +14,12 @@ ignored and cleaned up on the next save. A write that fails on any rank (disk fu
 directory) fails the save on every rank together (no rank is left waiting in a collective) with a
 :class:`CheckpointWriteError` that names the checkpoint kept; the partial ``step_N.tmp`` is removed.
 
-Asynchronous saves (:func:`start_async_save`, :class:`CheckpointSaver` with ``async_save``): the
-shards are copied to host memory at the save, megatron's ``torch_dist`` writer runs in a thread
-while training goes on, and :meth:`PendingSave.finalize` (the next save, a resume, or exit) does
-the agreement, checks and publication above; until then ``latest`` names the previous one.
+Asynchronous saves (:func:`start_async_save`, :class:`CheckpointSaver` with ``async_save``): a
+writer thread copies the shards to host memory and runs megatron's ``torch_dist`` writer while
+training goes on (the next optimizer step or offload first waits for the copy:
+:meth:`CheckpointSaver.wait_staged`), and :meth:`PendingSave.finalize` (the next save, a resume,
+or exit) does the agreement, checks and publication above; until then ``latest`` names the
+previous one.
 
 Loading never unpickles arbitrary objects: ``trainer.pt`` and the RNG files are read with
 ``torch.load(weights_only=True)`` (plain containers, numbers, strings, tensors; old checkpoints'
@@ -28,13 +30,15 @@ numpy RNG states through an explicit allow-list), and the sharded checkpoint's p
 
 from __future__ import annotations
 
+import copy
 import errno
+import functools
 import os
 import pickle
 import random
 import shutil
 import threading
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -277,24 +281,41 @@ def _begin_save(root: str, step: int) -> _SavePlan:
     return plan
 
 
-def _write_common(tmp: str, step: int, model, scheduler,
-                  trainer_state: dict[str, Any] | None) -> BaseException | None:
-    """This rank's RNG states, and (rank 0) ``trainer.pt``; returns the error, if any."""
+def _common_files(step: int, model, scheduler,
+                  trainer_state: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's RNG states, and (rank 0) ``trainer.pt``: ``{relative path: object}``,
+    snapshots taken now (training may change the live objects afterwards)."""
     from megatron_rl.actor.precision import precision_of
 
     rank = dist.get_rank()
+    files: dict[str, Any] = {os.path.join("rng", f"rank_{rank:05d}.pt"): _rng_state()}
+    if rank == 0:
+        files["trainer.pt"] = copy.deepcopy({
+            "step": step, "layout": _layout_key(), "precision": precision_of(model),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "trainer": trainer_state or {}})
+    return files
+
+
+def _write_files(tmp: str, files: dict[str, Any]) -> BaseException | None:
+    """Save and fsync each of :func:`_common_files`' objects under ``tmp``; the error, if any."""
     try:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        _durable_save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-        if rank == 0:
-            _durable_save({"step": step, "layout": _layout_key(),
-                           "precision": precision_of(model),
-                           "scheduler": scheduler.state_dict() if scheduler is not None
-                           else None, "trainer": trainer_state or {}},
-                          os.path.join(tmp, "trainer.pt"))
+        for rel, obj in files.items():
+            _durable_save(obj, os.path.join(tmp, rel))
     except Exception as exc:  # noqa: BLE001 - torch.save's writer raises RuntimeError too
         return exc
     return None
+
+
+def _write_common(tmp: str, step: int, model, scheduler,
+                  trainer_state: dict[str, Any] | None) -> BaseException | None:
+    """This rank's RNG states, and (rank 0) ``trainer.pt``; returns the error, if any."""
+    try:
+        files = _common_files(step, model, scheduler, trainer_state)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        return exc
+    return _write_files(tmp, files)
 
 
 def _finish_save(plan: _SavePlan, err: BaseException | None) -> str:
@@ -311,47 +332,88 @@ def _finish_save(plan: _SavePlan, err: BaseException | None) -> str:
     return plan.final
 
 
-def _stage_on_host(write_buckets: list, pool: list[torch.Tensor]) -> list:
+def _stage_on_host(write_buckets: list, pool: list[torch.Tensor],
+                   ready: torch.cuda.Event | None = None) -> list:
     """Copies of the tensors of megatron's write buckets in host memory, owned by the save.
 
-    megatron's own ``preload_tensors`` returns CPU tensors as they are (``.to("cpu")`` is a
-    no-op there), so on CPU the writer would read parameters the next step is updating. The
-    copies go into ``pool``'s buffers, reused from the previous save when the shapes match (no
-    page faults on a fresh allocation; pinned memory for device tensors); one stream sync
-    waits for device-to-host copies before the writer reads them."""
+    Runs in the writer thread. megatron's own ``preload_tensors`` returns CPU tensors as they
+    are (``.to("cpu")`` is a no-op there), so on CPU the writer would read parameters the next
+    step is updating. The copies go into ``pool``'s buffers, reused from the previous save when
+    the shapes match (no page faults on a fresh allocation; pinned memory for device tensors).
+    Device tensors: the copies wait for ``ready`` (recorded on the training thread's stream at
+    the save) and one sync per device waits for them before the writer reads the copies."""
     sources = [t for _, _, (_, tensor_data) in write_buckets for _, t in tensor_data]
     if [(t.shape, t.dtype) for t in pool] != [(t.shape, t.dtype) for t in sources]:
         pool[:] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
+    devices = {t.device for t in sources if t.is_cuda}
+    for dev in devices:  # after the training thread's last write to the tensors
+        torch.cuda.current_stream(dev).wait_event(ready)
     with torch.no_grad():
         for buf, t in zip(pool, sources, strict=True):
             buf.copy_(t.detach(), non_blocking=t.is_cuda)
-    if any(t.is_cuda for t in sources):
-        torch.cuda.current_stream().synchronize()  # the writer thread reads the host copies
+    for dev in devices:
+        torch.cuda.current_stream(dev).synchronize()  # the writer reads the host copies
     copies = iter(pool)
     return [(file_name, storage_key, (bytes_data, [(item, next(copies)) for item, _ in td]))
             for file_name, storage_key, (bytes_data, td) in write_buckets]
 
 
-class PendingSave:
-    """A checkpoint whose tensors were copied to host and are being written by a background
-    thread (megatron's asynchronous ``torch_dist`` writer). ``latest`` moves only in
-    :meth:`finalize` (collective), after every rank's write completed and was fsynced."""
+def _staged_request(request, pool: list[torch.Tensor], ready: torch.cuda.Event | None):
+    """``request`` with its write buckets replaced by host copies (:func:`_stage_on_host`)."""
+    args = list(request.async_fn_args)  # (rank, write_buckets, results_queue)
+    args[1] = _stage_on_host(args[1], pool, ready)
+    return request._replace(async_fn_args=tuple(args))
 
-    def __init__(self, plan: _SavePlan, request, error: BaseException | None) -> None:
+
+class PendingSave:
+    """A checkpoint being written by a background thread: it first copies the shards to host
+    memory (``stage``), then runs megatron's asynchronous ``torch_dist`` writer. Whatever
+    changes the parameters or optimizer state next must call :meth:`wait_staged` first.
+    ``latest`` moves only in :meth:`finalize` (collective), after every rank's write completed
+    and was fsynced."""
+
+    def __init__(self, plan: _SavePlan, request, error: BaseException | None,
+                 stage: Callable[[Any], Any] | None = None,
+                 files: dict[str, Any] | None = None) -> None:
         self.plan = plan
         self._request = request
-        self._error = error  # of the synchronous part (staging, RNG/trainer files)
+        self._stage = stage  # request -> request writing host copies (runs in the thread)
+        self._files = files or {}  # the small RNG/trainer files (written by the thread)
+        self._error = error  # of the synchronous part (planning, state snapshots)
+        self._staged = threading.Event()  # set once the writer no longer reads live tensors
         self._thread: threading.Thread | None = None
         if request is not None and error is None and request.async_fn is not None:
             self._thread = threading.Thread(target=self._write, name="ckpt-writer", daemon=True)
             self._thread.start()
+        else:
+            self._staged.set()
 
     def _write(self) -> None:
         try:
-            self._request.async_fn(*self._request.async_fn_args,
-                                   **self._request.async_fn_kwargs)
+            if self._stage is not None:
+                self._request = self._stage(self._request)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank in finalize
             self._error = exc
+            return
+        finally:
+            self._staged.set()
+        try:
+            self._error = _write_files(self.plan.tmp, self._files)
+            if self._error is None:
+                self._request.async_fn(*self._request.async_fn_args,
+                                       **self._request.async_fn_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank in finalize
+            self._error = exc
+
+    def wait_staged(self) -> None:
+        """Block until the shards are copied to host memory (not a collective). Call it
+        before the parameters or optimizer state change (optimizer step, offload)."""
+        self._staged.wait()
+
+    @property
+    def staged(self) -> bool:
+        """Whether the host copy is done (the live tensors may change)."""
+        return self._staged.is_set()
 
     @property
     def path(self) -> str:
@@ -403,12 +465,15 @@ def start_async_save(root: str, step: int, model, optimizer, scheduler,
                      host_pool: list[torch.Tensor] | None = None) -> PendingSave:
     """Begin a checkpoint save that completes in the background; collective.
 
-    The model/optimizer shards are copied to host memory before this returns (training may
-    then change the parameters); the files are written by a thread while the next steps run.
-    Call :meth:`PendingSave.finalize` on every rank (before the next save, a resume, or exit)
-    to wait for it and move ``latest``. Until then ``latest`` names the previous checkpoint, so
-    a crash during the write leaves that one usable. ``host_pool``: host buffers reused by the
-    next save (only once this one is finalized)."""
+    On this thread: megatron's save planning and snapshots of the RNG/trainer state. A writer
+    thread then copies the model/optimizer shards to host memory and writes every file while
+    the next steps run; call :meth:`PendingSave.wait_staged` before anything changes the
+    parameters or the optimizer state (:class:`CheckpointSaver` users:
+    :meth:`CheckpointSaver.wait_staged`, which the actor and critic call before each optimizer
+    step and offload). Call :meth:`PendingSave.finalize` on every rank (before the next save, a
+    resume, or exit) to wait for it and move ``latest``. Until then ``latest`` names the
+    previous checkpoint, so a crash during the write leaves that one usable. ``host_pool``:
+    host buffers reused by the next save (only once this one is finalized)."""
     from megatron.core import dist_checkpointing
 
     from megatron_rl.util.sync_save import use_in_process_results_queue
@@ -416,18 +481,25 @@ def start_async_save(root: str, step: int, model, optimizer, scheduler,
     plan = _begin_save(root, step)
     sharded, _ = _sharded_state(model, optimizer, is_loading=False, main_from=optimizer)
     use_in_process_results_queue()  # the writer thread runs in this process
-    request, err = None, None
+    request, err, stage = None, None, None
     try:
         request = dist_checkpointing.save(sharded, plan.tmp, async_sharded_save=True)
-        args = list(request.async_fn_args)
-        if request.preload_fn is not None:  # (rank, write_buckets, results_queue)
-            args[1] = _stage_on_host(args[1], host_pool if host_pool is not None else [])
-        request = request._replace(async_fn_args=tuple(args), preload_fn=None)
+        if request.preload_fn is not None:  # the writer thread copies instead
+            ready = torch.cuda.Event() if torch.cuda.is_available() else None
+            if ready is not None:
+                ready.record()  # after this thread's last write to the parameters
+            stage = functools.partial(_staged_request, ready=ready,
+                                      pool=host_pool if host_pool is not None else [])
+        request = request._replace(preload_fn=None)
     except Exception as exc:  # noqa: BLE001 - reported to every rank in finalize
         err = exc
+    files = None
     if err is None:
-        err = _write_common(plan.tmp, step, model, scheduler, trainer_state)
-    return PendingSave(plan, request, err)
+        try:  # snapshots now; the writer thread writes them
+            files = _common_files(step, model, scheduler, trainer_state)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank in finalize
+            err = exc
+    return PendingSave(plan, request, err, stage, files)
 
 
 class CheckpointSaver:
@@ -448,6 +520,12 @@ class CheckpointSaver:
         self.pending = start_async_save(root, step, model, optimizer, scheduler, trainer_state,
                                         self._host_pool)
         return self.pending.path
+
+    def wait_staged(self) -> None:
+        """Block until the pending save (if any) copied the shards to host memory; not a
+        collective. Call before changing the parameters or optimizer state."""
+        if self.pending is not None:
+            self.pending.wait_staged()
 
     def wait(self) -> str | None:
         """Collective: finish the pending save (if any); its path, or None."""

@@ -276,6 +276,9 @@ class ActorOffload:
         todo = [g for g in groups if not self.store.offloaded(g)]
         if not todo:
             return {}
+        wait = getattr(self.actor, "wait_for_save_copy", None)
+        if wait is not None:  # an async checkpoint still copying these storages
+            wait()
         found = self._groups()
         moved = {g: self.store.offload(g, found[g]) for g in todo}
         if self.device.type == "cuda":

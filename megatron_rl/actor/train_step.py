@@ -23,7 +23,7 @@ stops with :class:`NonFiniteError`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -157,6 +157,9 @@ class PolicyUpdater:
         self.guard = NumericalGuard(actor_cfg.max_consecutive_skips)
         self.optimizer_steps = 0
         self.siren_anchor: torch.Tensor | None = None  # SIREN's H_anchor (0-dim, last stage)
+        # called right before each optimizer step (the actor: wait for an asynchronous
+        # checkpoint's host copy of the weights it is about to change)
+        self.before_optimizer_step: Callable[[], None] | None = None
 
     @property
     def module(self):
@@ -370,6 +373,8 @@ class PolicyUpdater:
         ok = not bool(flag.any())
         grad_norm = float("nan")
         if ok:
+            if self.before_optimizer_step is not None:
+                self.before_optimizer_step()
             success, grad_norm, _ = self.optimizer.step()
             ok = bool(success) and grad_norm is not None and grad_norm == grad_norm and abs(
                 grad_norm) != float("inf")

@@ -57,6 +57,9 @@ EXTRA_DOCS: dict[str, str] = {
     "rollout.weight_sync_bucket_mb": "bucket size of the actor -> engine weight stream",
     "rollout.max_staleness": "asynchronous rollouts: generation runs up to K steps ahead of "
                              "training; a sample older than K steps is dropped (docs/async.md)",
+    "rollout.durable_bank": "append finished rollout groups to OUTPUT_DIR/rollout_bank.bin; a "
+                            "resumed run trains on them instead of regenerating them "
+                            "(docs/reliability.md)",
     "rollout.val_temperature": "validation sampling temperature;",
     "rollout.sglang.weight_sync": "how the actor's weights reach the servers (docs/rollout.md):",
     "actor.fused_logprob_entropy": "fused output layer + log-prob + entropy (docs/fused-head.md);",

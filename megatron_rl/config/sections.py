@@ -119,6 +119,7 @@ class RolloutSection:
     weight_sync_bucket_mb: int = 64
     max_staleness: int = 0  # 0: synchronous; K > 0: generation runs ahead (docs/async.md)
     partial: bool = True  # sync keeps in-flight tokens (false: redo them; docs/async.md)
+    durable_bank: bool = False  # false: a resumed run regenerates every rollout group
 
 
 @dataclass

@@ -253,6 +253,10 @@ def validate_async(cfg) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
         raise ConfigError(f"rollout.max_staleness must be an int in [0, 64] (0 = synchronous), "
                           f"got {k!r}")
+    if cfg.rollout.durable_bank and cfg.env.name:
+        raise ConfigError(f"rollout.durable_bank=true banks single-turn prompt rollouts; "
+                          f"env.name={cfg.env.name!r} (multi-turn episodes) is not banked: set "
+                          "rollout.durable_bank=false")
     if k == 0:
         return
     if cfg.env.name:

@@ -233,6 +233,7 @@ class Critic:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         grad_norm = float("nan")
         if not bool(bad.any()):
+            self.wait_for_save_copy()  # an async checkpoint's host copy of these weights
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(1)
             self.optimizer_steps += 1
@@ -285,6 +286,13 @@ class Critic:
         if getattr(self, "_saver", None) is None:
             self._saver = CheckpointSaver()
         return self._saver
+
+    def wait_for_save_copy(self) -> None:
+        """Block until an asynchronous save in flight holds its host copy of the weights and
+        optimizer state (before they change: the optimizer step, an offload); no collective."""
+        saver = getattr(self, "_saver", None)
+        if saver is not None:
+            saver.wait_staged()
 
     def wait_for_save(self) -> str | None:
         """Collective: finish an asynchronous save in flight (moves ``latest``); its path."""

@@ -56,12 +56,13 @@ def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingPa
         counters["reward_timeout"] = counters.get("reward_timeout", 0) + n_timeout
     records = []
     it = iter(zip(flat, scores))
-    for _row, comps in zip(rows, groups):
+    for k, comps in enumerate(groups):
         uid = next(_uid)
         for _ in comps:
             (_, c, text), s = next(it)
             s = float(s)
-            records.append({"uid": uid, "prompt_ids": c.prompt_ids, "response_ids":
+            records.append({"uid": uid, "prompt_index": k, "prompt_ids": c.prompt_ids,
+                            "response_ids":
                             c.response_ids, "logprobs": c.logprobs, "truncated": not c.finished,
                             "response_length": len(c.response_ids), "score": s,
                             "acc": float(s >= 1.0), "reward": s, "text": text,
@@ -73,11 +74,30 @@ def generate_records(engine, tokenizer, rows: Sequence[dict], params: SamplingPa
     return records
 
 
-def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[list[dict], dict]:
+def banked_or_generated(bank, step: int, round_i: int, rows: list[dict], tokenizer,
+                        generate: Callable[[], list[dict]], counters: dict) -> list[dict]:
+    """Round ``round_i`` of ``step``: its groups from the durable rollout ``bank`` when banked
+    there (fresh ``uid`` per group; counted in ``counters["bank_reused_groups"]``), else
+    ``generate()``'s records, banked before they are returned. ``bank`` None: ``generate()``."""
+    if bank is None:
+        return generate()
+    groups = bank.take(step, round_i, [tokenizer.encode(r["prompt"]) for r in rows])
+    if groups is not None:
+        counters["bank_reused_groups"] = counters.get("bank_reused_groups", 0) + len(groups)
+        return [{**s, "uid": uid} for g in groups for uid in [next(_uid)] for s in g]
+    records = generate()
+    bank.append(step, round_i, records)
+    return records
+
+
+def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int, bank=None
+                 ) -> tuple[list[dict], dict]:
     """Generation rounds (DAPO dynamic sampling when enabled), overlong shaping, RV filter.
 
     ``cfg`` is the run config; ``loader`` yields ``rollout.gen_batch_size`` prompts per round.
-    Returns the kept records and rollout metrics.
+    ``bank``: a :class:`~megatron_rl.rollout.bank.RolloutBank` (``rollout.durable_bank``): each
+    round is taken from it when banked, else generated and banked. Returns the kept records and
+    rollout metrics.
     """
     r, t = cfg.rollout, cfg.trainer
     params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
@@ -94,10 +114,10 @@ def collect_step(engine, tokenizer, loader, cfg, score_fn, step: int) -> tuple[l
 
             stop = prefix_stop_rule(rows, tokenizer, score_fn, r.filter_metric,
                                     t.train_batch_size - sampler.kept_prompts)
-        recs = generate_records(engine, tokenizer, rows, params, score_fn,
-                                seed=t.seed * 100003 + step * 101 + i,
-                                timeout_s=r.reward_timeout_s, counters=counters,
-                                stop_when=stop)
+        recs = banked_or_generated(
+            bank, step, i, rows, tokenizer, lambda: generate_records(
+                engine, tokenizer, rows, params, score_fn, seed=t.seed * 100003 + step * 101 + i,
+                timeout_s=r.reward_timeout_s, counters=counters, stop_when=stop), counters)
         if r.overlong_buffer > 0 or r.overlong_filter:
             recs, om = apply_overlong(recs, r.max_new_tokens,
                                       r.overlong_buffer if r.overlong_buffer > 0 else None,

@@ -136,6 +136,8 @@ class RolloutDriver:
         self._collapse_records: list[dict] | None = None  # trainer.collapse_metrics (rank 0)
         self.producer = None  # rollout.max_staleness > 0: the rollout producer thread (rank 0)
         self._loader_state: dict | None = None  # loader after the last batch trained (async)
+        self.bank = None  # rollout.durable_bank (rank 0): rollout.bank.RolloutBank
+        self._last_saved_step: int | None = None  # next_step of the previous checkpoint
         self.teacher = None  # teacher.engine: sglang (rank 0): rollout.teacher_client
         if self.rank0:
             from megatron_rl.config.teacher import served_teacher
@@ -153,12 +155,32 @@ class RolloutDriver:
         if not self.rank0:
             return
         t, lg = self.cfg.trainer, self.cfg.logging
+        self.open_bank(start_step if resuming else None)
         self.engine = make_engine(self.cfg, self.tok)
         self.tracker = Tracker(t.output_dir, total_steps=t.total_steps,
                                use_tensorboard=lg.tensorboard, use_wandb=lg.wandb,
                                project=lg.project, config=self.cfg.to_dict(),
                                resume_step=start_step if resuming else None,
                                progress_keys=PROGRESS_KEYS)
+
+    def open_bank(self, resume_step: int | None) -> None:
+        """``rollout.durable_bank`` (rank 0): open ``OUTPUT_DIR/rollout_bank.bin``, keeping
+        the groups a run resumed at ``resume_step`` may train on (None: a fresh run, the bank
+        starts empty)."""
+        import os
+
+        from megatron_rl.rollout.bank import FILE_NAME, RolloutBank, fingerprint
+
+        if not self.cfg.rollout.durable_bank:
+            return
+        self.bank = RolloutBank(os.path.join(self.cfg.trainer.output_dir, FILE_NAME),
+                                fingerprint(self.cfg))
+        st = self.bank.open(resume_step, self.cfg.rollout.max_staleness)
+        if resume_step is not None:
+            torn = f"; a torn last record ({st['torn_bytes']} bytes) cut off" \
+                if st["torn_bytes"] else ""
+            print(f"[train] rollout bank: {st['kept']} banked group(s) reusable from step "
+                  f"{resume_step + 1}, {st['dropped']} dropped{torn}", flush=True)
 
     # ---- rollout ------------------------------------------------------------------------------
     def start_async(self, start_step: int, version: int) -> None:
@@ -176,7 +198,7 @@ class RolloutDriver:
         self._loader_state = copy.deepcopy(self.loader.state_dict())
         self.producer = AsyncProducer(
             lambda j: collect_step(self.engine, self.tok, self.loader, self.cfg, self.score_fn,
-                                   j),
+                                   j, self.bank),
             lambda: copy.deepcopy(self.loader.state_dict()), start_step,
             self.cfg.trainer.total_steps, k, version, self.engine)
 
@@ -232,7 +254,7 @@ class RolloutDriver:
                                           rows_multiple)
         elif self.rank0:
             records, metrics = collect_step(self.engine, self.tok, self.loader, self.cfg,
-                                            self.score_fn, step)
+                                            self.score_fn, step, self.bank)
             self._record_lengths(records)
             if records:
                 batch = records_to_batch(records, self.cfg.trainer.advantage, self.tok.pad_id,
@@ -370,6 +392,10 @@ class RolloutDriver:
         state = {"next_step": next_step, "history": self.history, "val_start": self.val_start,
                  "early_stop": self.stopper.state_dict() if self.rank0 else None,
                  "loader": self._loader_now() if self.rank0 else None}
+        if self.bank is not None:  # groups before the previous checkpoint are never reused
+            if self._last_saved_step is not None:
+                self.bank.prune(self._last_saved_step)
+            self._last_saved_step = next_step
         return broadcast_object(state)
 
     def _loader_now(self) -> dict:
