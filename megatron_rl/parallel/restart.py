@@ -1,0 +1,209 @@
+"""In-job restart: run a job's ranks again from the newest checkpoint when one of them fails.
+
+When a rank or a process it started dies (an exit code, a signal, the out-of-memory killer) or a
+rank fails (a gloo/NCCL timeout, an exception), the launcher stops every other rank and helper
+and starts all ranks again, at most ``trainer.max_restarts`` times, waiting
+``trainer.restart_backoff_s * 2 ** (k - 1)`` seconds (at most :data:`MAX_BACKOFF_S`) before the
+k-th restart, and printing why each restart happens. The restarted ranks see
+``MRL_RESTART=k`` (:data:`RESTART_ENV`) and resume from the newest complete checkpoint (also with
+``trainer.resume=false``); ``metrics.jsonl`` then drops the rows after that checkpoint's step, so
+each step is logged once.
+
+- :func:`run_with_restarts`: the loop (shared by the local launcher and the SLURM supervisor);
+- the local launcher (``python -m megatron_rl train``) runs it around its spawned rank group;
+- under SLURM, ``python -m megatron_rl.parallel.restart -- srun ... python -m megatron_rl train
+  CONFIG ...`` runs it around the ``srun`` step inside the allocation (each try is a new step:
+  a new rendezvous port); ``srun --kill-on-bad-exit=1`` stops the step when one task fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+RESTART_ENV = "MRL_RESTART"  # the restart count (0: the first try) the ranks see
+MAX_BACKOFF_S = 600.0
+NO_RESTART_CODES = (2,)  # usage / config errors and refused launches: a restart cannot help
+
+
+class RestartsExhausted(RuntimeError):
+    """The job failed again after ``max_restarts`` restarts; the message says why each try
+    ended."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``max_restarts`` restarts at most; the k-th (1-based) after :meth:`backoff_s` seconds."""
+
+    max_restarts: int = 0
+    backoff_s: float = 5.0
+
+    def backoff(self, k: int) -> float:
+        """Seconds to wait before restart ``k`` (1-based): ``backoff_s * 2**(k-1)``, capped."""
+        return min(MAX_BACKOFF_S, self.backoff_s * 2 ** max(0, k - 1))
+
+    @classmethod
+    def of(cls, trainer) -> RestartPolicy:
+        """The policy of a config's ``trainer`` section."""
+        return cls(int(trainer.max_restarts), float(trainer.restart_backoff_s))
+
+
+def restart_count(environ=None) -> int:
+    """This process's restart count (``MRL_RESTART``; 0 on the first try)."""
+    value = (os.environ if environ is None else environ).get(RESTART_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def failure_reason(message: str) -> str:
+    """One line saying why a try ended: the first line of a launcher's message, plus the last
+    line of a rank's traceback when there is one (``rank 0 of 2 failed: ... -> RuntimeError: ...``).
+    """
+    lines = [x.strip() for x in str(message).strip().splitlines() if x.strip()]
+    if not lines:
+        return "unknown failure"
+    head, tail = lines[0], lines[-1]
+    return head if len(lines) == 1 or "Traceback" not in message else f"{head} {tail}"
+
+
+def run_with_restarts(attempt: Callable[[int], str | None], policy: RestartPolicy,
+                      log: Callable[[str], None], what: str = "the job",
+                      sleep: Callable[[float], None] = time.sleep) -> int:
+    """Call ``attempt(k)`` for k = 0, 1, ... until it returns None (success); a returned string
+    is why try k failed. Restarts at most ``policy.max_restarts`` times, logging the reason and
+    the wait; then raises :class:`RestartsExhausted`. Returns the number of restarts made."""
+    reasons: list[str] = []
+    for k in range(policy.max_restarts + 1):
+        reason = attempt(k)
+        if reason is None:
+            if k:
+                log(f"{what} finished after {k} restart(s)")
+            return k
+        reasons.append(reason)
+        if k == policy.max_restarts:
+            break
+        wait = policy.backoff(k + 1)
+        log(f"restart {k + 1} of {policy.max_restarts} in {wait:.0f} s: {reason}; restarting "
+            f"{what} from the newest checkpoint")
+        sleep(wait)
+    tries = "; ".join(f"try {i + 1}: {r}" for i, r in enumerate(reasons))
+    raise RestartsExhausted(
+        f"{what} failed {len(reasons)} time(s), giving up after {len(reasons) - 1} restart(s) "
+        f"(trainer.max_restarts={policy.max_restarts}): {tries}")
+
+
+# ---- SLURM (or any launcher command): rerun a command that fails ------------------------------
+
+def _train_args(cmd: Sequence[str]) -> tuple[str | None, list[str]] | None:
+    """``(config, overrides)`` of the ``megatron_rl train`` command inside ``cmd``, or None."""
+    cmd = list(cmd)
+    for i in range(len(cmd) - 2):
+        if cmd[i] == "-m" and cmd[i + 1] == "megatron_rl" and cmd[i + 2] == "train":
+            rest = [a for a in cmd[i + 3:] if not a.startswith("-")]
+            from megatron_rl.cli.app import split_config_arg
+
+            return split_config_arg(rest[0] if rest else None, rest[1:])
+    return None
+
+
+def policy_for(cmd: Sequence[str], max_restarts: int | None,
+               backoff_s: float | None) -> RestartPolicy:
+    """The policy of the ``train`` command in ``cmd`` (its config's ``trainer.max_restarts`` and
+    ``trainer.restart_backoff_s``), with the given values taking precedence."""
+    base = RestartPolicy()
+    found = _train_args(cmd)
+    if found is not None and (max_restarts is None or backoff_s is None):
+        from megatron_rl.config.default_recipe import DEFAULT_RECIPE
+        from megatron_rl.config.load import load_config
+
+        config, overrides = found
+        cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
+        base = RestartPolicy.of(cfg.trainer)
+    return RestartPolicy(base.max_restarts if max_restarts is None else max_restarts,
+                         base.backoff_s if backoff_s is None else backoff_s)
+
+
+def supervise(cmd: Sequence[str], policy: RestartPolicy,
+              log: Callable[[str], None] = print) -> int:
+    """Run ``cmd`` (e.g. an ``srun`` step) until it exits 0, restarting it per ``policy`` with
+    ``MRL_RESTART=k`` in its environment. Exit 2 of the command (a refused launch or config) is
+    not retried; SIGTERM/SIGINT/SIGHUP to the supervisor are passed to the command and end the
+    supervision (exit ``128 + signal``). Returns the exit code to leave with."""
+    from megatron_rl.parallel.lifecycle import STOP_SIGNALS, describe_exit
+
+    stopped: list[int] = []
+    child: list[subprocess.Popen] = []
+
+    def _forward(signum, _frame) -> None:
+        stopped.append(signum)
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
+
+    def attempt(k: int) -> str | None:
+        if stopped:
+            return None
+        proc = subprocess.Popen(list(cmd), env={**os.environ, RESTART_ENV: str(k)})
+        child[:] = [proc]
+        rc = proc.wait()
+        if rc == 0 or stopped:
+            return None
+        if rc in NO_RESTART_CODES:
+            raise _NoRestart(rc)
+        return f"{os.path.basename(cmd[0])} exited with {describe_exit(rc)}"
+
+    old = {s: signal.signal(s, _forward) for s in STOP_SIGNALS}
+    try:
+        run_with_restarts(attempt, policy, lambda m: log(f"[restart] {m}"),
+                          what=" ".join(os.path.basename(c) for c in cmd[:1]) + " step")
+    except _NoRestart as exc:
+        log(f"[restart] {cmd[0]} exited with {exc.rc} (refused launch or config error); not "
+            "restarted")
+        return exc.rc
+    except RestartsExhausted as exc:
+        log(f"[restart] error: {exc}")
+        return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 + stopped[0] if stopped else 0
+
+
+class _NoRestart(Exception):
+    def __init__(self, rc: int) -> None:
+        super().__init__(rc)
+        self.rc = rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_rl.parallel.restart",
+        description="Run a command (an srun step of `megatron_rl train`) again when it fails, up "
+                    "to trainer.max_restarts times with backoff (read from the train command's "
+                    "config unless given).")
+    ap.add_argument("--max-restarts", type=int, default=None)
+    ap.add_argument("--backoff-s", type=float, default=None)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    args = ap.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        ap.error("give the command to run after --")
+    if (args.max_restarts is not None and args.max_restarts < 0) or \
+            (args.backoff_s is not None and args.backoff_s < 0):
+        ap.error("--max-restarts and --backoff-s must be >= 0")
+    from megatron_rl.config.errors import ConfigError
+
+    try:
+        policy = policy_for(cmd, args.max_restarts, args.backoff_s)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return supervise(cmd, policy, log=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
