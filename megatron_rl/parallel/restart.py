@@ -154,7 +154,7 @@ def supervise(cmd: Sequence[str], policy: RestartPolicy,
             return None
         if rc in NO_RESTART_CODES:
             raise _NoRestart(rc)
-        return f"{os.path.basename(cmd[0])} exited with {describe_exit(rc)}"
+        return f"{os.path.basename(cmd[0])} ended with {describe_exit(rc)}"
 
     old = {s: signal.signal(s, _forward) for s in STOP_SIGNALS}
     try:
