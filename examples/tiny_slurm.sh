@@ -128,6 +128,6 @@ mkdir -p "$RUN_DIR"
 # In-job restart: a failed step (a rank killed, a gloo timeout) is run again inside this
 # allocation from the newest checkpoint, up to trainer.max_restarts times (read from the config;
 # MRL_MAX_RESTARTS overrides), with trainer.restart_backoff_s between tries.
-"$PYTHON" -m megatron_rl.parallel.restart ${MRL_MAX_RESTARTS:+--max-restarts="$MRL_MAX_RESTARTS"} \
+"$PYTHON" -m megatron_rl.cli.restart ${MRL_MAX_RESTARTS:+--max-restarts="$MRL_MAX_RESTARTS"} \
   -- "${cmd[@]}"
 echo "[slurm] job ${SLURM_JOB_ID:-?} finished"

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from megatron_rl.cli.restart import policy_for
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.load import load_config
 from megatron_rl.parallel.restart import (
@@ -17,7 +18,6 @@ from megatron_rl.parallel.restart import (
     RestartPolicy,
     RestartsExhausted,
     failure_reason,
-    policy_for,
     restart_count,
     run_with_restarts,
     supervise,
@@ -77,7 +77,7 @@ sys.exit(int(sys.argv[2]) if len(open(log).read().split()) <= int(sys.argv[3]) e
 
 
 def test_restart_supervisor_reruns_a_failed_srun_step(tmp_path):
-    """``python -m megatron_rl.parallel.restart -- CMD``: CMD (here a stand-in for the srun step
+    """``python -m megatron_rl.cli.restart -- CMD``: CMD (here a stand-in for the srun step
     that exits 137 twice) is rerun with ``MRL_RESTART=k`` until it succeeds, within the limit;
     beyond it, exit 1 with the reasons; exit 2 (a refused launch) is not retried."""
     log, msgs = tmp_path / "tries", []

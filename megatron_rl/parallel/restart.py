@@ -11,18 +11,17 @@ each step is logged once.
 
 - :func:`run_with_restarts`: the loop (shared by the local launcher and the SLURM supervisor);
 - the local launcher (``python -m megatron_rl train``) runs it around its spawned rank group;
-- under SLURM, ``python -m megatron_rl.parallel.restart -- srun ... python -m megatron_rl train
-  CONFIG ...`` runs it around the ``srun`` step inside the allocation (each try is a new step:
-  a new rendezvous port); ``srun --kill-on-bad-exit=1`` stops the step when one task fails.
+- under SLURM, ``python -m megatron_rl.cli.restart -- srun ... python -m megatron_rl train
+  CONFIG ...`` (:func:`supervise`) runs it around the ``srun`` step inside the allocation
+  (each try is a new step: a new rendezvous port); ``srun --kill-on-bad-exit=1`` stops the step
+  when one task fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -99,35 +98,6 @@ def run_with_restarts(attempt: Callable[[int], str | None], policy: RestartPolic
 
 # ---- SLURM (or any launcher command): rerun a command that fails ------------------------------
 
-def _train_args(cmd: Sequence[str]) -> tuple[str | None, list[str]] | None:
-    """``(config, overrides)`` of the ``megatron_rl train`` command inside ``cmd``, or None."""
-    cmd = list(cmd)
-    for i in range(len(cmd) - 2):
-        if cmd[i] == "-m" and cmd[i + 1] == "megatron_rl" and cmd[i + 2] == "train":
-            rest = [a for a in cmd[i + 3:] if not a.startswith("-")]
-            from megatron_rl.cli.app import split_config_arg
-
-            return split_config_arg(rest[0] if rest else None, rest[1:])
-    return None
-
-
-def policy_for(cmd: Sequence[str], max_restarts: int | None,
-               backoff_s: float | None) -> RestartPolicy:
-    """The policy of the ``train`` command in ``cmd`` (its config's ``trainer.max_restarts`` and
-    ``trainer.restart_backoff_s``), with the given values taking precedence."""
-    base = RestartPolicy()
-    found = _train_args(cmd)
-    if found is not None and (max_restarts is None or backoff_s is None):
-        from megatron_rl.config.default_recipe import DEFAULT_RECIPE
-        from megatron_rl.config.load import load_config
-
-        config, overrides = found
-        cfg = load_config(config, overrides, base=None if config else DEFAULT_RECIPE)
-        base = RestartPolicy.of(cfg.trainer)
-    return RestartPolicy(base.max_restarts if max_restarts is None else max_restarts,
-                         base.backoff_s if backoff_s is None else backoff_s)
-
-
 def supervise(cmd: Sequence[str], policy: RestartPolicy,
               log: Callable[[str], None] = print) -> int:
     """Run ``cmd`` (e.g. an ``srun`` step) until it exits 0, restarting it per ``policy`` with
@@ -177,33 +147,3 @@ class _NoRestart(Exception):
     def __init__(self, rc: int) -> None:
         super().__init__(rc)
         self.rc = rc
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m megatron_rl.parallel.restart",
-        description="Run a command (an srun step of `megatron_rl train`) again when it fails, up "
-                    "to trainer.max_restarts times with backoff (read from the train command's "
-                    "config unless given).")
-    ap.add_argument("--max-restarts", type=int, default=None)
-    ap.add_argument("--backoff-s", type=float, default=None)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
-    args = ap.parse_args(argv)
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not cmd:
-        ap.error("give the command to run after --")
-    if (args.max_restarts is not None and args.max_restarts < 0) or \
-            (args.backoff_s is not None and args.backoff_s < 0):
-        ap.error("--max-restarts and --backoff-s must be >= 0")
-    from megatron_rl.config.errors import ConfigError
-
-    try:
-        policy = policy_for(cmd, args.max_restarts, args.backoff_s)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return supervise(cmd, policy, log=lambda m: print(m, file=sys.stderr, flush=True))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
