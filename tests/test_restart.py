@@ -95,6 +95,17 @@ def test_restart_supervisor_reruns_a_failed_srun_step(tmp_path):
     assert supervise([sys.executable, "-c", STEP, str(log), "2", "5"], RestartPolicy(3, 0),
                      msgs.append) == 2
     assert log.read_text().split() == ["0"]
+    # SIGTERM to the supervisor (scancel, preemption): passed on, never restarted, exit 143
+    import signal
+    import threading
+
+    msgs.clear()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    slow = [sys.executable, "-c", "import sys, time; time.sleep(60); sys.exit(1)"]
+    assert supervise(slow, RestartPolicy(3, 0), msgs.append) == 128 + signal.SIGTERM
+    timer.join()
+    assert msgs == []  # no restart, no error
     cmd = ["srun", "-n2", sys.executable, "-m", "megatron_rl", "train", "examples/tiny_dapo.yaml",
            "trainer.max_restarts=4", "trainer.restart_backoff_s=1"]
     assert policy_for(cmd, None, None) == RestartPolicy(4, 1.0)

@@ -116,11 +116,13 @@ def supervise(cmd: Sequence[str], policy: RestartPolicy,
 
     def attempt(k: int) -> str | None:
         if stopped:
-            return None
+            raise _NoRestart(128 + stopped[0])
         proc = subprocess.Popen(list(cmd), env={**os.environ, RESTART_ENV: str(k)})
         child[:] = [proc]
         rc = proc.wait()
-        if rc == 0 or stopped:
+        if stopped:
+            raise _NoRestart(128 + stopped[0])
+        if rc == 0:
             return None
         if rc in NO_RESTART_CODES:
             raise _NoRestart(rc)
@@ -129,10 +131,12 @@ def supervise(cmd: Sequence[str], policy: RestartPolicy,
     old = {s: signal.signal(s, _forward) for s in STOP_SIGNALS}
     try:
         run_with_restarts(attempt, policy, lambda m: log(f"[restart] {m}"),
-                          what=" ".join(os.path.basename(c) for c in cmd[:1]) + " step")
+                          what=f"{os.path.basename(cmd[0])} step",
+                          sleep=lambda s: _sleep_unless(s, stopped))
     except _NoRestart as exc:
-        log(f"[restart] {cmd[0]} exited with {exc.rc} (refused launch or config error); not "
-            "restarted")
+        if not stopped:
+            log(f"[restart] {cmd[0]} exited with {exc.rc} (refused launch or config error); "
+                "not restarted")
         return exc.rc
     except RestartsExhausted as exc:
         log(f"[restart] error: {exc}")
@@ -140,7 +144,14 @@ def supervise(cmd: Sequence[str], policy: RestartPolicy,
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return 128 + stopped[0] if stopped else 0
+    return 0
+
+
+def _sleep_unless(seconds: float, stopped: list[int]) -> None:
+    """Sleep ``seconds``, or less once ``stopped`` is not empty (a stop signal came)."""
+    end = time.monotonic() + seconds
+    while not stopped and time.monotonic() < end:
+        time.sleep(min(0.2, max(0.0, end - time.monotonic())))
 
 
 class _NoRestart(Exception):
