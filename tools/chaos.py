@@ -256,6 +256,12 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900,
         _stop(proc)
         return None
     tree = psutil.Process(proc.pid).children(recursive=True)
+    names = {}
+    for p in tree:
+        try:
+            names[p.pid] = " ".join(p.cmdline())[:120]
+        except psutil.Error:
+            pass
     sig = getattr(signal, f"SIG{o.sig}")
     if o.target == "launcher":
         victim = proc.pid
@@ -298,6 +304,9 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900,
         time.sleep(0.05)
     o.stop_s = time.monotonic() - t0
     o.orphans = alive(tree)
+    if o.orphans:  # say what they were
+        o.note = (o.note + "; " if o.note else "") + "left: " + "; ".join(
+            f"{pid} {names.get(pid, '?')}" for pid in o.orphans)
     for pid in o.orphans:  # leave nothing behind for the next fault
         try:
             os.kill(pid, signal.SIGKILL)
