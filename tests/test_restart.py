@@ -141,3 +141,39 @@ def test_restart_after_rank_killed_mid_update_logs_each_step_once(tmp_path):
     steps = [json.loads(x)["step"] for x in open(out / "metrics.jsonl")]
     assert steps == [0, 1, 2, 3]  # validation at step 0, then each RL step once
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000002"
+
+
+FORKSERVER = """
+import multiprocessing as mp, os, sys
+import multiprocessing.forkserver as fs
+ctx = mp.get_context("forkserver")
+ctx.set_forkserver_preload(sys.argv[1:])
+p = ctx.Process(target=os.getpid)
+p.start(); p.join()
+print(fs._forkserver._forkserver_pid, flush=True)
+os._exit(0)  # the launcher leaves (as exit_now or a SIGKILL would): the server sees EOF
+"""
+
+
+def test_restart_forkserver_ends_without_interpreter_teardown(tmp_path):
+    """The rank forkserver outlived a restarted (or SIGKILLed) launcher by > 30 s on a loaded
+    machine, in the teardown of the modules it preloaded. With ``forkserver_init`` preloaded
+    first it leaves by ``os._exit`` after its ``atexit`` handlers: a module finalizer (the
+    teardown) never runs. Without that module it does (the control)."""
+    import psutil
+
+    def server_run(preload: list[str]) -> bool:
+        mark = tmp_path / f"mark{len(preload)}"
+        env = {**ENV, "MRL_TEARDOWN_MARK": str(mark),
+               "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+        out = subprocess.run([sys.executable, "-c", FORKSERVER, *preload], env=env,
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        server = psutil.Process(int(out.split()[0]))
+        try:
+            server.wait(timeout=120)
+        except psutil.NoSuchProcess:
+            pass
+        return mark.exists()
+
+    assert server_run(["forkserver_teardown"])  # the control: teardown ran
+    assert not server_run(["megatron_rl.parallel.forkserver_init", "forkserver_teardown"])
