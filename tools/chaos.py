@@ -109,6 +109,7 @@ class Outcome:
     chain: str = ""  # the chain this fault was struck in ("" = a run of its own)
     seconds: float = 0.0  # wall time spent on this fault (a chain's final run shared out)
     variant: str = ""  # a key of VARIANTS
+    left: list = field(default_factory=list)  # "PID COMMAND" of each orphan
     restarts: int = 0  # in-job restarts the launcher made after the fault
 
     @property
@@ -304,9 +305,7 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900,
         time.sleep(0.05)
     o.stop_s = time.monotonic() - t0
     o.orphans = alive(tree)
-    if o.orphans:  # say what they were
-        o.note = (o.note + "; " if o.note else "") + "left: " + "; ".join(
-            f"{pid} {names.get(pid, '?')}" for pid in o.orphans)
+    o.left = [f"{pid} {names.get(pid, '?')}" for pid in o.orphans]  # what they were
     for pid in o.orphans:  # leave nothing behind for the next fault
         try:
             os.kill(pid, signal.SIGKILL)
@@ -430,7 +429,8 @@ def chain(faults: list[Outcome], work: str, ref: dict, overrides: list[str],
 def _report(o: Outcome, what: str = "") -> None:
     state = what or ("survived" if o.survived else "FAILED")
     print(f"chaos: {o.name}: {state} ({o.seconds:.0f} s)"
-          f"{' ' + o.note if o.note else ''}", flush=True)
+          f"{' ' + o.note if o.note else ''}{' left: ' + '; '.join(o.left) if o.left else ''}",
+          flush=True)
 
 
 def reference_variant(variant: str) -> str:
@@ -520,7 +520,7 @@ def table(outcomes: list[Outcome]) -> str:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     notes = [f"- {o.name}: {o.note or ''}"
              f"{' partial ' + str(o.partial) if o.partial else ''}"
-             f"{' orphans ' + str(o.orphans) if o.orphans else ''}"
+             f"{' orphans ' + '; '.join(o.left or map(str, o.orphans)) if o.orphans else ''}"
              for o in outcomes if not o.survived]
     return "\n".join(lines + notes)
 
