@@ -275,7 +275,11 @@ def inject(o: Outcome, out: str, overrides: list[str], timeout: float = 900,
             o.note = "no serve process found"
     t0 = time.monotonic()
     if victim is not None:
-        os.kill(victim, sig)
+        try:
+            os.kill(victim, sig)
+        except ProcessLookupError:
+            o.note = f"the {o.target} (pid {victim}) was gone before the strike"
+            victim = None
         if o.target == "server":  # the server must really be gone (SIGTERM: within 5 s)
             end = time.monotonic() + 5
             while _pidalive(victim) and time.monotonic() < end:
