@@ -384,11 +384,20 @@ def fresh(engine: str, overrides: list[str], variant: str = "") -> list[str]:
     return [*base, *VARIANTS[variant]]
 
 
+def _clear(out: str) -> None:
+    """Remove a run directory and what an earlier run of it left beside it (markers, log)."""
+    import glob
+
+    shutil.rmtree(out, ignore_errors=True)
+    for path in glob.glob(out + ".chaos*") + glob.glob(out + ".log"):
+        os.remove(path)
+
+
 def one_fault(o: Outcome, work: str, ref: dict, overrides: list[str]) -> Outcome:
     """Inject ``o`` into a fresh run, resume if the run stopped, compare with the reference."""
     t0 = time.monotonic()
     out = os.path.join(work, o.name.replace("/", "-"))
-    shutil.rmtree(out, ignore_errors=True)
+    _clear(out)
     strike(o, out, fresh(o.engine, overrides, o.variant))
     if not o.note:
         finish([o], out, ref, fresh(o.engine, overrides, o.variant))
@@ -405,7 +414,7 @@ def chain(faults: list[Outcome], work: str, ref: dict, overrides: list[str],
     (N + 1 instead of 2N). If the run does not end as the reference did, every fault of the chain
     is redone in a run of its own, so that the failure is pinned on the fault that caused it."""
     out = os.path.join(work, name)
-    shutil.rmtree(out, ignore_errors=True)
+    _clear(out)
     t_chain = time.monotonic()
     for i, o in enumerate(faults):
         t0 = time.monotonic()
