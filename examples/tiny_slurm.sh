@@ -2,7 +2,8 @@
 # Tiny DAPO under SLURM on CPU: the mechanics of examples/dapo_32b.sh at toy scale.
 # One srun task per rank (gloo on CPU), MASTER_ADDR/MASTER_PORT derived from SLURM by the
 # program (megatron_rl/parallel/launch.py), checkpoints every MRL_SAVE_FREQ steps, and a
-# requeued job (`scontrol requeue`, preemption, node failure) resumes from its last checkpoint.
+# requeued job (`scontrol requeue`, preemption, node failure) resumes from its last checkpoint;
+# a step that fails (a rank dies) is restarted inside the allocation (trainer.max_restarts).
 #
 #   bash examples/tiny_slurm.sh [--sbatch-option ...] [key=value ...]
 #       submits itself with the largest layout the partition's biggest node fits (one CPU per
@@ -22,6 +23,7 @@
 #   MRL_PARTITION partition to submit to and read node CPUs from (bash mode; default: sbatch's)
 #   MRL_NODE_CPUS CPUs per node instead of asking sinfo (bash mode)
 #   MRL_PYTHON    interpreter (default python)
+#   MRL_MAX_RESTARTS  in-job restarts of a failed srun step (default: trainer.max_restarts)
 #   MRL_DRY_RUN=1 print the sbatch (bash mode) or srun (in the job) command instead of running it
 #SBATCH --job-name=mrl-tiny
 #SBATCH --nodes=1
@@ -123,5 +125,9 @@ if [[ -n ${MRL_DRY_RUN:-} ]]; then
   exit 0
 fi
 mkdir -p "$RUN_DIR"
-"${cmd[@]}"
+# In-job restart: a failed step (a rank killed, a gloo timeout) is run again inside this
+# allocation from the newest checkpoint, up to trainer.max_restarts times (read from the config;
+# MRL_MAX_RESTARTS overrides), with trainer.restart_backoff_s between tries.
+"$PYTHON" -m megatron_rl.cli.restart ${MRL_MAX_RESTARTS:+--max-restarts="$MRL_MAX_RESTARTS"} \
+  -- "${cmd[@]}"
 echo "[slurm] job ${SLURM_JOB_ID:-?} finished"

@@ -262,3 +262,27 @@ def test_server_killed_during_sync_is_restarted_and_the_sync_retried(tmp_path, c
         assert [len(g) for g in got] == [2] * 4  # the run goes on
     finally:
         fleet.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_startup_restarts_a_server_whose_port_was_taken(tmp_path, capsys):
+    """Another process holds server 0's port (router_port + 1) when the fleet starts (as a
+    socket given that port by the kernel between its choice and the bind would): the server
+    exits with ``Address already in use``; the fleet starts it again on a free port instead of
+    failing the run (the one-off ``serve`` start-up failure of the fault campaign)."""
+    import socket
+
+    s = SGLangSection(num_servers=1, router_port=free_port_block(2))
+    taken = f"http://127.0.0.1:{s.router_port + 1}"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", s.router_port + 1))
+        squatter.listen()
+        fleet = Fleet(s, _tiny_model_dir(tmp_path / "model"), EOS, str(tmp_path / "logs")).start()
+        try:
+            assert len(fleet.urls) == 1 and fleet.urls[0] != taken
+            assert [w["url"] for w in fleet.router_workers()] == fleet.urls
+            assert "already in use" in open(tmp_path / "logs" / "server0.log").read().lower()
+            assert f"{taken} was taken by another process" in capsys.readouterr().out
+        finally:
+            fleet.stop()

@@ -182,11 +182,13 @@ def _lock_run_dir(run_dir: str, command: str):
 
 def _launch_local(cfg, command: str, world: int, request: dict | None = None) -> int:
     """Spawn the ranks here; a stop signal (SIGTERM/SIGINT/SIGHUP) stops them all and exits
-    ``128 + signal``; a rank that dies or fails stops the job (exit 1) naming it."""
+    ``128 + signal``; a rank that dies or fails stops the job (exit 1) naming it, unless
+    ``trainer.max_restarts`` allows another try: then every rank is started again from the newest
+    checkpoint (:mod:`megatron_rl.parallel.restart`)."""
     import time
 
-    from megatron_rl.parallel.launch import WorkerError, spawn
     from megatron_rl.parallel.lifecycle import StopSignal, remove_partial_checkpoints, signal_name
+    from megatron_rl.parallel.restart import RestartPolicy, RestartsExhausted, run_with_restarts
 
     try:
         env = local_spawn_env(cfg.parallel.backend, world)
@@ -195,13 +197,18 @@ def _launch_local(cfg, command: str, world: int, request: dict | None = None) ->
         return 2
     print(f"[{command}] launching {world} local process(es): TP{cfg.parallel.tp} x PP"
           f"{cfg.parallel.pp} x CP{cfg.parallel.cp} x DP{cfg.parallel.dp}", flush=True)
+    policy = RestartPolicy.of(cfg.trainer) if command == "train" else RestartPolicy(0)
     try:
-        spawn(_train_worker, world, (cfg, command, request), timeout_s=7 * 24 * 3600, env=env,
-              handle_signals=True, preload=("megatron_rl.actor.actor", "megatron_rl.run.trainer"))
-    except WorkerError as exc:
-        remove_partial_checkpoints(cfg.trainer.output_dir)
-        print(f"[{command}] failed: {exc}", file=sys.stderr)
-        return 1
+        if policy.max_restarts == 0:
+            failed = _spawn_once(cfg, command, world, request, env, 0, full=True)
+        else:
+            failed = None
+            run_with_restarts(lambda k: _spawn_once(cfg, command, world, request, env, k),
+                              policy, lambda m: print(f"[{command}] {m}", file=sys.stderr,
+                                                      flush=True),
+                              what=f"all {world} rank(s)", sleep=_sleep_stoppable)
+    except RestartsExhausted as exc:
+        failed = str(exc)
     except StopSignal as exc:
         remove_partial_checkpoints(cfg.trainer.output_dir)
         print(f"[{command}] stopped by {signal_name(exc.signum)}: all {world} rank(s) and their "
@@ -209,7 +216,42 @@ def _launch_local(cfg, command: str, world: int, request: dict | None = None) ->
               "complete checkpoint is kept (resume with the same command)", file=sys.stderr,
               flush=True)
         return 128 + exc.signum
+    if failed is not None:
+        print(f"[{command}] failed: {failed}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _spawn_once(cfg, command: str, world: int, request: dict | None, env: dict,
+                k: int, full: bool = False) -> str | None:
+    """Try ``k`` (0: the first) of the rank group: None when it finished, else why it failed:
+    the launcher's whole message (``full``) or one line of it (the whole one is printed). Every
+    rank and helper is stopped and unfinished checkpoints are removed before it returns."""
+    from megatron_rl.parallel.launch import WorkerError, spawn
+    from megatron_rl.parallel.lifecycle import remove_partial_checkpoints
+    from megatron_rl.parallel.restart import RESTART_ENV, failure_reason
+
+    try:
+        spawn(_train_worker, world, (cfg, command, request), timeout_s=7 * 24 * 3600,
+              env={**env, RESTART_ENV: str(k)}, handle_signals=True,
+              preload=("megatron_rl.actor.actor", "megatron_rl.run.trainer"))
+    except WorkerError as exc:
+        remove_partial_checkpoints(cfg.trainer.output_dir)
+        if full:
+            return str(exc)
+        print(f"[{command}] try {k + 1} failed: {exc}", file=sys.stderr, flush=True)
+        return failure_reason(str(exc))
+    return None
+
+
+def _sleep_stoppable(seconds: float) -> None:
+    """Sleep between tries; a stop signal meanwhile raises ``StopSignal``."""
+    import time
+
+    from megatron_rl.parallel.lifecycle import stop_signals
+
+    with stop_signals():
+        time.sleep(seconds)
 
 
 def local_spawn_env(backend: str, world: int) -> dict[str, str]:

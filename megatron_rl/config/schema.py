@@ -96,6 +96,7 @@ RANGES: dict[str, Range] = {
     "loss.seq_mask_low": Range(0, 1, lo_open=True), "loss.seq_mask_high": ONE_UP,
     "trainer.total_steps": ONE_UP, "trainer.train_batch_size": ONE_UP, "trainer.test_freq": ONE_UP,
     "trainer.save_freq": ONE_UP, "trainer.seed": SEED, "trainer.keep_checkpoints": NONNEG,
+    "trainer.max_restarts": NONNEG, "trainer.restart_backoff_s": NONNEG,
     "trainer.kl_in_reward_coef": NONNEG,
     "trainer.collapse_metrics.every_n_steps": ONE_UP,
     "trainer.collapse_metrics.max_inputs": Range(2),

@@ -146,6 +146,8 @@ class TrainerSection:
     export_hf: bool | None = None  # HF dir in every checkpoint; None: true for model.hf_path
     keep_checkpoints: int = 0  # keep only the newest K checkpoints; 0 = keep all
     async_save: bool = False  # write checkpoints in the background (docs/checkpoints.md)
+    max_restarts: int = 0  # a rank died: restart all from the newest checkpoint (reliability.md)
+    restart_backoff_s: float = 5.0  # wait before restart k: this * 2**(k-1) s, at most 600 s
     kl_in_reward_coef: float = 0.0  # REINFORCE++: r_t -= coef * (old_logp - ref_logp)_t
     deterministic: bool = False  # reproducible GPU kernels (slower attention; docs/gpu.md)
     plots: bool = True  # PNG curves in OUTPUT_DIR/plots/ at the end (or: megatron_rl plot DIR)

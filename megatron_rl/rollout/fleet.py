@@ -175,6 +175,7 @@ class Fleet:
         self.slot: dict[str, int] = {}  # url -> server index i, for servers started here
         self.pending: dict[str, int] = {}  # restarted, not in the router until a sync: url -> i
         self.restarts: dict[int, int] = {}  # server index -> restarts so far
+        self.logs: dict[str, str] = {}  # url -> log file, for servers started here
         self._health_lock = threading.Lock()
         atexit.register(self.stop)
 
@@ -202,10 +203,44 @@ class Fleet:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         if not router_health_checks(s):  # the router's one /health at registration generates
             env[HEALTH_GENERATION_VAR] = "false"  # nothing (/health_generate still does)
-        self.procs[url] = self._spawn(log_name or f"server{i}",
-                                      server_command(s, port, self.model_path, self.eos_id), env)
+        name = log_name or f"server{i}"
+        self.procs[url] = self._spawn(name, server_command(s, port, self.model_path, self.eos_id),
+                                      env)
+        self.logs[url] = os.path.join(self.log_dir, f"{name}.log")
         self.slot[url] = i
         return url
+
+    def _lost_its_port(self, url: str) -> bool:
+        """Started server ``url`` exited because its port was taken (``Address already in
+        use`` in its log): another process bound the port between its choice and the server's
+        bind (e.g. a socket given an ephemeral port by the kernel)."""
+        proc, log = self.procs.get(url), self.logs.get(url)
+        if proc is None or proc.poll() is None or log is None or not os.path.exists(log):
+            return False
+        with open(log, errors="replace") as f:
+            return "address already in use" in f.read().lower()
+
+    def _wait_started(self, url: str) -> str:
+        """Wait until server ``url`` is healthy; returns its URL. A started server that exited
+        because its port was taken meanwhile is started again on a free port (at most
+        ``max_restarts`` times); any other failure raises :class:`FleetError`."""
+        limit = getattr(self.s, "max_restarts", 3)
+        for k in range(limit + 1):
+            try:
+                wait_healthy(url, self.timeout, self.procs.get(url))
+                return url
+            except FleetError:
+                if k == limit or url not in self.slot or not self._lost_its_port(url):
+                    raise
+            i = self.slot.pop(url)
+            self.procs.pop(url, None)
+            new = self.start_server(i, port=free_port(self.s.host),
+                                    log_name=f"server{i}-port{k + 1}")
+            print(f"[fleet] server {i}: {url} was taken by another process before the server "
+                  f"could listen on it (log {self.logs[url]}); started again as {new}",
+                  flush=True)
+            url = new
+        raise AssertionError("unreachable")
 
     def start(self) -> Fleet:
         """Start what is missing, wait until healthy, register every server with the router."""
@@ -213,8 +248,7 @@ class Fleet:
         if self.s.router_url is None:
             self.router_proc = self._spawn("router", router_command(
                 self.s.host, self.s.router_port, router_health_checks(self.s)))
-        for u in urls:
-            wait_healthy(u, self.timeout, self.procs.get(u))
+        urls = [self._wait_started(u) for u in urls]
         wait_healthy(self.router_url, self.timeout, self.router_proc)
         for u in urls:
             self.add_worker(u)

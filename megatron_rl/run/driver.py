@@ -147,8 +147,11 @@ class RolloutDriver:
 
                 self.teacher = SGLangTeacher(cfg.teacher.url, cfg.rollout.sglang.concurrency)
 
-    def start(self, make_engine, start_step: int, resuming: bool) -> None:
-        """Create the engine and the metrics tracker (rank 0)."""
+    def start(self, make_engine, start_step: int, resuming: bool,
+              restarted: bool = False) -> None:
+        """Create the engine and the metrics tracker (rank 0). ``metrics.jsonl`` keeps the rows
+        up to ``start_step`` when ``resuming``, none when ``restarted`` (an in-job restart) found
+        no checkpoint: the restarted ranks log every step again."""
         from megatron_rl.metrics.step import PROGRESS_KEYS
         from megatron_rl.metrics.tracking import Tracker
 
@@ -160,7 +163,8 @@ class RolloutDriver:
         self.tracker = Tracker(t.output_dir, total_steps=t.total_steps,
                                use_tensorboard=lg.tensorboard, use_wandb=lg.wandb,
                                project=lg.project, config=self.cfg.to_dict(),
-                               resume_step=start_step if resuming else None,
+                               resume_step=start_step if resuming
+                               else (-1 if restarted else None),
                                progress_keys=PROGRESS_KEYS)
 
     def open_bank(self, resume_step: int | None) -> None:

@@ -44,6 +44,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     from megatron_rl.metrics.tracking import gpu_stats
     from megatron_rl.metrics.update import aggregate_updates, logp_mismatch
     from megatron_rl.parallel import runtime
+    from megatron_rl.parallel.restart import restart_count
     from megatron_rl.rollout.distill import add_distillation
     from megatron_rl.rollout.late_advantages import add_late_advantages, needs_reference
     from megatron_rl.run import setup
@@ -61,7 +62,9 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     driver = RolloutDriver(cfg, tok, setup.score_fn(cfg))
 
     # --- actor: resume, or warm start ----------------------------------------------------------
-    resuming = t.resume and broadcast_object(
+    # an in-job restart (trainer.max_restarts) resumes from the newest checkpoint in any case
+    restarted = restart_count() > 0
+    resuming = (t.resume or restarted) and broadcast_object(
         latest_checkpoint(ckpt_root) if runtime.is_rank0() else None) is not None
     init_state = None
     if not resuming:
@@ -95,7 +98,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         print(f"[train] resumed from checkpoint at step {start}", flush=True)
     colo = Colocation(cfg, actor, driver, critic)  # rollout.sglang.colocate: take turns with GPUs
     colo.before_engine_start()
-    driver.start(setup.make_engine, start, resuming)
+    driver.start(setup.make_engine, start, resuming, restarted)
     colo.sync(sync_weights, actor, driver.engine, cfg.rollout.weight_sync_bucket_mb,
               version=start)
     driver.validate_start()
