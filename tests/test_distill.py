@@ -254,6 +254,25 @@ def test_distill_config_loads_a_matching_teacher_and_sets_the_loss_term(pair):
     assert teacher_model(_load()) == (None, None)
 
 
+def test_distill_config_refuses_a_teacher_layout_other_than_the_runs(pair):
+    """``teacher.parallel``: the run's split (or unset) loads; another TP or PP is refused with
+    both values named (the actor teacher runs on the run's parallel_state layout)."""
+    base = (f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['teacher']}",
+            "parallel.tp=2", "parallel.pp=2")
+    cfg = _load(*base, "teacher.parallel.tp=2", "teacher.parallel.pp=2")
+    assert (cfg.teacher.parallel.tp, cfg.teacher.parallel.pp) == (2, 2)
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp=1 differs from "
+                                          r"parallel\.tp=2: the actor teacher runs on the run's"):
+        _load(*base, "teacher.parallel.tp=1")
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.pp=4 differs from parallel\.pp=2"):
+        _load(*base, "teacher.parallel.pp=4")
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp must be >= 1"):
+        _load(*base, "teacher.parallel.tp=0")
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp=4 is for teacher\.engine='actor'"):
+        _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1", "teacher.tokenizer=byte",
+              "teacher.parallel.tp=4")
+
+
 # ---- teacher.engine: sglang ----------------------------------------------------------------
 def test_distill_sglang_teacher_logprobs_match_a_direct_computation(server):
     """Our ``serve`` (SGLang's HTTP API) as the teacher: ``input_token_logprobs`` of each row's
