@@ -317,7 +317,8 @@ def test_distill_config_refuses_a_teacher_layout_other_than_the_runs(pair):
         _load(*base, "teacher.parallel.pp=4")
     with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp must be >= 1"):
         _load(*base, "teacher.parallel.tp=0")
-    with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp=4 is for teacher\.engine='actor'"):
+    with pytest.raises(ConfigError,
+                       match=r"teacher\.parallel\.tp=4 is for teacher\.engine='actor'"):
         _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1", "teacher.tokenizer=byte",
               "teacher.parallel.tp=4")
 
@@ -366,9 +367,13 @@ def test_distill_sglang_engine_config_errors(pair):
 def test_distill_plan_counts_the_teacher(pair):
     """A teacher with the student's architecture costs what the student's frozen copy costs:
     its weights per stage (none on the GPU when offloaded) and one forward per step; the
-    smaller teacher less. A served teacher costs the trainer nothing."""
-    from megatron_rl.plan.inputs import inputs_from_config
+    smaller teacher less; with colocated servers a resident teacher is in the weight-sync phase
+    and the host<->device swaps. A served teacher costs the trainer nothing."""
+    import dataclasses
+
+    from megatron_rl.plan.inputs import HOST_LINK_GBPS, inputs_from_config
     from megatron_rl.plan.memory import actor_breakdown, stage_params
+    from megatron_rl.plan.report import make_plan
     from megatron_rl.plan.step_time import step_flops
 
     def plan(teacher: str, **kw):
@@ -384,6 +389,19 @@ def test_distill_plan_counts_the_teacher(pair):
     assert 0 < small_fl["teacher log-probs"] < small_fl["old-policy log-probs"]
     _, off, _ = plan(pair["teacher"], offload_ref=True)
     assert off["distillation teacher (offloaded to CPU)"] == 0.0
+    # colocated servers: a resident teacher leaves and comes back with the actor's parameters,
+    # so the weight-sync phase (parameters on the device) and the swaps carry it; offloaded, not
+    teacher_bytes = small_mem["distillation teacher"]
+    for off in (False, True):
+        xc = dataclasses.replace(plan(pair["teacher"], offload_ref=off)[0], colocate=True,
+                                 servers=1, server_tp=1, gpu_mem_gb=80)
+        with_t, without = make_plan(xc), make_plan(dataclasses.replace(xc, teacher=None))
+        extra = 0.0 if off else teacher_bytes
+        (sync,) = [k for k in with_t.colocated if k.startswith("weight sync")]
+        assert with_t.colocated[sync] == pytest.approx(without.colocated[sync] + extra)
+        swaps = "colocation swaps (host<->device)"
+        assert with_t.seconds[swaps] == pytest.approx(
+            without.seconds[swaps] + 2 * extra / (HOST_LINK_GBPS * 1e9), rel=1e-12)
     served = inputs_from_config(_load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1",
                                       "teacher.tokenizer=byte"))
     assert served.teacher is None and "teacher log-probs" not in step_flops(served)
