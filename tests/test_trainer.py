@@ -55,7 +55,7 @@ def test_every_example_recipe_runs(tmp_path):
     from megatron_rl.run.serial_runs import train_each
 
     # tiny_opd.yaml distils the main job's model: a random model of its architecture here (and
-    # the main job's batch, not the demo's four-times larger one)
+    # the main job's batch, not the demo's eight-times larger one)
     teacher = [f"teacher.hf_path={make_preset_hf(str(tmp_path / 'teacher'))}",
                "trainer.train_batch_size=16", "rollout.gen_batch_size=16",
                "actor.mini_batch_size=32"]
