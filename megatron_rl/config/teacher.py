@@ -133,11 +133,14 @@ def check_teacher_layout(cfg: RunConfig) -> None:
     The actor teacher runs on the run's TP/PP split: megatron-core keeps one model-parallel layout
     per process (``parallel_state``), and the teacher's forward (the pipeline schedule and its
     P2P, the vocab-parallel log-probs, the micro-batch and data-parallel groups) and its sharded
-    weight loading all read that one layout. A teacher split differently over the same ranks would
-    also have another data-parallel size, so each step's rows would have to be regrouped for it and
-    its log-probs sent back to the student's last stage. A teacher of another depth or width fits
-    the run's split as long as its heads, KV heads and layers divide ``parallel.tp``/``pp``; a
-    teacher that needs its own split is served by SGLang (``teacher.engine: sglang``)."""
+    weight loading all read that one layout. (megatron-core 0.16's ``GPTModel`` and schedules
+    take a ``pg_collection`` of their own groups, but this package's forward, head and weight
+    loading do not, and the layout helpers are process-global.) A teacher split differently over
+    the same ranks would also have another data-parallel size, so each step's rows would have to
+    be regrouped for it and its log-probs sent back to the student's last stage. A teacher of
+    another depth or width fits the run's split as long as its heads, KV heads and layers divide
+    ``parallel.tp``/``pp``; a teacher that needs its own split is served by SGLang
+    (``teacher.engine: sglang``)."""
     t, p = cfg.teacher, cfg.parallel
     for name in ("tp", "pp"):
         want, run = getattr(t.parallel, name), getattr(p, name)
