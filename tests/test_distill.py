@@ -7,6 +7,8 @@ The per-token check uses a hand-made pair of tiny Hugging Face models (a 4-layer
 data-parallel ranks, is compared with a direct ``transformers`` forward of each model
 (log-softmax at the actor's temperature, gathered at the sampled tokens), and the advantages and
 the metrics (reduced over both ranks) with the formulas computed by hand on the whole batch.
+The same two processes then run the passes at TP2 and at PP2 (the teacher split like the run):
+the teacher's log-probs, the advantages and the metrics equal TP1's within 1e-5.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
 
     runtime.init_parallel(tp=1, pp=1, dp=2, timeout_s=120)
     rank = torch.distributed.get_rank()
+    full = batch
     batch = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
     s_cfg, t_cfg = read_hf_config(student)[1], read_hf_config(teacher)[1]
     actor = Actor(s_cfg, ActorConfig(micro_batch_size=2, temperature=TEMP),
@@ -86,8 +89,42 @@ def _pair_worker(student: str, teacher: str, batch: dict, mode: str) -> dict:
     out = {k: batch[k] for k in ("old_logp", "teacher_logp", "advantages")} | {
         "m": metrics, "loss_mode_adv": loss_mode["advantages"]}
     out["offload"] = _offload_checks(actor, batch, s_cfg, t_cfg, student, teacher)
+    out["layouts"] = {f"tp{tp}pp{pp}": _layout_pass(tp, pp, full, mode, student, teacher)
+                      for tp, pp in ((2, 1), (1, 2))}
     runtime.shutdown()
     return out
+
+
+def _layout_pass(tp: int, pp: int, batch: dict, mode: str, student: str,
+                 teacher: str) -> dict | None:
+    """The same passes and signal on the whole batch at TP ``tp`` x PP ``pp`` (the two ranks,
+    DP1; megatron's model-parallel state re-made on the same processes): ``teacher_logp``,
+    ``advantages`` and the metrics from the last stage (None on the first stage)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.actor.actor import Actor
+    from megatron_rl.actor.optim import OptimConfig
+    from megatron_rl.actor.train_step import ActorConfig
+    from megatron_rl.convert.model_source import HFShardSource
+    from megatron_rl.convert.registry import read_hf_config
+    from megatron_rl.parallel import runtime
+    from megatron_rl.rollout.distill import add_distillation
+
+    runtime.init_parallel(tp=tp, pp=pp, dp=1, timeout_s=120)
+    batch = dict(batch)
+    s_cfg, t_cfg = read_hf_config(student)[1], read_hf_config(teacher)[1]
+    actor = Actor(s_cfg, ActorConfig(micro_batch_size=2, temperature=TEMP),
+                  OptimConfig(lr=1e-3), LossConfig.for_algorithm("dapo"), total_steps=1,
+                  full_state=HFShardSource(student, s_cfg), teacher_cfg=t_cfg,
+                  teacher_state=HFShardSource(teacher, t_cfg))
+    actor.add_old_logprobs(batch)
+    actor.add_teacher_logprobs(batch)
+    metrics = add_distillation(batch, TeacherSection(hf_path=teacher, mode=mode, coef=COEF,
+                                                     task_coef=TASK_COEF, disagree_nats=NATS))
+    if not ps.is_pipeline_last_stage():
+        return None
+    return {"teacher_logp": batch["teacher_logp"], "advantages": batch["advantages"],
+            "m": metrics}
 
 
 def _offload_checks(actor, batch: dict, s_cfg, t_cfg, student: str, teacher: str) -> dict:
@@ -136,7 +173,8 @@ def test_distill_teacher_pass_and_signal_match_a_direct_computation(pair):
     batch = _batch(len(AutoTokenizer.from_pretrained(pair["student"])))
     ranks = spawn(_pair_worker, 2, (pair["student"], pair["teacher"], batch, "reward"),
                   timeout_s=300)
-    out = {k: torch.cat([r[k] for r in ranks]) for k in ranks[0] if k not in ("m", "offload")}
+    out = {k: torch.cat([r[k] for r in ranks]) for k in ranks[0]
+           if k not in ("m", "offload", "layouts")}
     assert ranks[0]["m"] == ranks[1]["m"]  # reduced over both data-parallel ranks
     out["m"] = ranks[0]["m"]
     out["offload"] = {k: v if not isinstance(v, torch.Tensor) else torch.cat(
@@ -167,6 +205,17 @@ def test_distill_teacher_pass_and_signal_match_a_direct_computation(pair):
     assert m["distill/reverse_kl"] == pytest.approx(float(kl.mean()), abs=2e-5)
     assert m["distill/teacher_logp"] == pytest.approx(float(teacher[mask].mean()), abs=2e-5)
     assert m["distill/disagree_frac"] == pytest.approx(float((kl > NATS).double().mean()))
+    # TP2 and PP2 (DP1, the whole batch): the teacher's per-token log-probs, the advantages and
+    # the metrics equal TP1's (the DP2 pass above) within 1e-5
+    for name in ("tp2pp1", "tp1pp2"):
+        last = [r["layouts"][name] for r in ranks if r["layouts"][name] is not None]
+        assert len(last) == (2 if name == "tp2pp1" else 1), name  # both TP ranks; the last stage
+        for got in last:
+            for key in ("teacher_logp", "advantages"):
+                torch.testing.assert_close(torch.where(mask, got[key], 0.0),
+                                           torch.where(mask, out[key], 0.0),
+                                           atol=1e-5, rtol=0, msg=f"{name} {key}")
+            assert got["m"] == pytest.approx(m, abs=1e-5), name
 
 
 # ---- the signal, by hand -------------------------------------------------------------------
@@ -254,6 +303,26 @@ def test_distill_config_loads_a_matching_teacher_and_sets_the_loss_term(pair):
     assert teacher_model(_load()) == (None, None)
 
 
+def test_distill_config_refuses_a_teacher_layout_other_than_the_runs(pair):
+    """``teacher.parallel``: the run's split (or unset) loads; another TP or PP is refused with
+    both values named (the actor teacher runs on the run's parallel_state layout)."""
+    base = (f"model.hf_path={pair['student']}", f"teacher.hf_path={pair['teacher']}",
+            "parallel.tp=2", "parallel.pp=2")
+    cfg = _load(*base, "teacher.parallel.tp=2", "teacher.parallel.pp=2")
+    assert (cfg.teacher.parallel.tp, cfg.teacher.parallel.pp) == (2, 2)
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp=1 differs from "
+                                          r"parallel\.tp=2: the actor teacher runs on the run's"):
+        _load(*base, "teacher.parallel.tp=1")
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.pp=4 differs from parallel\.pp=2"):
+        _load(*base, "teacher.parallel.pp=4")
+    with pytest.raises(ConfigError, match=r"teacher\.parallel\.tp must be >= 1"):
+        _load(*base, "teacher.parallel.tp=0")
+    with pytest.raises(ConfigError,
+                       match=r"teacher\.parallel\.tp=4 is for teacher\.engine='actor'"):
+        _load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1", "teacher.tokenizer=byte",
+              "teacher.parallel.tp=4")
+
+
 # ---- teacher.engine: sglang ----------------------------------------------------------------
 def test_distill_sglang_teacher_logprobs_match_a_direct_computation(server):
     """Our ``serve`` (SGLang's HTTP API) as the teacher: ``input_token_logprobs`` of each row's
@@ -298,9 +367,13 @@ def test_distill_sglang_engine_config_errors(pair):
 def test_distill_plan_counts_the_teacher(pair):
     """A teacher with the student's architecture costs what the student's frozen copy costs:
     its weights per stage (none on the GPU when offloaded) and one forward per step; the
-    smaller teacher less. A served teacher costs the trainer nothing."""
-    from megatron_rl.plan.inputs import inputs_from_config
+    smaller teacher less; with colocated servers a resident teacher is in the weight-sync phase
+    and the host<->device swaps. A served teacher costs the trainer nothing."""
+    import dataclasses
+
+    from megatron_rl.plan.inputs import HOST_LINK_GBPS, inputs_from_config
     from megatron_rl.plan.memory import actor_breakdown, stage_params
+    from megatron_rl.plan.report import make_plan
     from megatron_rl.plan.step_time import step_flops
 
     def plan(teacher: str, **kw):
@@ -316,6 +389,19 @@ def test_distill_plan_counts_the_teacher(pair):
     assert 0 < small_fl["teacher log-probs"] < small_fl["old-policy log-probs"]
     _, off, _ = plan(pair["teacher"], offload_ref=True)
     assert off["distillation teacher (offloaded to CPU)"] == 0.0
+    # colocated servers: a resident teacher leaves and comes back with the actor's parameters,
+    # so the weight-sync phase (parameters on the device) and the swaps carry it; offloaded, not
+    teacher_bytes = small_mem["distillation teacher"]
+    for off in (False, True):
+        xc = dataclasses.replace(plan(pair["teacher"], offload_ref=off)[0], colocate=True,
+                                 servers=1, server_tp=1, gpu_mem_gb=80)
+        with_t, without = make_plan(xc), make_plan(dataclasses.replace(xc, teacher=None))
+        extra = 0.0 if off else teacher_bytes
+        (sync,) = [k for k in with_t.colocated if k.startswith("weight sync")]
+        assert with_t.colocated[sync] == pytest.approx(without.colocated[sync] + extra)
+        swaps = "colocation swaps (host<->device)"
+        assert with_t.seconds[swaps] == pytest.approx(
+            without.seconds[swaps] + 2 * extra / (HOST_LINK_GBPS * 1e9), rel=1e-12)
     served = inputs_from_config(_load("teacher.engine=sglang", "teacher.url=http://127.0.0.1:1",
                                       "teacher.tokenizer=byte"))
     assert served.teacher is None and "teacher log-probs" not in step_flops(served)

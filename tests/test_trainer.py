@@ -76,7 +76,7 @@ def test_every_example_recipe_runs(tmp_path):
     assert set(ACTIVE_METRICS) < names  # run there, each still a shipped recipe
     here = [c for c in RECIPES if os.path.basename(c)[:-len(".yaml")] not in ACTIVE_METRICS]
     # tiny_opd.yaml distils the main job's model: a random model of its architecture here (and
-    # the main job's batch, not the demo's four-times larger one)
+    # the main job's batch, not the demo's eight-times larger one)
     teacher = [f"teacher.hf_path={make_preset_hf(str(tmp_path / 'teacher'))}",
                "trainer.train_batch_size=16", "rollout.gen_batch_size=16",
                "actor.mini_batch_size=32"]

@@ -112,6 +112,7 @@ RANGES: dict[str, Range] = {
     "critic.warmup_steps": NONNEG, "critic.lr": POS, "critic.weight_decay": NONNEG,
     "critic.clip_grad": NONNEG, "critic.ppo_epochs": ONE_UP, "critic.mini_batch_size": NONNEG,
     "teacher.coef": POS, "teacher.task_coef": NONNEG, "teacher.disagree_nats": POS,
+    "teacher.parallel.tp": ONE_UP, "teacher.parallel.pp": ONE_UP,
 }
 
 # Numeric fields without a range: none today (every number has one).

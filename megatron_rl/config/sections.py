@@ -232,6 +232,15 @@ class CriticSection:
 
 
 @dataclass
+class TeacherParallelSection:
+    """The actor teacher's model-parallel split: only the run's own is supported, another value
+    is refused when the config loads (docs/distillation.md, "Where the teacher runs")."""
+
+    tp: int | None = None  # null: parallel.tp (a different value is refused at load time)
+    pp: int | None = None  # null: parallel.pp (a different value is refused at load time)
+
+
+@dataclass
 class TeacherSection:
     """On-policy distillation (docs/distillation.md): a frozen teacher scores the student's own
     samples token by token. Off unless ``hf_path``, ``checkpoint`` or ``url`` is set."""
@@ -245,6 +254,7 @@ class TeacherSection:
     coef: float = 1.0  # weight of the distillation signal
     task_coef: float = 1.0  # weight of the task advantage (0 = pure distillation)
     disagree_nats: float = 2.0  # distill/disagree_frac: tokens with KL_t above this many nats
+    parallel: TeacherParallelSection = field(default_factory=TeacherParallelSection)
 
 
 @dataclass

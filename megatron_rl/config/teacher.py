@@ -1,7 +1,8 @@
 """Load-time checks of the ``teacher`` section (on-policy distillation, docs/distillation.md).
 
 The teacher is a second model: its own weights (``teacher.hf_path`` or ``teacher.checkpoint``),
-its own architecture (any size that fits the run's TP/PP), and the student's tokenizer. Token ids
+its own architecture (any size that fits the run's TP/PP: :func:`check_teacher_layout` says why
+the split itself is the run's), and the student's tokenizer. Token ids
 are what the two models exchange, so a teacher with another tokenizer would score other text: it
 is refused here, before any process starts, with both tokenizers named.
 """
@@ -99,6 +100,7 @@ def validate_teacher(cfg: RunConfig) -> None:
                           f"teacher, got both ({t.hf_path!r}, {t.checkpoint!r})")
     if t.engine == "sglang":
         validate_served_teacher(cfg)
+    check_teacher_layout(cfg)
     section = teacher_model_section(t)
     p = cfg.parallel
     model = None
@@ -123,6 +125,37 @@ def validate_teacher(cfg: RunConfig) -> None:
         raise ConfigError("teacher.mode='reward' replaces the advantages, which "
                           "trainer.advantage='gae' computes from the critic afterwards; use "
                           "teacher.mode='loss' with gae (allowed modes: reward, loss)")
+
+
+def check_teacher_layout(cfg: RunConfig) -> None:
+    """Refuse a ``teacher.parallel`` split other than the run's.
+
+    The actor teacher runs on the run's TP/PP split: megatron-core keeps one model-parallel layout
+    per process (``parallel_state``), and the teacher's forward (the pipeline schedule and its
+    P2P, the vocab-parallel log-probs, the micro-batch and data-parallel groups) and its sharded
+    weight loading all read that one layout. (megatron-core 0.16's ``GPTModel`` and schedules
+    take a ``pg_collection`` of their own groups, but this package's forward, head and weight
+    loading do not, and the layout helpers are process-global.) A teacher split differently over
+    the same ranks would also have another data-parallel size, so each step's rows would have to
+    be regrouped for it and its log-probs sent back to the student's last stage. A teacher of
+    another depth or width fits the run's split as long as its heads, KV heads and layers divide
+    ``parallel.tp``/``pp``; a teacher that needs its own split is served by SGLang
+    (``teacher.engine: sglang``)."""
+    t, p = cfg.teacher, cfg.parallel
+    for name in ("tp", "pp"):
+        want, run = getattr(t.parallel, name), getattr(p, name)
+        if want is None or want == run:
+            continue
+        if t.engine == "sglang":
+            raise ConfigError(f"teacher.parallel.{name}={want} is for teacher.engine='actor'; "
+                              "an SGLang teacher's split is its servers' own (their --tp)")
+        raise ConfigError(
+            f"teacher.parallel.{name}={want} differs from parallel.{name}={run}: the actor "
+            "teacher runs on the run's TP/PP split (megatron-core keeps one model-parallel "
+            "layout per process, which the teacher's forward, log-probs and sharded weight "
+            "loading use). Leave teacher.parallel unset, choose a teacher whose heads and "
+            f"layers divide parallel.tp/pp, or serve it with teacher.engine='sglang' "
+            "(docs/distillation.md)")
 
 
 def validate_served_teacher(cfg: RunConfig) -> None:

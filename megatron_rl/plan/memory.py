@@ -378,18 +378,35 @@ def sync_buffer_bytes(bucket: float, tensor: float, pp: int) -> float:
     return (pp + 1) * max(float(bucket), float(tensor)) + float(tensor)
 
 
+def resident_frozen_bytes(x: PlanInputs, stage: int) -> float:
+    """Device bytes on ``stage`` of the frozen models that stay on the GPU between their passes
+    (``actor.offload_ref`` off): the reference policy (none with LoRA) and the distillation
+    teacher. In colocation they leave and come back with the actor's parameters (one offload
+    group, :class:`megatron_rl.actor.offload.ActorOffload`)."""
+    if x.offload_ref:
+        return 0.0
+    n = 0
+    if x.use_ref and x.lora_rank == 0:
+        n += stage_params(x.model, x.tp, x.pp, stage, x.ep)
+    if x.teacher is not None:
+        n += stage_params(x.teacher, x.tp, x.pp, stage, 1)
+    return float(n * _dtype_bytes(x.precision))
+
+
 def colocated_phases(x: PlanInputs, stage: int, actor: dict[str, float],
                      server: dict[str, Any]) -> dict[str, float]:
     """Bytes on one shared GPU in each phase of the colocated step (megatron_rl/run/colocation.py):
     rollout = the server's static budget (weights + KV pool) + the trainer's runtime reserve
     (the actor is on the host); update = the actor's whole breakdown + a released server's
-    reserve; weight sync = the actor's parameters (training dtype) + the server's weights (its KV
+    reserve; weight sync = the actor's parameters (training dtype; a device-resident reference or
+    teacher, :func:`resident_frozen_bytes`, comes back with them) + the server's weights (its KV
     cache and CUDA graphs stay released until the parameters have left) + a released server's
     reserve + the trainer's runtime reserve + the sync's buffers (:func:`sync_transient_bytes`;
     grads and optimizer state are already on the host)."""
     budget = server["weights"] + server["kv_pool"]
     reserve = RUNTIME_RESERVE_GIB * GIB if x.device == "gpu" else 0.0
-    params = stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
+    params = (stage_params(x.model, x.tp, x.pp, stage, x.ep) * _dtype_bytes(x.precision)
+              + resident_frozen_bytes(x, stage))
     return {"rollout (server budget + trainer runtime)": budget + reserve,
             "update (actor + released server)": sum(actor.values()) + SERVER_RESERVE_GIB * GIB,
             "weight sync (actor params + server weights + sync buffers)":

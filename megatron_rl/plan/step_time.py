@@ -9,13 +9,20 @@ import dataclasses
 
 from megatron_rl.plan.inputs import HOST_LINK_GBPS, PlanInputs
 from megatron_rl.plan.lengths import PaddingCost
-from megatron_rl.plan.memory import actor_state_bytes, expert_layer_params, layer_params
+from megatron_rl.plan.memory import (
+    actor_state_bytes,
+    expert_layer_params,
+    layer_params,
+    resident_frozen_bytes,
+)
 
 
 def swap_seconds(x: PlanInputs, stage: int) -> float:
     """Host<->device copy time of one colocated step: the actor's parameters, fp32 gradients
-    and optimizer state leave and come back once (each way at ``HOST_LINK_GBPS``)."""
-    return 2 * sum(actor_state_bytes(x, stage).values()) / (HOST_LINK_GBPS * 1e9)
+    and optimizer state, and a device-resident reference or teacher, leave and come back once
+    (each way at ``HOST_LINK_GBPS``)."""
+    moved = sum(actor_state_bytes(x, stage).values()) + resident_frozen_bytes(x, stage)
+    return 2 * moved / (HOST_LINK_GBPS * 1e9)
 
 
 def step_flops(x: PlanInputs, cost: PaddingCost | None = None) -> dict[str, float]:
