@@ -27,7 +27,7 @@ import os
 import re
 from typing import Any
 
-from megatron_rl.cli.sweep import Condition, SweepPlan, _finite, _slug, is_done, read_rows
+from megatron_rl.cli.sweep_plan import Condition, SweepPlan, _finite, _slug, is_done, read_rows
 
 ACC_KEY = "val/acc"
 ENTROPY_KEY = "policy/entropy"

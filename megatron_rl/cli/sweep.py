@@ -32,66 +32,34 @@ With ``seeds`` or a ``grid`` the report adds the study's summary table and curve
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from megatron_rl.cli.sweep_plan import (
+    DONE,
+    Condition,
+    SweepPlan,
+    _finite,
+    _slug,
+    is_done,
+    read_rows,
+)
 from megatron_rl.config.errors import ConfigError
 from megatron_rl.config.load import load_config
 from megatron_rl.config.overrides import closest_name
 from megatron_rl.util.progress import Progress, last_logged_step
 
-DONE = "sweep_done.json"
 PLOT_METRICS = (("val_success", "val/acc", "validation success"),
                 ("entropy", "policy/entropy", "policy entropy"),
                 ("kl_to_ref", "kl/mean", "KL to the reference"),
                 ("reward_std", "rollout/in_group_reward_std", "in-group reward std"))
 STOP_KEYS = {"early_stopped/reward_variance_collapse": "reward-variance collapse",
              "early_stopped/validation_collapse": "validation success collapse"}
-
-
-@dataclass
-class Condition:
-    """One run: ``sweep``/``name`` and its dotted-key overrides."""
-
-    sweep: str
-    name: str
-    overrides: dict[str, Any]
-    run_dir: str = ""
-    total_steps: int = 0  # trainer.total_steps of the run (progress)
-    label: str = ""  # the condition's own name (without grid point and seed)
-    group: str = ""  # the condition without its seed (runs of one group differ only by seed)
-    point: dict[str, Any] = field(default_factory=dict)  # its grid point ({} without a grid)
-    seed: int | None = None  # None: the sweep file has no ``seeds``
-
-
-@dataclass
-class SweepPlan:
-    base: str
-    output_dir: str
-    parallel_runs: int
-    sweeps: dict[str, str] = field(default_factory=dict)  # sweep name -> axis label
-    conditions: list[Condition] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=list)  # [] : one run per condition
-    grids: dict[str, dict[str, list]] = field(default_factory=dict)  # sweep -> its grid
-    collapse_metric: str = "policy/entropy"
-    collapse_fraction: float = 0.5
-
-    @property
-    def is_study(self) -> bool:
-        """Seeds or a grid: the report adds the summary over seeds (:mod:`.study`)."""
-        return bool(self.seeds) or any(self.grids.values())
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", str(text)).strip("_") or "run"
 
 
 def _as_override(key: str, value: Any) -> str:
@@ -229,10 +197,6 @@ def run_overrides(c: Condition) -> list[str]:
         f"trainer.output_dir={c.run_dir}"]
 
 
-def is_done(c: Condition) -> bool:
-    return os.path.exists(os.path.join(c.run_dir, DONE))
-
-
 def _launch(plan: SweepPlan, c: Condition) -> subprocess.Popen:
     os.makedirs(c.run_dir, exist_ok=True)
     log = open(os.path.join(c.run_dir, "train.log"), "a")
@@ -290,24 +254,6 @@ def execute(plan: SweepPlan, parallel_runs: int | None = None) -> list[Condition
 
 
 # ---- report ------------------------------------------------------------------------------------
-def read_rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def summarize(rows: list[dict]) -> dict[str, Any]:
     """Best/final validation success, steps trained and the early stop (reason) of one run."""
     vals = [r["val/acc"] for r in rows if _finite(r.get("val/acc"))]
