@@ -244,8 +244,11 @@ class Actor:
         carry autograd graphs that reach the parameters' gradient accumulators and DDP's hooks,
         i.e. the model. That cycle runs through C++ autograd nodes the garbage collector cannot
         traverse, so model, gradients and optimizer state would stay alive for good; cutting
-        the config's link leaves only collectable cycles. The actor cannot train afterwards."""
+        the config's link leaves only collectable cycles. The updater's hook back to this actor
+        (``before_optimizer_step``) is cut for the same reason. The actor cannot train
+        afterwards."""
         self.model.config.grad_scale_func = None
+        self.updater.before_optimizer_step = None
 
     def update(self, batch: Mapping[str, Any], step: int) -> list[dict[str, float]]:
         """All optimizer steps of one RL step; metrics per mini-batch (last stage)."""
